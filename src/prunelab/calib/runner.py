@@ -1,0 +1,297 @@
+"""Block-by-block calibration runner: the one mechanism every probe and pruner uses.
+
+1. ``capture``: one cheap pass of the base model with every block replaced by a recorder
+   that stores what the model passes to that block (hidden states, masks, rotary
+   embeddings, position ids; per block, so sliding-window blocks keep their own mask) and
+   returns its input unchanged. The recorded block-0 inputs start the run.
+2. The blocks then run one at a time over all calibration batches, without a KV cache.
+   Hooks are registered only here and always removed (``try/finally``).
+3. A run can propagate the original outputs (``propagate="dense"``) or those of the block
+   after a method changed it (``"modified"``), feed per-linear input statistics to pure
+   accumulators (:mod:`prunelab.calib.stats`), and keep the hidden state at every block
+   boundary (in memory or on disk) for probes.
+
+With ``offload=True`` the weights stay on the CPU and each block visits the device only
+for its turn, so a model larger than the accelerator can be calibrated.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from prunelab.calib.stats import Accumulator
+from prunelab.log import progress
+from prunelab.models.adapters import Adapter, get_adapter
+
+
+class _Recorder(nn.Module):
+    """Stands in for a block during capture: records its call, returns its input."""
+
+    def __init__(self, block: nn.Module, sink: list):
+        super().__init__()
+        self.__dict__["_block"] = block  # not a submodule: .to() must not move it
+        self.__dict__["_sink"] = sink
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self._sink.append((args, kwargs))
+        return hidden_states
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_block"], name)
+
+
+class _StopBlock(Exception):
+    """Raised by a hook to skip the rest of a block once all targets were seen."""
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+class StateStore:
+    """Hidden states at block boundaries: ``put(boundary, list_of_batches)``, ``get``.
+
+    ``mode="memory"`` keeps CPU tensors; ``"disk"`` writes one file per boundary in a
+    temporary directory removed by :meth:`close`.
+    """
+
+    def __init__(self, mode: str = "memory", directory: str | Path | None = None):
+        if mode not in ("memory", "disk"):
+            raise ValueError(f"state store mode must be memory or disk, got {mode!r}")
+        self.mode = mode
+        self._mem: dict[int, list[torch.Tensor]] = {}
+        self._dir = Path(tempfile.mkdtemp(prefix="prunelab-states-", dir=directory)) \
+            if mode == "disk" else None
+
+    def put(self, boundary: int, states: Sequence[torch.Tensor]) -> None:
+        cpu = [s.detach().to("cpu") for s in states]
+        if self.mode == "memory":
+            self._mem[boundary] = cpu
+        else:
+            torch.save(cpu, self._dir / f"h{boundary}.pt")
+
+    def get(self, boundary: int) -> list[torch.Tensor]:
+        if self.mode == "memory":
+            return self._mem[boundary]
+        return torch.load(self._dir / f"h{boundary}.pt")
+
+    def boundaries(self) -> list[int]:
+        if self.mode == "memory":
+            return sorted(self._mem)
+        return sorted(int(p.stem[1:]) for p in self._dir.glob("h*.pt"))
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class BlockRunner:
+    """Runs a model's blocks one at a time over calibration batches.
+
+    ``input_ids``: ``[N, T]`` token windows, split into batches of ``batch_size``.
+    Block ``i``'s input at batch ``b`` is ``inputs[b]``; the output of the last block is
+    the raw residual stream before the final norm.
+    """
+
+    def __init__(self, model, input_ids: torch.Tensor, batch_size: int = 8,
+                 device: str | torch.device | None = None, offload: bool = False):
+        self.model = model.model if hasattr(model, "adapter") else model
+        self.adapter: Adapter = model.adapter if hasattr(model, "adapter") \
+            else get_adapter(self.model)
+        param = next(self.model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.offload = offload
+        self.store_device = torch.device("cpu") if offload else self.device
+        self.batches = list(torch.as_tensor(input_ids).split(batch_size))
+        self.block_evals = 0  # block x batch evaluations spent
+        self.calls: list[list[tuple[tuple, dict]]] = []
+        self.inputs: list[torch.Tensor] = []
+        self._captured = False
+
+    # ------------------------------------------------------------------ capture
+    @torch.no_grad()
+    def capture(self) -> list[torch.Tensor]:
+        """Record block-0 inputs and each block's call arguments for every batch."""
+        blocks = self.adapter.blocks()
+        original = list(blocks)
+        sinks: list[list] = [[] for _ in original]
+        first: list[torch.Tensor] = []
+        base = self.adapter.base
+        try:
+            for i, blk in enumerate(original):
+                blocks[i] = _Recorder(blk, sinks[i])
+            if self.offload:
+                base.to(self.device)  # blocks are recorders now: only embeddings etc. move
+            hook = blocks[0].register_forward_pre_hook(
+                lambda m, args, kw: first.append(
+                    (args[0] if args else kw["hidden_states"]).to(self.store_device)),
+                with_kwargs=True)
+            try:
+                for ids in self.batches:
+                    base(input_ids=ids.to(self.device), use_cache=False)
+            finally:
+                hook.remove()
+        finally:
+            for i, blk in enumerate(original):
+                blocks[i] = blk
+            if self.offload:
+                base.to("cpu")
+        self.calls = [[self._clean(c) for c in sink] for sink in sinks]
+        self.inputs = first
+        self._captured = True
+        return first
+
+    def _clean(self, call):
+        args, kwargs = call
+        kwargs = dict(kwargs)
+        for key in ("use_cache", "output_attentions"):
+            kwargs.pop(key, None)
+        if "cache" in kwargs:
+            kwargs["cache"] = None
+        if "layer_past" in kwargs:
+            kwargs["layer_past"] = None
+        if self.offload:
+            args, kwargs = _to(args, "cpu"), _to(kwargs, "cpu")
+        return args, kwargs
+
+    def ensure_captured(self) -> None:
+        if not self._captured:
+            self.capture()
+
+    # ------------------------------------------------------------------ running
+    def call_args(self, index: int, batch: int) -> tuple[tuple, dict]:
+        """Positional and keyword arguments the model passes to block ``index`` (its own
+        mask and rotary embedding) for batch ``batch``."""
+        args, kwargs = self.calls[index][batch]
+        if self.offload:
+            return _to(args, self.device), _to(kwargs, self.device)
+        return args, kwargs
+
+    @torch.no_grad()
+    def run_block(self, index: int, hidden: Sequence[torch.Tensor],
+                  block: nn.Module | None = None, args_from: int | None = None,
+                  desc: str | None = None) -> list[torch.Tensor]:
+        """Outputs of ``block`` (default: the block at ``index``) over every batch.
+
+        ``args_from`` picks whose recorded arguments to pass (default ``index``); a block
+        moved to another depth keeps its own attention type by passing its origin.
+        """
+        self.ensure_captured()
+        blk = block if block is not None else self.adapter.block(index)
+        src = index if args_from is None else args_from
+        outs = []
+        with self._on_device(blk):
+            for b, h in enumerate(hidden):
+                args, kwargs = self.call_args(src, b)
+                out = blk(h.to(self.device), *args, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                outs.append(out.to(self.store_device))
+                self.block_evals += 1
+        return outs
+
+    def _on_device(self, blk: nn.Module):
+        runner = self
+
+        class _Ctx:
+            def __enter__(self):
+                if runner.offload:
+                    blk.to(runner.device)
+
+            def __exit__(self, *exc):
+                if runner.offload:
+                    blk.to("cpu")
+                return False
+
+        return _Ctx()
+
+    @torch.no_grad()
+    def collect(self, index: int, hidden: Sequence[torch.Tensor],
+                targets: dict[str, nn.Module],
+                make: Callable[[str], Accumulator | Sequence[Accumulator]],
+                stop_early: bool = True) -> dict[str, list[Accumulator]]:
+        """Feed the inputs of each target linear of block ``index`` to new accumulators.
+
+        ``targets`` maps names to modules inside the block (e.g. from
+        ``adapter.linears(index)``); ``make(name)`` builds the accumulators. With
+        ``stop_early`` the block stops as soon as every target has fired, so gathering
+        the inputs of ``q/k/v`` costs far less than a full block pass.
+        """
+        self.ensure_captured()
+        accs = {name: (lambda a: list(a) if isinstance(a, (list, tuple)) else [a])(make(name))
+                for name in targets}
+        fired: set[str] = set()
+
+        def hook_for(name):
+            def hook(_module, inputs):
+                x = inputs[0].detach()
+                for acc in accs[name]:
+                    acc.update(x)
+                fired.add(name)
+                if stop_early and len(fired) == len(targets):
+                    raise _StopBlock
+            return hook
+
+        handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in targets.items()]
+        blk = self.adapter.block(index)
+        try:
+            with self._on_device(blk):
+                for b, h in enumerate(hidden):
+                    fired.clear()
+                    args, kwargs = self.call_args(index, b)
+                    try:
+                        blk(h.to(self.device), *args, **kwargs)
+                    except _StopBlock:
+                        pass
+                    self.block_evals += 1
+        finally:
+            for handle in handles:
+                handle.remove()
+        return accs
+
+    def run(self, on_block: Callable[[int, list[torch.Tensor]], None] | None = None,
+            propagate: str = "modified", states: StateStore | None = None,
+            desc: str = "blocks") -> list[torch.Tensor]:
+        """Run every block in order and return the last block's outputs.
+
+        ``on_block(index, inputs)`` is called before block ``index`` runs and may change
+        it (prune, collect statistics). ``propagate="dense"`` passes on the outputs the
+        block had before ``on_block``; ``"modified"`` those after. ``states`` receives the
+        hidden state at every boundary ``0..L`` (boundary ``i`` = input of block ``i``).
+        """
+        if propagate not in ("dense", "modified"):
+            raise ValueError(f"propagate must be 'dense' or 'modified', got {propagate!r}")
+        self.ensure_captured()
+        hidden = list(self.inputs)
+        n = self.adapter.num_blocks
+        if states is not None:
+            states.put(0, hidden)
+        for i in progress(range(n), total=n, desc=desc):
+            dense = self.run_block(i, hidden) if propagate == "dense" else None
+            if on_block is not None:
+                on_block(i, hidden)
+            hidden = dense if dense is not None else self.run_block(i, hidden)
+            if states is not None:
+                states.put(i + 1, hidden)
+        return hidden
+
+    @property
+    def passes(self) -> float:
+        """Block evaluations expressed in full passes over all batches and blocks."""
+        return self.block_evals / max(len(self.batches) * self.adapter.num_blocks, 1)

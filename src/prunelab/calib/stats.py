@@ -1,0 +1,124 @@
+"""Pure statistics accumulators over a linear layer's inputs.
+
+Each accumulator takes activation matrices ``x`` of shape ``[tokens, d_in]`` through
+``update`` (any dtype; maths in float32 or float64) and exposes its result. They know
+nothing about models or hooks: the calibration runner feeds them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Accumulator:
+    """Base class: ``update(x)`` with ``x`` of shape ``[tokens, d_in]``."""
+
+    tokens: int = 0
+
+    def update(self, x: torch.Tensor) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class SumSquares(Accumulator):
+    """Per input channel ``sum_t x[t, j]^2`` (float64) and the token and row counts.
+
+    ``rows`` counts the sequences seen (the leading batch dimension of the raw input), as
+    Wanda's ``||X_j||^2`` is averaged over calibration sequences.
+    """
+
+    def __init__(self) -> None:
+        self.sum_sq: torch.Tensor | None = None
+        self.tokens = 0
+        self.rows = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        self.rows += x.shape[0] if x.dim() > 2 else 1
+        x = _flat(x).to(torch.float64)
+        s = (x * x).sum(0)
+        self.sum_sq = s if self.sum_sq is None else self.sum_sq + s
+        self.tokens += x.shape[0]
+
+    def mean_sq(self) -> torch.Tensor:
+        """``E_t x_j^2``, shape ``[d_in]``."""
+        return self.sum_sq / max(self.tokens, 1)
+
+    def norm(self) -> torch.Tensor:
+        """``||X_j||_2`` over all tokens, shape ``[d_in]``."""
+        return self.sum_sq.sqrt()
+
+
+class Gram(Accumulator):
+    """``X^T X`` summed over tokens (``[d_in, d_in]``, float64 by default)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float64) -> None:
+        self.xtx: torch.Tensor | None = None
+        self.dtype = dtype
+        self.tokens = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = _flat(x).to(self.dtype)
+        g = x.t() @ x
+        self.xtx = g if self.xtx is None else self.xtx + g
+        self.tokens += x.shape[0]
+
+    def mean(self) -> torch.Tensor:
+        """``X^T X / tokens``."""
+        return self.xtx / max(self.tokens, 1)
+
+
+class MeanVar(Accumulator):
+    """Per-channel mean and (population) variance, from float64 sums."""
+
+    def __init__(self) -> None:
+        self.s1: torch.Tensor | None = None
+        self.s2: torch.Tensor | None = None
+        self.tokens = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        x = _flat(x).to(torch.float64)
+        a, b = x.sum(0), (x * x).sum(0)
+        self.s1 = a if self.s1 is None else self.s1 + a
+        self.s2 = b if self.s2 is None else self.s2 + b
+        self.tokens += x.shape[0]
+
+    def mean(self) -> torch.Tensor:
+        return self.s1 / max(self.tokens, 1)
+
+    def var(self) -> torch.Tensor:
+        m = self.mean()
+        return (self.s2 / max(self.tokens, 1) - m * m).clamp_min(0.0)
+
+
+class AbsQuantile(Accumulator):
+    """Quantiles of ``|x|`` over all entries, from a seeded uniform subsample.
+
+    Keeps the ``max_samples`` entries with the largest random keys (a uniform sample
+    without replacement); exact when fewer entries were seen. Same seed, same data ->
+    same answer.
+    """
+
+    def __init__(self, max_samples: int = 1_000_000, seed: int = 0) -> None:
+        self.max_samples = int(max_samples)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.values = torch.zeros(0)
+        self.keys = torch.zeros(0)
+        self.tokens = 0
+
+    def update(self, x: torch.Tensor) -> None:
+        v = _flat(x).abs().reshape(-1).float().cpu()
+        self.tokens += _flat(x).shape[0]
+        k = torch.rand(v.numel(), generator=self.gen)
+        vals, keys = torch.cat([self.values, v]), torch.cat([self.keys, k])
+        if vals.numel() > self.max_samples:
+            top = torch.topk(keys, self.max_samples).indices
+            vals, keys = vals[top], keys[top]
+        self.values, self.keys = vals, keys
+
+    def quantile(self, q: float) -> float:
+        if self.values.numel() == 0:
+            raise ValueError("no activations seen")
+        return float(torch.quantile(self.values.double(), q))

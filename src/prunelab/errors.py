@@ -1,0 +1,37 @@
+"""User-facing errors.
+
+Every error a user can cause raises a :class:`PrunelabError` subclass whose message is
+one line; the CLI prints it without a traceback and exits with code 2.
+"""
+
+from __future__ import annotations
+
+
+class PrunelabError(Exception):
+    """Base class of every error a user can cause (bad input, missing files, ...)."""
+
+    exit_code = 2
+
+
+class ModelNotFoundError(PrunelabError):
+    """A model spec names nothing that can be loaded."""
+
+
+class UnsupportedArchitectureError(PrunelabError):
+    """The model's architecture has no adapter."""
+
+
+class DataError(PrunelabError):
+    """A data spec cannot be resolved or gives too little text."""
+
+
+class ConfigError(PrunelabError):
+    """A numeric or categorical option is out of range."""
+
+
+class OutputExistsError(PrunelabError):
+    """An output path exists and overwrite was not requested."""
+
+
+class UnsupportedOperationError(PrunelabError):
+    """An operation cannot be applied to this model (e.g. a shape a vanilla config cannot hold)."""

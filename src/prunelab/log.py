@@ -1,0 +1,43 @@
+"""Messages and progress for long work, on stderr; ``set_quiet(True)`` silences both."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+
+T = TypeVar("T")
+_state = {"quiet": False}
+console = Console(stderr=True, highlight=False)
+
+
+def set_quiet(quiet: bool) -> None:
+    _state["quiet"] = bool(quiet)
+
+
+def is_quiet() -> bool:
+    return _state["quiet"]
+
+
+def info(message: str) -> None:
+    """Print one status line to stderr unless quiet."""
+    if not _state["quiet"]:
+        console.print(message, markup=False)
+
+
+def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
+    """Iterate ``items`` showing a bar with the time elapsed and an estimate of the time left."""
+    if _state["quiet"] or not sys.stderr.isatty():
+        yield from items
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(desc, total=total)
+        for item in items:
+            yield item
+            bar.advance(task)

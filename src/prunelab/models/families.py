@@ -1,0 +1,180 @@
+"""Per-family architecture data: where blocks, projections and norms live.
+
+Paths are relative to ``model.base_model`` (for ``blocks``, ``embed``, ``final_norm``) or
+to a block (everything else). Adding a family means adding one :class:`FamilySpec`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def _llama_head_dim(cfg) -> int:
+    hd = getattr(cfg, "head_dim", None)
+    return int(hd) if hd else cfg.hidden_size // cfg.num_attention_heads
+
+
+def _derived_head_dim(cfg) -> int:
+    return cfg.hidden_size // cfg.num_attention_heads
+
+
+def _set_llama_heads(attn, heads: int, kv: int, hd: int) -> None:
+    attn.num_key_value_groups = heads // kv
+    for name, value in (("num_heads", heads), ("num_key_value_heads", kv)):
+        if hasattr(attn, name):
+            setattr(attn, name, value)
+
+
+def _write_llama(cfg, geo, ffn: int) -> None:
+    cfg.num_attention_heads = geo.num_heads
+    cfg.num_key_value_heads = geo.num_kv_heads
+    cfg.head_dim = geo.head_dim
+    cfg.intermediate_size = ffn
+
+
+def _derived_representable(name: str) -> Callable:
+    def check(cfg, geo) -> str | None:
+        if geo.num_heads * geo.head_dim != cfg.hidden_size:
+            return (f"{name} derives head_dim from hidden_size / num_heads, so "
+                    f"{geo.num_heads} heads of {geo.head_dim} cannot be a plain config")
+        return None
+    return check
+
+
+def _gpt2_qkv_rows(keep, geo) -> torch.Tensor:
+    hd, width = geo.head_dim, geo.num_heads * geo.head_dim
+    parts = [torch.arange(s * width + g * hd, s * width + (g + 1) * hd)
+             for s in range(3) for g in keep]
+    return torch.cat(parts)
+
+
+def _neox_qkv_rows(keep, geo) -> torch.Tensor:
+    span = 3 * geo.head_dim
+    return torch.cat([torch.arange(g * span, (g + 1) * span) for g in keep])
+
+
+def _set_gpt2_heads(attn, heads: int, kv: int, hd: int) -> None:
+    attn.num_heads = heads
+    attn.split_size = heads * hd
+
+
+def _set_opt_heads(attn, heads: int, kv: int, hd: int) -> None:
+    attn.num_heads = heads
+
+
+def _set_bert_heads(attn, heads: int, kv: int, hd: int) -> None:
+    attn.self.num_attention_heads = heads
+    attn.self.all_head_size = heads * hd
+
+
+def _noop_heads(attn, heads: int, kv: int, hd: int) -> None:
+    return None
+
+
+def _writer(heads_field: str, ffn_field: str) -> Callable:
+    def write(cfg, geo, ffn: int) -> None:
+        setattr(cfg, heads_field, geo.num_heads)
+        setattr(cfg, ffn_field, ffn)
+    return write
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """Where one architecture family keeps its parts, and how its config names shapes."""
+
+    name: str
+    model_types: tuple[str, ...]
+    blocks: str
+    embed: str
+    final_norm: str | None
+    attn: str
+    mlp: str | None
+    attn_proj: dict[str, str]
+    mlp_proj: dict[str, str]
+    norms: tuple[str, ...]
+    head_dim: Callable
+    set_attn_heads: Callable
+    write_config: Callable
+    heads_representable: Callable = field(default=lambda cfg, geo: None)
+    fused_qkv_rows: Callable | None = None
+    encoder: bool = False
+
+
+LLAMA = FamilySpec(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"),
+    blocks="layers", embed="embed_tokens", final_norm="norm",
+    attn="self_attn", mlp="mlp",
+    attn_proj={"q": "self_attn.q_proj", "k": "self_attn.k_proj",
+               "v": "self_attn.v_proj", "o": "self_attn.o_proj"},
+    mlp_proj={"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+    norms=("input_layernorm", "post_attention_layernorm",
+           "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    head_dim=_llama_head_dim, set_attn_heads=_set_llama_heads, write_config=_write_llama,
+)
+
+GPT2 = FamilySpec(
+    name="gpt2", model_types=("gpt2",),
+    blocks="h", embed="wte", final_norm="ln_f", attn="attn", mlp="mlp",
+    attn_proj={"qkv": "attn.c_attn", "o": "attn.c_proj"},
+    mlp_proj={"up": "mlp.c_fc", "down": "mlp.c_proj"},
+    norms=("ln_1", "ln_2"),
+    head_dim=_derived_head_dim, set_attn_heads=_set_gpt2_heads,
+    write_config=_writer("n_head", "n_inner"),
+    heads_representable=_derived_representable("gpt2"), fused_qkv_rows=_gpt2_qkv_rows,
+)
+
+GPT_NEOX = FamilySpec(
+    name="gpt_neox", model_types=("gpt_neox",),
+    blocks="layers", embed="embed_in", final_norm="final_layer_norm",
+    attn="attention", mlp="mlp",
+    attn_proj={"qkv": "attention.query_key_value", "o": "attention.dense"},
+    mlp_proj={"up": "mlp.dense_h_to_4h", "down": "mlp.dense_4h_to_h"},
+    norms=("input_layernorm", "post_attention_layernorm"),
+    head_dim=_derived_head_dim, set_attn_heads=_noop_heads,
+    write_config=_writer("num_attention_heads", "intermediate_size"),
+    heads_representable=_derived_representable("gpt_neox"), fused_qkv_rows=_neox_qkv_rows,
+)
+
+OPT = FamilySpec(
+    name="opt", model_types=("opt",),
+    blocks="decoder.layers", embed="decoder.embed_tokens",
+    final_norm="decoder.final_layer_norm", attn="self_attn", mlp=None,
+    attn_proj={"q": "self_attn.q_proj", "k": "self_attn.k_proj",
+               "v": "self_attn.v_proj", "o": "self_attn.out_proj"},
+    mlp_proj={"up": "fc1", "down": "fc2"},
+    norms=("self_attn_layer_norm", "final_layer_norm"),
+    head_dim=_derived_head_dim, set_attn_heads=_set_opt_heads,
+    write_config=_writer("num_attention_heads", "ffn_dim"),
+    heads_representable=_derived_representable("opt"),
+)
+
+BERT = FamilySpec(
+    name="bert", model_types=("bert",),
+    blocks="encoder.layer", embed="embeddings", final_norm=None,
+    attn="attention", mlp=None,
+    attn_proj={"q": "attention.self.query", "k": "attention.self.key",
+               "v": "attention.self.value", "o": "attention.output.dense"},
+    mlp_proj={"up": "intermediate.dense", "down": "output.dense"},
+    norms=("attention.output.LayerNorm", "output.LayerNorm"),
+    head_dim=_derived_head_dim, set_attn_heads=_set_bert_heads,
+    write_config=_writer("num_attention_heads", "intermediate_size"),
+    heads_representable=_derived_representable("bert"), encoder=True,
+)
+
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, GPT2, GPT_NEOX, OPT, BERT)
+
+
+def family_for_model_type(model_type: str | None) -> FamilySpec | None:
+    """The family that handles ``config.model_type``, or ``None``."""
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    return None
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES for t in f.model_types)

@@ -1,0 +1,68 @@
+"""Tiny random models of every supported architecture, built in the tests (no download)."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 97
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+         "gpt2", "gpt_neox", "opt", "bert")
+
+
+def tiny_config(arch: str):
+    """A 4-block config of ``arch`` with small dims; GQA (4 query, 2 KV heads) where the
+    family supports it, sliding-window blocks for gemma2/gemma3."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                  intermediate_size=48, max_position_embeddings=128)
+    llama_like = dict(common, num_key_value_heads=2, head_dim=8)
+    if arch == "llama":
+        return tf.LlamaConfig(**llama_like)
+    if arch == "mistral":
+        return tf.MistralConfig(**llama_like, sliding_window=None)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**llama_like)
+    if arch == "qwen3":
+        return tf.Qwen3Config(**llama_like)
+    if arch == "gemma":
+        return tf.GemmaConfig(**llama_like)
+    if arch == "gemma2":
+        return tf.Gemma2Config(**llama_like, sliding_window=6, query_pre_attn_scalar=8)
+    if arch == "gemma3_text":
+        return tf.Gemma3TextConfig(
+            **llama_like, sliding_window=6, query_pre_attn_scalar=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                         "sliding_attention"],
+        )
+    if arch == "gpt2":
+        return tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_inner=48,
+                             n_positions=128)
+    if arch == "gpt_neox":
+        return tf.GPTNeoXConfig(**common)
+    if arch == "opt":
+        return tf.OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+                            num_attention_heads=4, ffn_dim=48, max_position_embeddings=128,
+                            word_embed_proj_dim=32, pad_token_id=1)
+    if arch == "bert":
+        return tf.BertConfig(**common)
+    raise KeyError(arch)
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A float32 random model of ``arch`` in eval mode, deterministic for ``seed``."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cls = tf.AutoModel if arch == "bert" else tf.AutoModelForCausalLM
+    model = cls.from_config(cfg, attn_implementation="eager")
+    # random init of norms is constant 1 / 0: perturb every parameter so that slicing and
+    # reordering bugs cannot hide behind symmetric weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.eval()
+
+
+def tiny_tokens(batch: int = 2, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch, seqlen), generator=g)
