@@ -7,8 +7,14 @@ from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 T = TypeVar("T")
 _state = {"quiet": False}

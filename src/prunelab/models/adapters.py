@@ -96,6 +96,18 @@ class Adapter:
         get = getattr(self.model, "get_output_embeddings", None)
         return get() if get is not None else None
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from the base model's final hidden states (after the final
+        norm), exactly as the causal-LM class computes them (including soft-capping)."""
+        head = self.head()
+        if head is None:
+            raise UnsupportedOperationError(f"{self.family}: this model has no LM head")
+        logits = head(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def block(self, index: int) -> nn.Module:
         return self.blocks()[index]
 

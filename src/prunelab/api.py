@@ -1,0 +1,124 @@
+"""Public verbs: ``load``, ``info``, ``evaluate``, ``save``.
+
+The CLI is a thin face over these functions; everything it does can be done from Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prunelab.data import TokenBatches, make_batches
+from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.eval.perplexity import score_windows
+from prunelab.eval.speed import measure_speed
+from prunelab.io.save import build_manifest
+from prunelab.io.save import save as _save
+from prunelab.models.linear import in_out_features
+from prunelab.models.loading import LoadedModel, wrap
+from prunelab.models.loading import load as _load
+from prunelab.models.size import model_size
+
+
+def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
+         trust_remote_code: bool = False) -> LoadedModel:
+    """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
+    checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
+    (``.model``, ``.tokenizer``, ``.adapter``)."""
+    lm = _load(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    lm.size_before = model_size(lm.model)
+    return lm
+
+
+def _as_loaded(model, tokenizer=None) -> LoadedModel:
+    return model if isinstance(model, LoadedModel) else wrap(model, tokenizer)
+
+
+def info(model) -> dict[str, Any]:
+    """Architecture summary: family, blocks, hidden size, heads, KV heads, head dim, FFN
+    width, parameters and bytes, and per block its attention/MLP projection shapes
+    (``[d_out, d_in]``) and attention type."""
+    lm = _as_loaded(model)
+    ad = lm.adapter
+    geo = ad.head_geometry(0)
+    types = ad.layer_types()
+    blocks = []
+    for i in range(ad.num_blocks):
+        g = ad.head_geometry(i)
+        blocks.append({
+            "index": i,
+            "attention_type": types[i] if types else "full_attention",
+            "heads": g.num_heads, "kv_heads": g.num_kv_heads, "ffn": ad.ffn_width(i),
+            "attention": {r: list(in_out_features(m))[::-1]
+                          for r, m in ad.attn_projections(i).items()},
+            "mlp": {r: list(in_out_features(m))[::-1]
+                    for r, m in ad.mlp_projections(i).items()},
+        })
+    size = model_size(lm.model)
+    return {
+        "model": lm.spec, "source": lm.source, "family": ad.family,
+        "model_type": lm.model.config.model_type, "encoder": ad.is_encoder,
+        "blocks": ad.num_blocks, "hidden_size": ad.hidden_size(),
+        "heads": geo.num_heads, "kv_heads": geo.num_kv_heads, "gqa_group_size": geo.group_size,
+        "head_dim": geo.head_dim, "ffn": ad.ffn_width(0), "gated_mlp": ad.is_gated(),
+        "vocab_size": int(lm.model.config.vocab_size),
+        "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", False)),
+        "dtype": str(lm.dtype).replace("torch.", ""), "device": str(lm.device),
+        "params": size["params"], "bytes": size["bytes"], "block_details": blocks,
+    }
+
+
+def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = None,
+               seed: int = 0, mode: str | None = None) -> TokenBatches:
+    """Token windows for ``data`` (a spec string or :class:`TokenBatches`)."""
+    if isinstance(data, TokenBatches):
+        return data
+    if lm.tokenizer is None:
+        raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
+    return make_batches(lm.tokenizer, data, seqlen=seqlen, samples=samples, seed=seed,
+                        mode=mode)
+
+
+def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | None = None,
+             batch_size: int = 4, reference=None, speed: bool = False, seed: int = 0,
+             tokenizer=None) -> dict[str, Any]:
+    """Evaluate a causal LM on held-out windows (protocol in
+    :mod:`prunelab.eval.perplexity`).
+
+    Returns ``perplexity``, ``tokens`` (scored tokens), ``seqlen``, ``samples``, ``params``,
+    ``bytes``; with ``reference`` (a loaded model or spec) also ``kl_to_reference`` and
+    ``top1_agreement``; with ``speed`` also ``prefill_tokens_per_s``,
+    ``decode_tokens_per_s`` and ``peak_memory_bytes``.
+    """
+    lm = _as_loaded(model, tokenizer)
+    if lm.is_encoder:
+        raise UnsupportedOperationError(
+            f"{lm.spec} is an encoder: perplexity needs a causal LM")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    ref = None
+    if reference is not None:
+        ref = reference if isinstance(reference, LoadedModel) else \
+            load(reference, dtype=lm.dtype, device=str(lm.device))
+        if int(ref.model.config.vocab_size) != int(lm.model.config.vocab_size):
+            raise ConfigError("the KL reference must share the model's vocabulary")
+    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="test")
+    result = score_windows(lm, batches.input_ids, batch_size=batch_size, reference=ref)
+    result.update(model_size(lm.model))
+    result["data"] = batches.to_dict()
+    result["model"] = lm.spec
+    if ref is not None:
+        result["reference"] = ref.spec
+    if speed:
+        result.update(measure_speed(lm))
+    return result
+
+
+def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bool = False,
+         tokenizer=None, **manifest_fields) -> Path:
+    """Write a checkpoint that plain ``transformers`` loads, with ``manifest.json``."""
+    lm = _as_loaded(model, tokenizer)
+    man = manifest if manifest is not None else build_manifest(lm, **manifest_fields)
+    return _save(lm, out_dir, manifest=man, overwrite=overwrite)

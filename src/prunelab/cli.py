@@ -1,0 +1,181 @@
+"""prunelab command line: a thin face over :mod:`prunelab.api`.
+
+Errors a user can cause print one line (``error: ...``) and exit with code 2; ``--verbose``
+shows the traceback. Layer indices are 0-based everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from prunelab import log
+from prunelab.errors import OutputExistsError, PrunelabError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Measure where a transformer is redundant and remove it.")
+out = Console(highlight=False)
+_opts = {"verbose": False}
+
+ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
+                        help="smollm2-135m | minilm-l6 | gemma3-270m | DIR | FILE.gguf | hub id")
+DtypeOpt = typer.Option("auto", help="float32 (CPU default), bfloat16 (CUDA default), float16")
+DeviceOpt = typer.Option("cpu", help="cpu, cuda[:N] or auto")
+RemoteOpt = typer.Option(False, "--trust-remote-code", help="allow model code from the checkpoint")
+
+
+@app.callback()
+def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or status"),
+         verbose: bool = typer.Option(False, "--verbose", "-v", help="tracebacks on errors")):
+    """prunelab: probes, pruning and evaluation of transformers (0-based layer indices)."""
+    log.set_quiet(quiet)
+    _opts["verbose"] = verbose
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _load(model: str, dtype: str, device: str, trust_remote_code: bool):
+    from prunelab import api
+
+    return api.load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+
+
+@app.command()
+def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
+         trust_remote_code: bool = RemoteOpt,
+         json_path: Optional[Path] = typer.Option(None, "--json", help="also write JSON here"),
+         overwrite: bool = typer.Option(False, help="replace an existing --json file")):
+    """Print the architecture: blocks, heads, KV groups, FFN width, sizes, projections."""
+    from prunelab import api
+    from prunelab.io.save import write_json
+
+    if json_path is not None and json_path.exists() and not overwrite:
+        raise OutputExistsError(f"{json_path} exists; pass --overwrite to replace it")
+    d = api.info(_load(model, dtype, device, trust_remote_code))
+    t = Table(title=f"{d['model']} ({d['model_type']}, family {d['family']})", show_header=False)
+    rows = [("blocks", d["blocks"]), ("hidden size", d["hidden_size"]),
+            ("query heads", d["heads"]), ("KV heads (GQA groups)", d["kv_heads"]),
+            ("query heads per group", d["gqa_group_size"]), ("head dim", d["head_dim"]),
+            ("FFN width", f"{d['ffn']} ({'gated' if d['gated_mlp'] else 'plain'})"),
+            ("vocabulary", d["vocab_size"]), ("tied embeddings", d["tied_embeddings"]),
+            ("encoder", d["encoder"]), ("parameters", f"{d['params']:,}"),
+            ("bytes", f"{d['bytes']:,} ({_fmt_bytes(d['bytes'])}, {d['dtype']})")]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    out.print(t)
+    bt = Table(title="blocks (0-based): attention and MLP projections [d_out, d_in]")
+    for col in ("blocks", "type", "heads/kv", "attention", "mlp"):
+        bt.add_column(col, overflow="fold")
+    for first, last, b in _group_blocks(d["block_details"]):
+        att = " ".join(f"{k}{v}" for k, v in b["attention"].items()).replace(", ", "x")
+        mlp = " ".join(f"{k}{v}" for k, v in b["mlp"].items()).replace(", ", "x")
+        span = str(first) if first == last else f"{first}-{last}"
+        bt.add_row(span, b["attention_type"], f"{b['heads']}/{b['kv_heads']}", att, mlp)
+    out.print(bt)
+    if json_path is not None:
+        write_json(json_path, d, overwrite=overwrite)
+
+
+def _group_blocks(blocks: list[dict]):
+    """Consecutive blocks with identical shapes and type as ``(first, last, block)``."""
+    groups: list[tuple[int, int, dict]] = []
+    for b in blocks:
+        key = {k: v for k, v in b.items() if k != "index"}
+        if groups and {k: v for k, v in groups[-1][2].items() if k != "index"} == key:
+            groups[-1] = (groups[-1][0], b["index"], groups[-1][2])
+        else:
+            groups.append((b["index"], b["index"], b))
+    return groups
+
+
+@app.command("eval")
+def eval_cmd(model: str = ModelOpt,
+             data: str = typer.Option("wiki-vital:test", help="wiki-vital:test | wikitext2 | "
+                                      "c4 | text:PATH | jsonl:PATH[:field]"),
+             seqlen: int = typer.Option(512, help="window length in tokens"),
+             samples: Optional[int] = typer.Option(None, help="windows to score (default all)"),
+             batch_size: int = typer.Option(4, help="windows per forward pass"),
+             kl_reference: Optional[str] = typer.Option(None, help="reference model spec for "
+                                                        "KL and top-1 agreement"),
+             speed: bool = typer.Option(False, "--speed", help="also measure prefill/decode "
+                                        "tokens/s and peak memory"),
+             json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
+             overwrite: bool = typer.Option(False, help="replace an existing --json file"),
+             dtype: str = DtypeOpt, device: str = DeviceOpt,
+             trust_remote_code: bool = RemoteOpt):
+    """Perplexity on held-out windows (plus KL to a reference and speed on request)."""
+    from prunelab import api
+    from prunelab.io.save import write_json
+
+    if json_path is not None and json_path.exists() and not overwrite:
+        raise OutputExistsError(f"{json_path} exists; pass --overwrite to replace it")
+    lm = _load(model, dtype, device, trust_remote_code)
+    res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples, batch_size=batch_size,
+                       reference=kl_reference, speed=speed)
+    t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
+    shown = [("perplexity", f"{res['perplexity']:.4f}"),
+             ("windows x seqlen", f"{res['samples']} x {res['seqlen']}"),
+             ("scored tokens", f"{res['tokens']:,}"),
+             ("parameters", f"{res['params']:,}"),
+             ("bytes", f"{res['bytes']:,} ({_fmt_bytes(res['bytes'])})"),
+             ("eval tokens/s", f"{res['eval_tokens_per_s']:.0f}")]
+    if "kl_to_reference" in res:
+        shown += [("KL to reference", f"{res['kl_to_reference']:.5f}"),
+                  ("top-1 agreement", f"{res['top1_agreement']:.4f}")]
+    if speed:
+        shown += [("prefill tokens/s", f"{res['prefill_tokens_per_s']:.0f}"),
+                  ("decode tokens/s", f"{res['decode_tokens_per_s']:.1f}"),
+                  ("peak memory", _fmt_bytes(res["peak_memory_bytes"]))]
+    for k, v in shown:
+        t.add_row(k, v)
+    out.print(t)
+    if json_path is not None:
+        write_json(json_path, res, overwrite=overwrite)
+        log.info(f"wrote {json_path}")
+
+
+def run() -> None:
+    """Console entry point: one-line errors, exit code 2, traceback only with --verbose."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        app(standalone_mode=False)
+    except PrunelabError as exc:
+        if _opts["verbose"]:
+            raise
+        log.console.print(f"error: {exc}", markup=False)
+        sys.exit(exc.exit_code)
+    except (typer.Exit, SystemExit) as exc:
+        code = getattr(exc, "exit_code", getattr(exc, "code", 0))
+        sys.exit(code)
+    except Exception as exc:  # click usage errors and friends
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(2)
+        if isinstance(exc, click.exceptions.Abort):
+            sys.exit(130)
+        raise
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=2)
+
+
+if __name__ == "__main__":
+    run()

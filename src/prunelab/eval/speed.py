@@ -1,0 +1,89 @@
+"""Prefill and decode speed, and peak memory.
+
+Prefill: a forward of ``[batch, prompt_len]`` tokens building the KV cache (median of
+``repeats`` after one warm-up). Decode: ``decode_tokens`` greedy steps of one token each
+with the cache, after a prefill. Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA;
+on CPU the peak resident set size of the process, sampled every 2 ms during the runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import torch
+
+
+class PeakRSS:
+    """Context manager sampling the process RSS; ``.peak`` in bytes."""
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.interval = interval
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+        return False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_speed(lm, prompt_len: int = 256, decode_tokens: int = 32, batch: int = 1,
+                  repeats: int = 3, seed: int = 0) -> dict:
+    """Prefill and decode tokens/s and peak memory of a causal LM on random tokens."""
+    model, device = lm.model, lm.device
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab, (batch, prompt_len), generator=g).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with PeakRSS() as rss:
+        model(input_ids=ids, use_cache=True)  # warm-up
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        cache = out.cache
+        token = out.logits[:, -1:].argmax(-1)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens):
+            step = model(input_ids=token, cache=cache, use_cache=True)
+            cache = step.cache
+            token = step.logits[:, -1:].argmax(-1)
+        _sync(device)
+        decode_time = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak
+    return {
+        "prefill_tokens_per_s": batch * prompt_len / statistics.median(times),
+        "decode_tokens_per_s": batch * decode_tokens / decode_time,
+        "peak_memory_bytes": int(peak),
+        "peak_memory_kind": "cuda_allocated" if device.type == "cuda" else "process_rss",
+        "speed_prompt_len": prompt_len,
+        "speed_decode_tokens": decode_tokens,
+        "speed_batch": batch,
+    }
