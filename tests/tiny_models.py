@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
-VOCAB = 97
+VOCAB = 131  # 0..127 = ASCII code points, 128 = <s>, 129 = [UNK], 130 = <pad>
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "gpt2", "gpt_neox", "opt", "bert")
@@ -66,3 +66,30 @@ def tiny_model(arch: str, seed: int = 0):
 def tiny_tokens(batch: int = 2, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, seqlen), generator=g)
+
+
+def char_tokenizer():
+    """A real ``PreTrainedTokenizerFast`` whose ids are ASCII code points (fits ``VOCAB``)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(128)}
+    vocab.update({"<s>": 128, "[UNK]": 129, "<pad>": 130})
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>",
+                                   unk_token="[UNK]", pad_token="<pad>")
+
+
+def save_tiny_checkpoint(arch: str, path, seed: int = 0):
+    """Write a tiny random ``arch`` checkpoint with the char tokenizer to ``path``."""
+    model = tiny_model(arch, seed)
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path
+
+
+SAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A small model reads this text and "
+    "predicts each next character; pruning should change its loss only a little. "
+) * 6

@@ -157,7 +157,7 @@ def run() -> None:
     except PrunelabError as exc:
         if _opts["verbose"]:
             raise
-        log.console.print(f"error: {exc}", markup=False)
+        log.console.print(f"error: {exc}", markup=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))

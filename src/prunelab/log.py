@@ -32,7 +32,7 @@ def is_quiet() -> bool:
 def info(message: str) -> None:
     """Print one status line to stderr unless quiet."""
     if not _state["quiet"]:
-        console.print(message, markup=False)
+        console.print(message, markup=False, soft_wrap=True)
 
 
 def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:

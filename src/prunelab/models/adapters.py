@@ -264,7 +264,8 @@ class Adapter:
         width = self.ffn_width(index)
         keep = torch.as_tensor(sorted(int(c) for c in keep), dtype=torch.long)
         if len(keep) == 0 or keep[-1] >= width or keep[0] < 0:
-            raise UnsupportedOperationError(f"block {index}: invalid FFN channels for width {width}")
+            raise UnsupportedOperationError(
+                f"block {index}: invalid FFN channels for width {width}")
         proj = self.mlp_projections(index)
         for role in ("gate", "up"):
             if role in proj:

@@ -155,7 +155,8 @@ def _load_config(source, trust_remote_code: bool):
         return transformers.AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         if isinstance(source, Path):
-            raise ModelNotFoundError(f"cannot read the config in {source}: {_first_line(exc)}")
+            raise ModelNotFoundError(
+                f"cannot read the config in {source}: {_first_line(exc)}") from exc
         raise ModelNotFoundError(
             f"cannot find model {source!r} locally, in the hub cache or on the hub "
             f"({_first_line(exc)}); embedded models: {', '.join(EMBEDDED)}"

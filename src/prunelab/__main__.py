@@ -1,0 +1,3 @@
+from prunelab.cli import run
+
+run()

@@ -1,0 +1,81 @@
+"""The CLI end to end on a tiny checkpoint, and its error paths (exit 2, one line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+
+import prunelab
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="120")
+    return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    save_tiny_checkpoint("llama", root / "model")
+    (root / "text.txt").write_text(SAMPLE_TEXT)
+    return root
+
+
+def test_info_and_eval_json(tiny_dir):
+    res = cli("--quiet", "info", "--model", str(tiny_dir / "model"))
+    assert res.returncode == 0, res.stderr
+    assert "KV heads (GQA groups)" in res.stdout and "0-3" in res.stdout
+    out = tiny_dir / "eval.json"
+    args = ["--quiet", "eval", "--model", str(tiny_dir / "model"), "--data",
+            f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "5",
+            "--batch-size", "2", "--kl-reference", str(tiny_dir / "model"), "--json", str(out)]
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(out.read_text())
+    for key in ("perplexity", "tokens", "seqlen", "samples", "params", "bytes",
+                "kl_to_reference", "top1_agreement"):
+        assert key in got
+    assert (got["tokens"], got["seqlen"], got["samples"]) == (5 * 31, 32, 5)
+    assert got["kl_to_reference"] == pytest.approx(0, abs=1e-6)
+    api = prunelab.evaluate(prunelab.load(str(tiny_dir / "model")),
+                            data=f"text:{tiny_dir / 'text.txt'}", seqlen=32, samples=5)
+    assert got["perplexity"] == pytest.approx(api["perplexity"], rel=1e-6)
+    # an existing --json is not overwritten
+    res = cli(*args)
+    assert res.returncode == 2 and "--overwrite" in res.stderr
+    res = cli(*(args[:-2] + ["--speed", "--json", str(out), "--overwrite"]))
+    assert res.returncode == 0, res.stderr
+    got = json.loads(out.read_text())
+    assert got["prefill_tokens_per_s"] > 0 and got["peak_memory_bytes"] > 0
+    assert got["decode_tokens_per_s"] > 0
+
+
+def assert_one_line_error(res, fragment):
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert fragment in lines[0]
+
+
+def test_error_paths(tiny_dir):
+    assert_one_line_error(cli("info", "--model", str(tiny_dir / "missing")), "does not exist")
+    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--data", "nope:x"),
+                          "unknown data spec")
+    assert_one_line_error(
+        cli("eval", "--model", str(tiny_dir / "model"), "--data",
+            f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "999"),
+        "ask for --samples")
+    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--seqlen", "0"),
+                          "seqlen")
+
+
+def test_verbose_shows_traceback(tiny_dir):
+    res = cli("--verbose", "info", "--model", str(tiny_dir / "missing"))
+    assert res.returncode != 0 and "Traceback" in res.stderr

@@ -1,0 +1,75 @@
+"""Model specs: local directories, embedded packages, error paths."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from tiny_models import save_tiny_checkpoint
+
+import prunelab
+from prunelab.errors import ConfigError, ModelNotFoundError, UnsupportedArchitectureError
+from prunelab.models.embedded import EMBEDDED, package_file
+from prunelab.models.loading import resolve_dtype, resolve_device
+
+
+def test_load_local_checkpoint(tmp_path):
+    save_tiny_checkpoint("qwen2", tmp_path)
+    lm = prunelab.load(str(tmp_path))
+    assert lm.adapter.family == "llama" and lm.model.dtype == torch.float32
+    assert not lm.model.training and lm.tokenizer is not None
+    lm16 = prunelab.load(str(tmp_path), dtype="bfloat16")
+    assert lm16.model.dtype == torch.bfloat16
+    info = prunelab.info(lm)
+    assert (info["blocks"], info["heads"], info["kv_heads"], info["head_dim"], info["ffn"]) == \
+        (4, 4, 2, 8, 48)
+    assert info["block_details"][0]["attention"]["k"] == [16, 32]
+
+
+def test_missing_path_and_not_a_checkpoint(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        prunelab.load(str(tmp_path / "nope"))
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        prunelab.load(str(tmp_path))
+    (tmp_path / "f.bin").write_text("x")
+    with pytest.raises(ModelNotFoundError, match="not a .gguf"):
+        prunelab.load(str(tmp_path / "f.bin"))
+
+
+def test_unknown_architecture(tmp_path):
+    import transformers as tf
+
+    cfg = tf.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitectureError, match="supported: bert"):
+        prunelab.load(str(tmp_path))
+
+
+def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelNotFoundError, match="smollm2-135m"):
+        prunelab.load("some-org/some-model-that-is-not-cached")
+
+
+def test_dtype_and_device_validation():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    with pytest.raises(ConfigError, match="--dtype"):
+        resolve_dtype("int3", torch.device("cpu"))
+    with pytest.raises(ConfigError, match="--device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_embedded_files_found_without_importing_packages():
+    for name, em in EMBEDDED.items():
+        for dist, module, rel in em.packages:
+            path = package_file(dist, module, rel)
+            if path is None:
+                pytest.skip(f"{dist} not installed")
+            assert path.is_file() and path.stat().st_size > 1000
+            assert module not in sys.modules, f"{module} was imported"

