@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
 
 import prunelab
+from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
 
 
 def cli(*args, cwd=None):

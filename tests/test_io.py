@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 import transformers as tf
-from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
 import prunelab
 from prunelab.errors import OutputExistsError, UnsupportedOperationError
 from prunelab.io.save import write_json
 from prunelab.models.loading import wrap
+from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
 
 def test_save_reload_identical_logits_and_manifest(tmp_path):

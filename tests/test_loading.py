@@ -6,12 +6,12 @@ import sys
 
 import pytest
 import torch
-from tiny_models import save_tiny_checkpoint
 
 import prunelab
 from prunelab.errors import ConfigError, ModelNotFoundError, UnsupportedArchitectureError
 from prunelab.models.embedded import EMBEDDED, package_file
-from prunelab.models.loading import resolve_dtype, resolve_device
+from prunelab.models.loading import resolve_device, resolve_dtype
+from tiny_models import save_tiny_checkpoint
 
 
 def test_load_local_checkpoint(tmp_path):
@@ -66,7 +66,7 @@ def test_dtype_and_device_validation():
 
 
 def test_embedded_files_found_without_importing_packages():
-    for name, em in EMBEDDED.items():
+    for em in EMBEDDED.values():
         for dist, module, rel in em.packages:
             path = package_file(dist, module, rel)
             if path is None:

@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from tiny_models import ARCHS, tiny_model, tiny_tokens
 
 from prunelab.calib.runner import BlockRunner, StateStore
 from prunelab.calib.stats import Gram, SumSquares
 from prunelab.models.adapters import get_adapter
+from tiny_models import ARCHS, tiny_model, tiny_tokens
 
 
 def reference_states(model, ids):
@@ -39,7 +39,7 @@ def test_runner_equals_output_hidden_states(arch):
     ref = reference_states(model, ids)
     got, runner = runner_states(model, ids)
     assert len(got) == len(ref)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert runner.block_evals == 2 * 4 and runner.passes == 1.0
 
@@ -65,7 +65,7 @@ def test_gemma3_runner_after_deletion_matches_full_model():
     get_adapter(model).delete_blocks([1])
     ref = reference_states(model, ids)
     got, _ = runner_states(model, ids)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 

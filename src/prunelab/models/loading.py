@@ -95,7 +95,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     target = cache_dir() / "converted" / key
     if (target / "config.json").is_file():
         return target
-    info(f"prunelab: converting {path.name} to a float checkpoint in {target} (once; ~30 s)")
+    info(f"prunelab: converting {path.name} to a float checkpoint in {target} (once)")
     start = time.time()
     kw = dict(gguf_file=path.name)
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
