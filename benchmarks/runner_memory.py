@@ -3,14 +3,17 @@
 Runs ``BlockRunner(lm, ids, batch_size).run()`` over all blocks of the embedded model
 (``smollm2-135m``, float32, CPU) three ways: keeping no states, keeping every block
 boundary in memory (``StateStore("memory")``) and on disk (``StateStore("disk")``).
-For each it reports the process RSS after loading (the baseline: it already holds the
-model), the peak RSS during the run (:class:`prunelab.eval.speed.PeakRSS`, sampled every
-2 ms), the extra peak over the baseline and its ratio to the model's bytes, next to the
-expected activation bytes (``samples * seqlen * hidden * 4`` per boundary; input + output
-= 2 boundaries for a plain run, all ``blocks + 1`` boundaries with the memory store), the
-wall time and the block evaluations. All figures are increases over the post-load RSS,
-not absolute memory. Each configuration runs in a fresh process (same script, spawned)
-so memory freed by one run but kept by the allocator does not inflate the next.
+
+Process RSS includes the loaded model, so every figure is an increase over the RSS after
+loading (the baseline). The weights load as a file-backed mmap of the cached checkpoint
+and only become resident when read, so they are read once before the baseline is taken.
+Reported per store: baseline and peak RSS during the run (:class:`prunelab.eval.speed.
+PeakRSS`, sampled every 2 ms), the extra peak over the baseline, its ratio to the model's
+bytes and to the expected activation bytes (``samples * seqlen * hidden * 4`` for one
+boundary; 2 boundaries, input + output, for a plain run; all ``blocks + 1`` with the
+memory store), the wall time and the block evaluations. Each store runs in a fresh
+process (this script, spawned) so memory that one run freed but the allocator kept does
+not inflate the next.
 
 Run::
 
@@ -53,6 +56,9 @@ def measure(mode: str, model: str, data: str, samples: int, seqlen: int,
     size = model_size(lm.model)
     hidden = lm.adapter.hidden_size()
     blocks = lm.adapter.num_blocks
+    with torch.no_grad():  # page in the mmapped weights so the baseline holds them
+        for t in list(lm.model.parameters()) + list(lm.model.buffers()):
+            t.sum()
     gc.collect()
     baseline = psutil.Process().memory_info().rss
 

@@ -1,15 +1,15 @@
 """prunelab: measure where a transformer is redundant and remove that redundancy.
 
-Public verbs: :func:`load`, :func:`info`, :func:`evaluate`, :func:`save`.
+Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`evaluate`, :func:`save`.
 """
 
 __version__ = "0.1.0"
 
-from prunelab.api import evaluate, info, load, save  # noqa: E402
+from prunelab.api import evaluate, info, load, probe, save  # noqa: E402
 from prunelab.calib.runner import BlockRunner, StateStore  # noqa: E402
 from prunelab.errors import PrunelabError  # noqa: E402
 from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
 
 __all__ = ["BlockRunner", "LoadedModel", "PrunelabError", "StateStore", "evaluate",
-           "get_adapter", "info", "load", "save", "wrap", "__version__"]
+           "get_adapter", "info", "load", "probe", "save", "wrap", "__version__"]

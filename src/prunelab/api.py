@@ -116,6 +116,30 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     return result
 
 
+def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: int | None = 16,
+          seed: int = 0, batch_size: int = 8, out_dir: str | Path | None = None,
+          overwrite: bool = False, states: str = "memory", tokenizer=None, **options):
+    """Run redundancy probes (see :mod:`prunelab.probes`) on calibration windows.
+
+    ``probes``: one name (returns a :class:`~prunelab.probes.ProbeResult`) or a list /
+    comma-separated names (returns ``{name: ProbeResult}``). Options such as ``window``,
+    ``pairs``, ``span``, ``max_length`` go to the probes that take them. Example:
+    ``prunelab.probe(lm, "interchange", "wiki-vital:calib", window=1)``.
+    """
+    from prunelab.probes import run_probes
+
+    lm = _as_loaded(model, tokenizer)
+    names = probes.split(",") if isinstance(probes, str) else list(probes)
+    names = [n.strip() for n in names if n.strip()]
+    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
+    results = run_probes(lm, names, batches.input_ids, data_info=batches.to_dict(),
+                         batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
+                         states=states, seed=seed, **options)
+    if isinstance(probes, str) and "," not in probes:
+        return results[names[0]]
+    return results
+
+
 def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bool = False,
          tokenizer=None, **manifest_fields) -> Path:
     """Write a checkpoint that plain ``transformers`` loads, with ``manifest.json``."""

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prunelab import log
-from prunelab.errors import OutputExistsError, PrunelabError
+from prunelab.errors import ConfigError, OutputExistsError, PrunelabError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Measure where a transformer is redundant and remove it.")
@@ -144,6 +144,68 @@ def eval_cmd(model: str = ModelOpt,
     if json_path is not None:
         write_json(json_path, res, overwrite=overwrite)
         log.info(f"wrote {json_path}")
+
+
+def _parse_pairs(text: str | None) -> list[tuple[int, int]]:
+    if not text:
+        return []
+    pairs = []
+    for item in text.split(","):
+        parts = item.strip().split("-")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ConfigError(f"--pairs takes i-j,i-j,... (0-based), got {item.strip()!r}")
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
+
+
+@app.command()
+def probe(model: str = ModelOpt,
+          data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+          probe_names: str = typer.Option(..., "--probe", help="comma-separated: "
+                                          "block-influence, span-angular, cka, contraction, "
+                                          "leave-one-out, sublayer-ablation, replacement, "
+                                          "interchange, weight-redundancy, interval"),
+          out_dir: Path = typer.Option(..., "--out", help="output directory"),
+          window: Optional[int] = typer.Option(None, help="swap probes: pairs with |i-j| <= W "
+                                               "(default: all pairs)"),
+          pairs: Optional[str] = typer.Option(None, help="swap probes: explicit pairs i-j,..."),
+          span: int = typer.Option(1, help="span-angular: span length n"),
+          max_length: int = typer.Option(4, help="interval: longest interval measured"),
+          max_remove: int = typer.Option(5, help="summary: removal sets for n = 1..N"),
+          samples: int = typer.Option(16, help="calibration windows"),
+          seqlen: int = typer.Option(256, help="window length in tokens"),
+          seed: int = typer.Option(0, help="window sampling and noise seed"),
+          batch_size: int = typer.Option(8, help="windows per block call"),
+          states: str = typer.Option("memory", help="boundary cache: memory or disk"),
+          overwrite: bool = typer.Option(False, help="replace finished results in --out"),
+          dtype: str = DtypeOpt, device: str = DeviceOpt,
+          trust_remote_code: bool = RemoteOpt):
+    """Measure layer redundancy under several protocols, side by side (0-based layers)."""
+    from prunelab import api
+    from prunelab.probes import probe_names as known
+
+    names = [n.strip() for n in probe_names.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known()]
+    if unknown or not names:
+        raise ConfigError(f"unknown probe {', '.join(unknown) or '(none)'}; "
+                          f"available: {', '.join(known())}")
+    if states not in ("memory", "disk"):
+        raise ConfigError(f"--states must be memory or disk, got {states!r}")
+    lm = _load(model, dtype, device, trust_remote_code)
+    results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
+                        batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
+                        states=states, window=window, pairs=_parse_pairs(pairs), span=span,
+                        max_length=max_length, max_remove=max_remove)
+    t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
+    for col in ("probe", "most removable", "block evals", "seconds"):
+        t.add_column(col, overflow="fold")
+    for name, res in results.items():
+        rank = res.ranking()[:8]
+        t.add_row(name, ", ".join(map(str, rank)) if rank else "-",
+                  f"{res.meta.get('block_evaluations', 0):.0f}",
+                  f"{res.meta.get('seconds', 0):.1f}")
+    out.print(t)
+    log.info(f"wrote {out_dir}/ (NAME.json, NAME.csv, NAME.png, summary.md)")
 
 
 def run() -> None:

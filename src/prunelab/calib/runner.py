@@ -17,6 +17,7 @@ for its turn, so a model larger than the accelerator can be calibrated.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -290,6 +291,22 @@ class BlockRunner:
             if states is not None:
                 states.put(i + 1, hidden)
         return hidden
+
+    @contextlib.contextmanager
+    def zeroed(self, modules: Sequence[nn.Module]):
+        """Within the block, the outputs of ``modules`` are replaced by zeros (sublayer
+        ablation). The hooks are always removed on exit."""
+        def zero(_module, _inputs, output):
+            if isinstance(output, tuple):
+                return (torch.zeros_like(output[0]), *output[1:])
+            return torch.zeros_like(output)
+
+        handles = [m.register_forward_hook(zero) for m in modules]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     @property
     def passes(self) -> float:

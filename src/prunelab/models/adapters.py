@@ -132,6 +132,13 @@ class Adapter:
         found = {p: _get(blk, p) for p in self.spec.norms}
         return {k: v for k, v in found.items() if v is not None}
 
+    def residual_branches(self, index: int) -> dict[str, nn.Module]:
+        """``{"attention": m, "mlp": m}``: modules whose output is the block's attention /
+        MLP residual contribution (zeroing the output ablates the sublayer)."""
+        blk = self.block(index)
+        return {"attention": _get(blk, self.spec.attn_branch),
+                "mlp": _get(blk, self.spec.mlp_branch)}
+
     def linears(self, index: int) -> dict[str, nn.Module]:
         """Every prunable linear of block ``index``, keyed by its path inside the block.
 

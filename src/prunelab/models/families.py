@@ -101,6 +101,9 @@ class FamilySpec:
     heads_representable: Callable = field(default=lambda cfg, geo: None)
     fused_qkv_rows: Callable | None = None
     encoder: bool = False
+    # modules whose output is the attention / MLP residual branch (zeroing it ablates it)
+    attn_branch: str = ""
+    mlp_branch: str = ""
 
 
 LLAMA = FamilySpec(
@@ -114,6 +117,7 @@ LLAMA = FamilySpec(
     norms=("input_layernorm", "post_attention_layernorm",
            "pre_feedforward_layernorm", "post_feedforward_layernorm"),
     head_dim=_llama_head_dim, set_attn_heads=_set_llama_heads, write_config=_write_llama,
+    attn_branch="self_attn", mlp_branch="mlp",
 )
 
 GPT2 = FamilySpec(
@@ -125,6 +129,7 @@ GPT2 = FamilySpec(
     head_dim=_derived_head_dim, set_attn_heads=_set_gpt2_heads,
     write_config=_writer("n_head", "n_inner"),
     heads_representable=_derived_representable("gpt2"), fused_qkv_rows=_gpt2_qkv_rows,
+    attn_branch="attn", mlp_branch="mlp",
 )
 
 GPT_NEOX = FamilySpec(
@@ -137,6 +142,7 @@ GPT_NEOX = FamilySpec(
     head_dim=_derived_head_dim, set_attn_heads=_noop_heads,
     write_config=_writer("num_attention_heads", "intermediate_size"),
     heads_representable=_derived_representable("gpt_neox"), fused_qkv_rows=_neox_qkv_rows,
+    attn_branch="attention", mlp_branch="mlp",
 )
 
 OPT = FamilySpec(
@@ -150,6 +156,7 @@ OPT = FamilySpec(
     head_dim=_derived_head_dim, set_attn_heads=_set_opt_heads,
     write_config=_writer("num_attention_heads", "ffn_dim"),
     heads_representable=_derived_representable("opt"),
+    attn_branch="self_attn", mlp_branch="fc2",
 )
 
 BERT = FamilySpec(
@@ -163,6 +170,8 @@ BERT = FamilySpec(
     head_dim=_derived_head_dim, set_attn_heads=_set_bert_heads,
     write_config=_writer("num_attention_heads", "intermediate_size"),
     heads_representable=_derived_representable("bert"), encoder=True,
+    # post-LN: zeroing these leaves LayerNorm(residual) in place of LayerNorm(residual + f)
+    attn_branch="attention.output.dense", mlp_branch="output.dense",
 )
 
 FAMILIES: tuple[FamilySpec, ...] = (LLAMA, GPT2, GPT_NEOX, OPT, BERT)

@@ -1,0 +1,63 @@
+"""Ablation probes: leave one block out, or zero one sublayer's residual contribution.
+
+* ``leave-one-out`` (CausalGate; the Whisper-encoder layer study; derived): the model with
+  block ``i`` removed, ``E_x KL(p_M || p_{M without i})``; ascending = removable. The run
+  starts from the cached input of block ``i`` and continues with blocks ``i+1..L-1``.
+* ``sublayer-ablation``: block ``i`` with its attention (or MLP) residual branch zeroed;
+  attention and MLP are reported as separate scores (``sublayer`` field).
+
+``value`` is the last-position KL, ``value_all_positions`` the mean over all positions (see
+:mod:`prunelab.probes.context`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prunelab.log import progress
+from prunelab.probes.base import ProbeResult, config_dict, register
+
+
+@dataclass(frozen=True)
+class LeaveOneOut:
+    """KL of the model with one block removed."""
+
+
+@register("leave-one-out", LeaveOneOut)
+def run_leave_one_out(cfg: LeaveOneOut, ctx, resume=None, on_progress=None) -> ProbeResult:
+    n = ctx.num_blocks
+    done = {s["layers"][0]: s for s in (resume or {}).get("scores", [])}
+    scores = [done[i] for i in sorted(done)]
+    for i in progress([i for i in range(n) if i not in done], desc="leave-one-out"):
+        last, allpos = ctx.divergence(ctx.run_stack(i, range(i + 1, n)))
+        scores.append({"layers": [i], "value": last, "value_all_positions": allpos})
+        if on_progress is not None:
+            on_progress(sorted(scores, key=lambda s: s["layers"]))
+    scores.sort(key=lambda s: s["layers"])
+    return ProbeResult("leave-one-out", config_dict(cfg), scores, kind="layer", num_blocks=n)
+
+
+@dataclass(frozen=True)
+class SublayerAblation:
+    """KL with one block's attention or MLP residual contribution zeroed."""
+
+
+@register("sublayer-ablation", SublayerAblation)
+def run_sublayer_ablation(cfg: SublayerAblation, ctx, resume=None,
+                          on_progress=None) -> ProbeResult:
+    n = ctx.num_blocks
+    scores = list((resume or {}).get("scores", []))
+    done = {(s["layers"][0], s["sublayer"]) for s in scores}
+    todo = [(i, part) for i in range(n) for part in ("attention", "mlp") if (i, part) not in done]
+    for i, part in progress(todo, desc="sublayer-ablation"):
+        module = ctx.adapter.residual_branches(i)[part]
+        with ctx.runner.zeroed([module]):
+            h = ctx.run_stack(i, [i])
+        last, allpos = ctx.divergence(ctx.run_stack(i + 1, range(i + 1, n), hidden=h))
+        scores.append({"layers": [i], "sublayer": part, "value": last,
+                       "value_all_positions": allpos})
+        if on_progress is not None:
+            on_progress(scores)
+    scores.sort(key=lambda s: (s["layers"], s["sublayer"]))
+    return ProbeResult("sublayer-ablation", config_dict(cfg), scores, kind="sublayer",
+                       num_blocks=n)

@@ -1,0 +1,132 @@
+"""Shared state of a probing session: cached block boundaries and the divergence to dense.
+
+One dense block-by-block pass caches the hidden state at every block boundary
+``h_0 .. h_L``. A modified stack (swap, removal, ablation) starts from the cached input of
+its first changed block and never recomputes the unchanged prefix; every block keeps the
+arguments the model gives it at its own depth (its own mask type), never a KV cache.
+
+Divergence to the dense model: for causal LMs the KL of next-token distributions,
+``KL(p_dense || p_modified)``, at the last position of each window (float64, q clamped
+>= 1e-40: the "No Free Swap" protocol) and averaged over all positions (float32). For
+encoders, which have no next-token distribution, ``1 - cos`` of the mean-pooled final
+hidden states per window (``value``) and of every token's final hidden state
+(``value_all_positions``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from prunelab.calib.runner import BlockRunner, StateStore
+
+
+def kl_last_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``KL(p_ref || p)`` in float64 per row of ``[B, V]`` logits, q clamped >= 1e-40."""
+    p = torch.softmax(ref_logits.double(), dim=-1)
+    q = torch.softmax(logits.double(), dim=-1).clamp_min(1e-40)
+    logp = torch.log(p.clamp_min(1e-300))
+    return torch.where(p > 0, p * (logp - torch.log(q)), torch.zeros_like(p)).sum(-1)
+
+
+class ProbeContext:
+    """Cached boundaries of a model on calibration windows, and modified-stack runs."""
+
+    def __init__(self, lm, input_ids: torch.Tensor, batch_size: int = 8,
+                 states: str = "memory", data_info: dict | None = None, lazy: bool = False):
+        self.lm = lm
+        self.adapter = lm.adapter
+        self.input_ids = torch.as_tensor(input_ids)
+        self.runner = BlockRunner(lm, self.input_ids, batch_size=batch_size)
+        self.store = StateStore(states)
+        self.data_info = data_info or {}
+        self.num_blocks = self.adapter.num_blocks
+        self.encoder = self.adapter.is_encoder
+        self.setup_seconds = 0.0
+        self.cache_block_evaluations = 0.0
+        self._cached = False
+        if not lazy:
+            self.ensure_cached()
+        self._ref_cache: dict[int, torch.Tensor] = {}
+        self._ref_bytes = 0
+        self.ref_cache_budget = 2 * 2**30  # reference logits kept up to this many bytes
+
+    # ------------------------------------------------------------------ running
+    def ensure_cached(self) -> None:
+        """One dense pass storing every block boundary ``h_0 .. h_L`` (once)."""
+        if self._cached:
+            return
+        start = time.perf_counter()
+        self.runner.run(states=self.store, desc="caching block boundaries")
+        self.setup_seconds = time.perf_counter() - start
+        self.cache_block_evaluations = self.block_evaluations
+        self._cached = True
+
+    @property
+    def block_evaluations(self) -> float:
+        """Blocks run over the whole calibration set (one block x all windows = 1)."""
+        return self.runner.block_evals / max(len(self.runner.batches), 1)
+
+    def boundary(self, index: int) -> list[torch.Tensor]:
+        """Cached hidden state entering block ``index`` (``index = L``: last output)."""
+        self.ensure_cached()
+        return self.store.get(index)
+
+    def run_stack(self, start: int, order: Sequence[int],
+                  hidden: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Run blocks ``order`` (original indices) from boundary ``start``; each block
+        gets its own recorded arguments. Returns the raw output of the last one."""
+        h = hidden if hidden is not None else self.boundary(start)
+        for b in order:
+            h = self.runner.run_block(b, h, args_from=b)
+        return h
+
+    # ------------------------------------------------------------------ divergence
+    def _final(self, h: torch.Tensor) -> torch.Tensor:
+        norm = self.adapter.final_norm()
+        return norm(h) if norm is not None else h
+
+    @torch.no_grad()
+    def _ref(self, batch: int):
+        """Reference (dense) outputs of one batch: logits (or final hidden for encoders)."""
+        if batch in self._ref_cache:
+            return self._ref_cache[batch]
+        h = self.boundary(self.num_blocks)[batch].to(self.runner.device)
+        final = self._final(h)
+        out = final if self.encoder else self.adapter.logits(final)
+        size = out.numel() * out.element_size()
+        if self._ref_bytes + size <= self.ref_cache_budget:
+            self._ref_cache[batch] = out.to("cpu")
+            self._ref_bytes += size
+        return out
+
+    @torch.no_grad()
+    def divergence(self, final_raw: list[torch.Tensor]) -> tuple[float, float]:
+        """``(last-position value, all-positions value)`` of a modified stack's raw last
+        block output against the dense model (see module docstring)."""
+        last_sum = all_sum = 0.0
+        n_rows = n_tok = 0
+        for b, h in enumerate(final_raw):
+            ref = self._ref(b).to(self.runner.device)
+            final = self._final(h.to(self.runner.device))
+            if self.encoder:
+                pooled = torch.cosine_similarity(ref.mean(1).double(), final.mean(1).double(),
+                                                 dim=-1)
+                tok = torch.cosine_similarity(ref.double(), final.double(), dim=-1)
+                last_sum += float((1 - pooled).sum())
+                all_sum += float((1 - tok).sum())
+            else:
+                logits = self.adapter.logits(final)
+                last_sum += float(kl_last_position(ref[:, -1], logits[:, -1]).sum())
+                for r in range(h.shape[0]):
+                    lp_ref = torch.log_softmax(ref[r].float(), -1)
+                    lp = torch.log_softmax(logits[r].float(), -1)
+                    all_sum += float((lp_ref.exp() * (lp_ref - lp)).sum(-1).double().sum())
+            n_rows += h.shape[0]
+            n_tok += h.shape[0] * h.shape[1]
+        return last_sum / n_rows, all_sum / n_tok
+
+    def close(self) -> None:
+        self.store.close()

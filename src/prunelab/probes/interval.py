@@ -1,0 +1,64 @@
+"""Interval probe (VGGT layer-redundancy study): cost of deleting contiguous intervals.
+
+Measures the KL of the model with blocks ``[start, end)`` removed for every interval of
+length ``1..max_length`` (each run starts from the cached input of ``start``). Interval
+additivity (the cost of deleting two disjoint intervals is about the sum of their costs)
+then searches, for every total length ``n`` up to ``2 * max_length``, the best pair of
+disjoint, non-touching intervals by summed cost, instead of O(L^4) evaluations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prunelab.log import progress
+from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+
+
+def best_interval_pairs(costs: dict[tuple[int, int], float], max_total: int) -> list[dict]:
+    """For each total length ``n``, the disjoint, non-adjacent pair of measured intervals
+    with the smallest summed cost (``[start, end)`` each, sorted)."""
+    items = sorted(costs.items())
+    best: dict[int, dict] = {}
+    for a, (ia, ca) in enumerate(items):
+        for ib, cb in items[a + 1:]:
+            (s1, e1), (s2, e2) = sorted([ia, ib])
+            if s2 <= e1:  # overlapping or touching: that is one longer interval
+                continue
+            n = (e1 - s1) + (e2 - s2)
+            if n > max_total:
+                continue
+            total = ca + cb
+            if n not in best or total < best[n]["predicted_cost"]:
+                best[n] = {"removed_blocks": n, "intervals": [[s1, e1], [s2, e2]],
+                           "predicted_cost": total}
+    return [best[n] for n in sorted(best)]
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Intervals up to ``max_length`` blocks long."""
+
+    max_length: int = 4
+
+    def __post_init__(self):
+        check_range("max_length", self.max_length, 1, None, integer=True)
+
+
+@register("interval", Interval)
+def run_interval(cfg: Interval, ctx, resume=None, on_progress=None) -> ProbeResult:
+    n = ctx.num_blocks
+    spans = [(s, s + k) for k in range(1, min(cfg.max_length, n - 1) + 1)
+             for s in range(0, n - k + 1)]
+    done = {tuple(s["layers"]): s for s in (resume or {}).get("scores", [])}
+    scores = [done[s] for s in spans if s in done]
+    for s, e in progress([sp for sp in spans if sp not in done], desc="interval"):
+        last, allpos = ctx.divergence(ctx.run_stack(s, range(e, n)))
+        scores.append({"layers": [s, e], "value": last, "value_all_positions": allpos})
+        if on_progress is not None:
+            on_progress(scores)
+    scores.sort(key=lambda x: (x["layers"][1] - x["layers"][0], x["layers"]))
+    costs = {tuple(x["layers"]): x["value"] for x in scores}
+    pairs = best_interval_pairs(costs, 2 * cfg.max_length)
+    return ProbeResult("interval", config_dict(cfg), scores, kind="interval", num_blocks=n,
+                       meta={"best_interval_pairs": pairs})

@@ -1,0 +1,123 @@
+"""Representation-similarity probes on cached block boundaries (no extra forward passes).
+
+* ``block-influence`` (ShortGPT, Men et al. 2024): ``BI_i = mean_t (1 - cos(h_i[t],
+  h_{i+1}[t]))`` over all calibration tokens, cosine along the hidden dimension; the
+  angular variant reports ``mean_t arccos(cos)/pi``. Low = removable.
+* ``span-angular`` (Gromov et al. 2024, "The unreasonable ineffectiveness of the deeper
+  layers"): ``d(l, n) = mean_x arccos(cos(h_l[T], h_{l+n}[T]))/pi`` with ``T`` the last
+  token of each window; remove ``[l*, l*+n)`` with ``l* = argmin_l d(l, n)``.
+* ``cka``: linear CKA (Kornblith et al. 2019) between block boundaries, centred over
+  tokens, in the ``d x d`` form ``||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F)``; adjacent
+  pairs give one value per block (CKA of its input and output; high = removable), and
+  ``all_pairs`` adds every pair of boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.cosine_similarity(a.double(), b.double(), dim=-1).clamp(-1.0, 1.0)
+
+
+def block_influence(h_in: torch.Tensor, h_out: torch.Tensor, angular: bool = False) -> float:
+    """Mean over tokens of ``1 - cos`` (or ``arccos(cos)/pi``) along the hidden dim.
+
+    ``h_in``, ``h_out``: ``[..., d]``.
+    """
+    c = _cos(h_in, h_out)
+    return float((torch.arccos(c) / math.pi).mean() if angular else (1 - c).mean())
+
+
+def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA of ``x`` ``[N, d1]`` and ``y`` ``[N, d2]`` (rows = tokens), float64."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    y = y.reshape(-1, y.shape[-1]).double()
+    x = x - x.mean(0, keepdim=True)
+    y = y - y.mean(0, keepdim=True)
+    cross = (y.t() @ x).pow(2).sum()
+    den = torch.linalg.matrix_norm(x.t() @ x) * torch.linalg.matrix_norm(y.t() @ y)
+    return float(cross / den) if den > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class BlockInfluence:
+    """ShortGPT block influence; ``angular`` reports arccos(cos)/pi instead of 1 - cos."""
+
+    angular: bool = False
+
+
+@register("block-influence", BlockInfluence)
+def run_block_influence(cfg: BlockInfluence, ctx) -> ProbeResult:
+    scores = []
+    for i in range(ctx.num_blocks):
+        h_in, h_out = torch.cat(ctx.boundary(i)), torch.cat(ctx.boundary(i + 1))
+        scores.append({"layers": [i], "value": block_influence(h_in, h_out, cfg.angular),
+                       "value_angular": block_influence(h_in, h_out, True),
+                       "value_cosine": block_influence(h_in, h_out, False)})
+    return ProbeResult("block-influence", config_dict(cfg), scores, kind="layer",
+                       num_blocks=ctx.num_blocks)
+
+
+@dataclass(frozen=True)
+class SpanAngular:
+    """Gromov et al.: angular distance between ``h_l`` and ``h_{l+span}`` at the last token."""
+
+    span: int = 1
+
+    def __post_init__(self):
+        check_range("span", self.span, 1, None, integer=True)
+
+
+@register("span-angular", SpanAngular)
+def run_span_angular(cfg: SpanAngular, ctx) -> ProbeResult:
+    n = cfg.span
+    if n >= ctx.num_blocks:
+        from prunelab.errors import ConfigError
+
+        raise ConfigError(f"span must be < the number of blocks ({ctx.num_blocks}), got {n}")
+    last = [torch.cat([h[:, -1] for h in ctx.boundary(i)]) for i in range(ctx.num_blocks + 1)]
+    scores = []
+    for start in range(ctx.num_blocks - n + 1):
+        c = _cos(last[start], last[start + n])
+        scores.append({"layers": [start, start + n],
+                       "value": float((torch.arccos(c) / math.pi).mean())})
+    best = min(scores, key=lambda s: s["value"])
+    return ProbeResult("span-angular", config_dict(cfg), scores, kind="span",
+                       num_blocks=ctx.num_blocks, meta={"best_span": best["layers"]})
+
+
+@dataclass(frozen=True)
+class CKA:
+    """Linear CKA between block boundaries: adjacent (per block) and, optionally, all pairs."""
+
+    all_pairs: bool = True
+    max_tokens: int = 8192
+
+    def __post_init__(self):
+        check_range("max_tokens", self.max_tokens, 2, None, integer=True)
+
+
+@register("cka", CKA)
+def run_cka(cfg: CKA, ctx) -> ProbeResult:
+    n = ctx.num_blocks
+    states = []
+    for i in range(n + 1):
+        h = torch.cat(ctx.boundary(i)).reshape(-1, ctx.adapter.hidden_size())
+        states.append(h[: cfg.max_tokens])
+    scores = [{"layers": [i], "value": linear_cka(states[i], states[i + 1]), "kind": "layer"}
+              for i in range(n)]
+    if cfg.all_pairs:
+        for i in range(n + 1):
+            for j in range(i + 1, n + 1):
+                scores.append({"layers": [i, j], "value": linear_cka(states[i], states[j]),
+                               "kind": "boundary-pair"})
+    return ProbeResult("cka", config_dict(cfg), scores, kind="layer", lower_is_removable=False,
+                       num_blocks=n, meta={"note": "boundary-pair layers are boundaries "
+                                           "0..L (boundary i = input of block i)"})

@@ -1,0 +1,1 @@
+"""Reports on probe results: plots and Markdown summaries."""

@@ -1,0 +1,264 @@
+"""Matplotlib figures of probe results (Agg canvas, no global pyplot state).
+
+* layer / sublayer probes: bars of ``value`` per block (sublayer: attention and MLP side by
+  side); ``weight-redundancy`` and ``cka`` add a heatmap of their pair entries;
+* pair probes: an ``L x L`` heatmap of ``value`` (blank where not measured);
+* span probes: bars of ``value`` against the span start; interval probes: a heatmap of
+  ``value`` by start and length.
+
+Every block index is 0-based. With ``path`` the PNG is written atomically (a temporary file
+in the same folder, then :func:`os.replace`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from prunelab.probes.base import ProbeResult
+
+DPI = 120
+CMAP = "viridis"
+
+
+# ---------------------------------------------------------------- helpers
+def direction(result: ProbeResult) -> str:
+    """``"lower = more removable"`` or ``"higher = more removable"``."""
+    return "lower = more removable" if result.lower_is_removable else "higher = more removable"
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_figure(fig: Figure, path: str | Path, dpi: int = DPI) -> Path:
+    """Write ``fig`` as PNG to ``path`` atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _finish(fig: Figure, path: str | Path | None) -> Figure:
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _block_entries(result: ProbeResult) -> list[dict]:
+    """Per-block entries (one layer index, no pair ``kind``)."""
+    return [s for s in result.scores
+            if len(s["layers"]) == 1 and s.get("kind", "layer") == "layer"]
+
+
+def _pair_entries(result: ProbeResult, kinds: tuple[str, ...]) -> list[dict]:
+    return [s for s in result.scores if len(s["layers"]) == 2 and s.get("kind", "pair") in kinds]
+
+
+def pair_array(entries: list[dict], size: int) -> np.ndarray:
+    """Symmetric ``size x size`` array of the entries' ``value`` (NaN where absent)."""
+    mat = np.full((size, size), np.nan)
+    for s in entries:
+        i, j = s["layers"]
+        if s["value"] is not None:
+            mat[i, j] = mat[j, i] = float(s["value"])
+    return mat
+
+
+def _heatmap(fig: Figure, ax, mat: np.ndarray, label: str, title: str,
+             vmin: float | None = None, vmax: float | None = None, colorbar: bool = True):
+    """Draw ``mat`` on ``ax`` (NaN cells shown light grey); returns the image."""
+    im = ax.imshow(np.ma.masked_invalid(mat), cmap=_cmap(), vmin=vmin, vmax=vmax,
+                   origin="upper", interpolation="nearest")
+    ax.set_xlabel(f"{label} (0-based)")
+    ax.set_ylabel(f"{label} (0-based)")
+    ax.set_title(title)
+    _integer_ticks(ax, mat.shape[1], "x")
+    _integer_ticks(ax, mat.shape[0], "y")
+    if colorbar:
+        fig.colorbar(im, ax=ax)
+    return im
+
+
+def _cmap():
+    return colormaps[CMAP].with_extremes(bad="#dddddd")
+
+
+def _integer_ticks(ax, n: int, axis: str, offset: int = 0) -> None:
+    step = max(1, int(np.ceil(n / 16)))
+    ticks = list(range(0, n, step))
+    labels = [str(t + offset) for t in ticks]
+    if axis == "x":
+        ax.set_xticks(ticks, labels)
+    else:
+        ax.set_yticks(ticks, labels)
+
+
+def _no_data(ax, title: str) -> None:
+    ax.text(0.5, 0.5, "no scores", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title)
+    ax.set_axis_off()
+
+
+# ---------------------------------------------------------------- per kind
+def _layer_bars(ax, result: ProbeResult, title: str) -> None:
+    entries = _block_entries(result)
+    if not entries:
+        _no_data(ax, title)
+        return
+    x = [s["layers"][0] for s in entries]
+    ax.bar(x, [s["value"] for s in entries], color="C0")
+    ax.set_xlabel("block (0-based)")
+    ax.set_ylabel("value")
+    ax.set_title(title)
+    _integer_ticks(ax, result.num_blocks or max(x) + 1, "x")
+
+
+def _sublayer_bars(ax, result: ProbeResult, title: str) -> None:
+    parts: dict[str, dict[int, float]] = {}
+    for s in result.scores:
+        parts.setdefault(s.get("sublayer", "value"), {})[s["layers"][0]] = s["value"]
+    if not parts:
+        _no_data(ax, title)
+        return
+    order = [p for p in ("attention", "mlp") if p in parts] + sorted(
+        p for p in parts if p not in ("attention", "mlp"))
+    width = 0.8 / len(order)
+    for k, part in enumerate(order):
+        blocks = sorted(parts[part])
+        offset = (k - (len(order) - 1) / 2) * width
+        ax.bar([b + offset for b in blocks], [parts[part][b] for b in blocks], width=width,
+               label=part, color=f"C{k}")
+    ax.set_xlabel("block (0-based)")
+    ax.set_ylabel("value")
+    ax.set_title(title)
+    ax.legend()
+    n = result.num_blocks or 1 + max(max(p) for p in parts.values())
+    _integer_ticks(ax, n, "x")
+
+
+def _span_bars(ax, result: ProbeResult, title: str) -> None:
+    entries = [s for s in result.scores if len(s["layers"]) == 2]
+    if not entries:
+        _no_data(ax, title)
+        return
+    lengths = sorted({s["layers"][1] - s["layers"][0] for s in entries})
+    ax.bar([s["layers"][0] for s in entries], [s["value"] for s in entries], color="C0")
+    span = ", ".join(str(n) for n in lengths)
+    ax.set_xlabel(f"span start l (0-based; span [l, l+{span}))")
+    ax.set_ylabel("value")
+    ax.set_title(title)
+    _integer_ticks(ax, result.num_blocks or 1 + max(s["layers"][0] for s in entries), "x")
+
+
+def interval_array(result: ProbeResult) -> np.ndarray:
+    """``max_length x L`` array: row ``k - 1`` = length ``k``, column = start (NaN if absent)."""
+    entries = [s for s in result.scores if len(s["layers"]) == 2]
+    max_len = max((s["layers"][1] - s["layers"][0] for s in entries), default=0)
+    n = result.num_blocks or max((s["layers"][1] for s in entries), default=0)
+    mat = np.full((max_len, n), np.nan)
+    for s in entries:
+        start, end = s["layers"]
+        if s["value"] is not None:
+            mat[end - start - 1, start] = float(s["value"])
+    return mat
+
+
+def _interval_heatmap(fig: Figure, ax, result: ProbeResult, title: str) -> None:
+    mat = interval_array(result)
+    if mat.size == 0:
+        _no_data(ax, title)
+        return
+    im = ax.imshow(np.ma.masked_invalid(mat), cmap=_cmap(), origin="lower", aspect="auto",
+                   interpolation="nearest")
+    ax.set_xlabel("interval start (0-based; removes [start, start+length))")
+    ax.set_ylabel("length (blocks)")
+    ax.set_title(title)
+    _integer_ticks(ax, mat.shape[1], "x")
+    _integer_ticks(ax, mat.shape[0], "y", offset=1)
+    fig.colorbar(im, ax=ax, label="value")
+
+
+def _extra_pairs(result: ProbeResult) -> tuple[np.ndarray, str, str] | None:
+    """Pair heatmap of a layer probe that also lists pairs (weight-redundancy, cka)."""
+    boundary = _pair_entries(result, ("boundary-pair",))
+    if boundary:
+        size = max(result.num_blocks + 1, 1 + max(max(s["layers"]) for s in boundary))
+        return (pair_array(boundary, size), "boundary (i = input of block i)",
+                f"{result.probe}: boundary pairs")
+    pairs = [s for s in result.scores if len(s["layers"]) == 2 and s.get("kind") == "pair"]
+    if pairs:
+        size = max(result.num_blocks, 1 + max(max(s["layers"]) for s in pairs))
+        return pair_array(pairs, size), "block", f"{result.probe}: pair similarity"
+    return None
+
+
+# ---------------------------------------------------------------- public
+def plot_result(result: ProbeResult, path: str | Path | None = None) -> Figure:
+    """A figure of ``result`` (see the module docstring); saved as PNG when ``path`` is set."""
+    title = f"{result.probe} ({direction(result)})"
+    if result.kind == "pair":
+        n = result.num_blocks or 1 + max((max(s["layers"]) for s in result.scores), default=0)
+        fig = _new_figure(6.5, 5.5)
+        ax = fig.add_subplot()
+        _heatmap(fig, ax, pair_array(_pair_entries(result, ("pair",)), n), "block", title)
+        return _finish(fig, path)
+    if result.kind == "interval":
+        fig = _new_figure(8, 4.5)
+        _interval_heatmap(fig, fig.add_subplot(), result, title)
+        return _finish(fig, path)
+    if result.kind == "span":
+        fig = _new_figure(8, 4.5)
+        _span_bars(fig.add_subplot(), result, title)
+        return _finish(fig, path)
+    if result.kind == "sublayer":
+        fig = _new_figure(max(6.0, 0.35 * result.num_blocks + 2), 4.5)
+        _sublayer_bars(fig.add_subplot(), result, title)
+        return _finish(fig, path)
+    extra = _extra_pairs(result) if result.kind == "layer" else None
+    width = max(6.0, 0.3 * result.num_blocks + 2)
+    if extra is None:
+        fig = _new_figure(width, 4.5)
+        _layer_bars(fig.add_subplot(), result, title)
+        return _finish(fig, path)
+    fig = _new_figure(width + 6, 5)
+    ax_bar, ax_map = fig.subplots(1, 2, width_ratios=[width, 6])
+    _layer_bars(ax_bar, result, title)
+    mat, label, map_title = extra
+    _heatmap(fig, ax_map, mat, label, map_title)
+    return _finish(fig, path)
+
+
+def plot_swap_pair(replacement: ProbeResult, interchange: ProbeResult,
+                   path: str | Path | None = None) -> Figure:
+    """Replacement and interchange heatmaps side by side on one colour scale (one colourbar)."""
+    mats = []
+    for res in (replacement, interchange):
+        n = res.num_blocks or 1 + max((max(s["layers"]) for s in res.scores), default=0)
+        mats.append(pair_array(_pair_entries(res, ("pair",)), n))
+    finite = np.concatenate([m[np.isfinite(m)] for m in mats])
+    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if vmin == vmax:
+        vmax = vmin + 1e-12
+    fig = _new_figure(12, 5.5)
+    axes = fig.subplots(1, 2)
+    images = [_heatmap(fig, ax, mat, "block", name, vmin=vmin, vmax=vmax, colorbar=False)
+              for ax, mat, name in zip(axes, mats, ("replacement", "interchange"), strict=True)]
+    fig.colorbar(images[0], ax=list(axes), label="mean KL (value)")
+    return _finish(fig, path)
