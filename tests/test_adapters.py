@@ -11,6 +11,7 @@ import transformers as tf
 from prunelab.errors import UnsupportedArchitectureError, UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
+
 from tiny_models import ARCHS, tiny_config, tiny_model, tiny_tokens
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")

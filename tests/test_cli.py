@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import prunelab
+
 from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
 
 
@@ -79,3 +80,21 @@ def test_error_paths(tiny_dir):
 def test_verbose_shows_traceback(tiny_dir):
     res = cli("--verbose", "info", "--model", str(tiny_dir / "missing"))
     assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+def test_probe_command(tiny_dir):
+    out = tiny_dir / "probes"
+    args = ["--quiet", "probe", "--model", str(tiny_dir / "model"), "--data",
+            f"text:{tiny_dir / 'text.txt'}", "--probe", "block-influence,interchange,interval",
+            "--pairs", "0-1,1-3", "--max-length", "2", "--samples", "4", "--seqlen", "16",
+            "--batch-size", "2", "--out", str(out)]
+    res = cli(*args)
+    assert res.returncode == 0, res.stderr
+    inter = json.loads((out / "interchange.json").read_text())
+    assert [s["layers"] for s in inter["scores"]] == [[0, 1], [1, 3]]
+    assert inter["data"]["samples"] == 4 and inter["block_evaluations"] == 4 + 3
+    assert (out / "summary.md").is_file() and (out / "interval.png").is_file()
+    assert_one_line_error(cli(*args), "--overwrite")
+    assert_one_line_error(cli(*args[:6], "--probe", "nope", "--out", str(out)), "unknown probe")
+    bad = [a if a != "0-1,1-3" else "0-x" for a in args]
+    assert_one_line_error(cli(*bad, "--overwrite"), "--pairs")

@@ -11,6 +11,7 @@ from prunelab.eval.divergence import kl_from_logits, nll_sum, top1_agreement
 from prunelab.eval.perplexity import score_windows
 from prunelab.eval.speed import measure_speed
 from prunelab.models.loading import wrap
+
 from tiny_models import tiny_model, tiny_tokens
 
 

@@ -12,6 +12,7 @@ import prunelab
 from prunelab.errors import OutputExistsError, UnsupportedOperationError
 from prunelab.io.save import write_json
 from prunelab.models.loading import wrap
+
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
 

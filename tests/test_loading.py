@@ -11,6 +11,7 @@ import prunelab
 from prunelab.errors import ConfigError, ModelNotFoundError, UnsupportedArchitectureError
 from prunelab.models.embedded import EMBEDDED, package_file
 from prunelab.models.loading import resolve_device, resolve_dtype
+
 from tiny_models import save_tiny_checkpoint
 
 

@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import ARCHS, tiny_model, tiny_tokens
 
 from prunelab.errors import ConfigError, OutputExistsError
 from prunelab.models.adapters import get_adapter
@@ -20,6 +19,8 @@ from prunelab.probes.interval import best_interval_pairs
 from prunelab.probes.similarity import block_influence, linear_cka
 from prunelab.probes.swap import interchange_order, replacement_order, select_pairs
 from prunelab.probes.weights import weight_redundancy
+
+from tiny_models import ARCHS, tiny_model, tiny_tokens
 
 
 def test_block_influence_hand_computed():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers as tf
@@ -89,3 +91,17 @@ def test_minilm_encoder_loads_runs_and_reloads(tmp_path):
     with torch.no_grad():
         again = tf.AutoModel.from_pretrained(out).eval()(input_ids=ids).last_hidden_state
     torch.testing.assert_close(again, ref[6], rtol=0, atol=0)
+
+
+def test_smollm2_probes_block_influence_and_adjacent_interchange(smol, tmp_path):
+    res = prunelab.probe(smol, ["block-influence", "interchange"], "wiki-vital:calib",
+                         seqlen=64, samples=4, window=1, out_dir=tmp_path / "probes")
+    bi, inter = res["block-influence"], res["interchange"]
+    assert [s["layers"] for s in bi.scores] == [[i] for i in range(30)]
+    assert all(0 <= s["value"] <= 2 for s in bi.scores)
+    assert [s["layers"] for s in inter.scores] == [[i, i + 1] for i in range(29)]
+    for s in inter.scores:
+        assert math.isfinite(s["value"]) and s["value"] >= 0
+        assert math.isfinite(s["value_all_positions"]) and s["value_all_positions"] >= 0
+    assert inter.meta["block_evaluations"] == sum(30 - i for i in range(29))
+    assert (tmp_path / "probes" / "summary.md").read_text().count("| 28-29 |") >= 1

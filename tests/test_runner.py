@@ -10,6 +10,7 @@ import torch
 from prunelab.calib.runner import BlockRunner, StateStore
 from prunelab.calib.stats import Gram, SumSquares
 from prunelab.models.adapters import get_adapter
+
 from tiny_models import ARCHS, tiny_model, tiny_tokens
 
 

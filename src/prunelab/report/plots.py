@@ -86,8 +86,8 @@ def _heatmap(fig: Figure, ax, mat: np.ndarray, label: str, title: str,
     """Draw ``mat`` on ``ax`` (NaN cells shown light grey); returns the image."""
     im = ax.imshow(np.ma.masked_invalid(mat), cmap=_cmap(), vmin=vmin, vmax=vmax,
                    origin="upper", interpolation="nearest")
-    ax.set_xlabel(f"{label} (0-based)")
-    ax.set_ylabel(f"{label} (0-based)")
+    ax.set_xlabel(label)
+    ax.set_ylabel(label)
     ax.set_title(title)
     _integer_ticks(ax, mat.shape[1], "x")
     _integer_ticks(ax, mat.shape[0], "y")
@@ -200,12 +200,12 @@ def _extra_pairs(result: ProbeResult) -> tuple[np.ndarray, str, str] | None:
     boundary = _pair_entries(result, ("boundary-pair",))
     if boundary:
         size = max(result.num_blocks + 1, 1 + max(max(s["layers"]) for s in boundary))
-        return (pair_array(boundary, size), "boundary (i = input of block i)",
+        return (pair_array(boundary, size), "boundary (0-based; i = input of block i)",
                 f"{result.probe}: boundary pairs")
     pairs = [s for s in result.scores if len(s["layers"]) == 2 and s.get("kind") == "pair"]
     if pairs:
         size = max(result.num_blocks, 1 + max(max(s["layers"]) for s in pairs))
-        return pair_array(pairs, size), "block", f"{result.probe}: pair similarity"
+        return pair_array(pairs, size), "block (0-based)", f"{result.probe}: pair similarity"
     return None
 
 
@@ -217,7 +217,8 @@ def plot_result(result: ProbeResult, path: str | Path | None = None) -> Figure:
         n = result.num_blocks or 1 + max((max(s["layers"]) for s in result.scores), default=0)
         fig = _new_figure(6.5, 5.5)
         ax = fig.add_subplot()
-        _heatmap(fig, ax, pair_array(_pair_entries(result, ("pair",)), n), "block", title)
+        _heatmap(fig, ax, pair_array(_pair_entries(result, ("pair",)), n), "block (0-based)",
+                 title)
         return _finish(fig, path)
     if result.kind == "interval":
         fig = _new_figure(8, 4.5)
@@ -258,7 +259,7 @@ def plot_swap_pair(replacement: ProbeResult, interchange: ProbeResult,
         vmax = vmin + 1e-12
     fig = _new_figure(12, 5.5)
     axes = fig.subplots(1, 2)
-    images = [_heatmap(fig, ax, mat, "block", name, vmin=vmin, vmax=vmax, colorbar=False)
+    images = [_heatmap(fig, ax, mat, "block (0-based)", name, vmin=vmin, vmax=vmax, colorbar=False)
               for ax, mat, name in zip(axes, mats, ("replacement", "interchange"), strict=True)]
     fig.colorbar(images[0], ax=list(axes), label="mean KL (value)")
     return _finish(fig, path)
