@@ -199,3 +199,7 @@ def test_outputs_resume_and_overwrite(tmp_path):
     assert not (out / "interchange.partial.json").exists()
     loaded = ProbeResult.load(out / "interchange.json")
     assert loaded.ranking() == again.ranking()
+    frame = loaded.to_frame()
+    assert len(frame) == 3 and list(frame["layers"]) == [(0, 1), (1, 2), (2, 3)]
+    fig = loaded.plot(tmp_path / "again.png")
+    assert fig.axes and (tmp_path / "again.png").stat().st_size > 1000

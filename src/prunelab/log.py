@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -37,8 +38,11 @@ def info(message: str) -> None:
 
 def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
     """Iterate ``items`` showing a bar with the time elapsed and an estimate of the time left."""
-    if _state["quiet"] or not sys.stderr.isatty():
+    if _state["quiet"]:
         yield from items
+        return
+    if not sys.stderr.isatty():
+        yield from _plain_progress(items, total, desc)
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
@@ -47,3 +51,18 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> It
         for item in items:
             yield item
             bar.advance(task)
+
+
+def _plain_progress(items: Iterable[T], total: int | None, desc: str,
+                    every: float = 15.0) -> Iterator[T]:
+    """Without a terminal: a status line at most every ``every`` seconds, with an ETA."""
+    start = last = time.perf_counter()
+    done = 0
+    for item in items:
+        yield item
+        done += 1
+        now = time.perf_counter()
+        if now - last >= every and total:
+            eta = (now - start) / done * (total - done)
+            info(f"{desc}: {done}/{total} after {now - start:.0f} s, about {eta:.0f} s left")
+            last = now
