@@ -5,11 +5,12 @@ Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`evaluate`, :func
 
 __version__ = "0.1.0"
 
-from prunelab.api import evaluate, info, load, probe, save  # noqa: E402
+from prunelab.api import evaluate, info, load, probe, prune, save  # noqa: E402
 from prunelab.calib.runner import BlockRunner, StateStore  # noqa: E402
 from prunelab.errors import PrunelabError  # noqa: E402
 from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
+from prunelab.prune import Depth  # noqa: E402
 
-__all__ = ["BlockRunner", "LoadedModel", "PrunelabError", "StateStore", "evaluate",
-           "get_adapter", "info", "load", "probe", "save", "wrap", "__version__"]
+__all__ = ["BlockRunner", "Depth", "LoadedModel", "PrunelabError", "StateStore", "evaluate",
+           "get_adapter", "info", "load", "probe", "prune", "save", "wrap", "__version__"]

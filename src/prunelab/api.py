@@ -140,6 +140,27 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
     return results
 
 
+def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
+          samples: int | None = 32, seed: int = 0, batch_size: int = 8, tokenizer=None) -> dict:
+    """Prune ``model`` in place with a method config, e.g.
+    ``prunelab.prune(lm, Depth(remove=6, recovery="foldable"), "wiki-vital:calib")``.
+
+    Returns the method's report (removed units, sizes before/after, calibration KL before
+    and after recovery...); it is also recorded in the model's history for the manifest.
+    """
+    from prunelab.prune import PRUNERS
+
+    lm = _as_loaded(model, tokenizer)
+    handler = PRUNERS.get(type(config))
+    if handler is None:
+        raise ConfigError(f"no pruning method for {type(config).__name__}")
+    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
+    report = handler(lm, config, batches.input_ids, data_info=batches.to_dict(),
+                     batch_size=batch_size)
+    lm.last_report = report
+    return report
+
+
 def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bool = False,
          tokenizer=None, **manifest_fields) -> Path:
     """Write a checkpoint that plain ``transformers`` loads, with ``manifest.json``."""

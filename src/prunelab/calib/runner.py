@@ -268,19 +268,21 @@ class BlockRunner:
 
     def run(self, on_block: Callable[[int, list[torch.Tensor]], None] | None = None,
             propagate: str = "modified", states: StateStore | None = None,
-            desc: str = "blocks") -> list[torch.Tensor]:
+            desc: str = "blocks", until: int | None = None) -> list[torch.Tensor]:
         """Run every block in order and return the last block's outputs.
 
         ``on_block(index, inputs)`` is called before block ``index`` runs and may change
         it (prune, collect statistics). ``propagate="dense"`` passes on the outputs the
         block had before ``on_block``; ``"modified"`` those after. ``states`` receives the
         hidden state at every boundary ``0..L`` (boundary ``i`` = input of block ``i``).
+        ``until``: stop after block ``until`` and return its outputs.
         """
         if propagate not in ("dense", "modified"):
             raise ValueError(f"propagate must be 'dense' or 'modified', got {propagate!r}")
         self.ensure_captured()
         hidden = list(self.inputs)
-        n = self.adapter.num_blocks
+        n = self.adapter.num_blocks if until is None else min(until + 1,
+                                                                 self.adapter.num_blocks)
         if states is not None:
             states.put(0, hidden)
         for i in progress(range(n), total=n, desc=desc):
@@ -291,6 +293,32 @@ class BlockRunner:
             if states is not None:
                 states.put(i + 1, hidden)
         return hidden
+
+    @torch.no_grad()
+    def tap(self, index: int, hidden: Sequence[torch.Tensor], taps: dict[str, nn.Module],
+            what: str = "output") -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+        """Run block ``index`` and also return the outputs (or first inputs) of the
+        modules in ``taps``, one tensor per batch. Hooks are removed on exit."""
+        self.ensure_captured()
+        seen: dict[str, list[torch.Tensor]] = {name: [] for name in taps}
+
+        def hook_for(name):
+            def hook(_module, inputs, output=None):
+                value = inputs[0] if what == "input" else output
+                value = value[0] if isinstance(value, tuple) else value
+                seen[name].append(value.detach().to(self.store_device))
+            return hook
+
+        if what not in ("input", "output"):
+            raise ValueError(f"what must be input or output, got {what!r}")
+        handles = [m.register_forward_pre_hook(hook_for(n)) if what == "input"
+                   else m.register_forward_hook(hook_for(n)) for n, m in taps.items()]
+        try:
+            outs = self.run_block(index, hidden)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return outs, seen
 
     @contextlib.contextmanager
     def zeroed(self, modules: Sequence[nn.Module]):

@@ -108,11 +108,16 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     """Save ``lm`` as a plain ``transformers`` checkpoint plus ``manifest.json``.
 
     The config is brought in line with the (pruned) shapes first; shapes a plain config
-    cannot describe raise :class:`~prunelab.errors.UnsupportedOperationError`.
+    cannot describe raise :class:`~prunelab.errors.UnsupportedOperationError`. Models with
+    linear bridges (ghost / lra depth recovery) get a modeling file and ``auto_map`` and
+    load with ``trust_remote_code=True`` (see :mod:`prunelab.io.remote`).
     """
+    from prunelab.io.remote import has_bridges, write_remote_code
+
     out = Path(out_dir)
     _check_target(out, overwrite)
     lm.adapter.sync_config()
+    remote = has_bridges(lm.model)
     if getattr(lm.model, "hf_quantizer", None) is not None:
         raise PrunelabError("a quantized (GGUF) model cannot be saved; load it by prunelab "
                             "spec so it is converted to a float checkpoint first")
@@ -122,7 +127,11 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
         lm.model.save_pretrained(tmp)
         if lm.tokenizer is not None:
             lm.tokenizer.save_pretrained(tmp)
-        man = manifest if manifest is not None else build_manifest(lm)
+        man = dict(manifest) if manifest is not None else build_manifest(lm)
+        if remote:
+            man["remote_code"] = write_remote_code(lm.model, tmp)
+        man["loads_with"] = ("AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)"
+                             if remote else "plain transformers (no remote code)")
         write_json(tmp / "manifest.json", man)
         os.chmod(tmp, 0o755)
         _replace(tmp, out)

@@ -178,7 +178,10 @@ FAMILIES: tuple[FamilySpec, ...] = (LLAMA, GPT2, GPT_NEOX, OPT, BERT)
 
 
 def family_for_model_type(model_type: str | None) -> FamilySpec | None:
-    """The family that handles ``config.model_type``, or ``None``."""
+    """The family that handles ``config.model_type``, or ``None`` (prunelab's bridged
+    checkpoints, ``prunelab_bridged_<type>``, belong to the family of ``<type>``)."""
+    if model_type and model_type.startswith("prunelab_bridged_"):
+        model_type = model_type[len("prunelab_bridged_"):]
     for fam in FAMILIES:
         if model_type in fam.model_types:
             return fam

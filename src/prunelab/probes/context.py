@@ -103,14 +103,39 @@ class ProbeContext:
         return out
 
     @torch.no_grad()
-    def divergence(self, final_raw: list[torch.Tensor]) -> tuple[float, float]:
+    def model_divergence(self, model_lm) -> tuple[float, float]:
+        """Divergence of a whole (pruned) model on the same windows: one full forward."""
+        outs = []
+        for ids in self.runner.batches:
+            out = model_lm.adapter.base(input_ids=ids.to(self.runner.device), use_cache=False)
+            outs.append(out.last_hidden_state)
+        return self.divergence(outs, normed=True, adapter=model_lm.adapter)
+
+    @torch.no_grad()
+    def nll(self, final_raw: list[torch.Tensor]) -> float:
+        """Mean next-token NLL of a modified stack on the calibration windows."""
+        total, count = 0.0, 0
+        for b, h in enumerate(final_raw):
+            logits = self.adapter.logits(self._final(h.to(self.runner.device)))
+            ids = self.runner.batches[b].to(logits.device)
+            logp = torch.log_softmax(logits[:, :-1].float(), -1)
+            total -= float(logp.gather(-1, ids[:, 1:, None]).double().sum())
+            count += ids[:, 1:].numel()
+        return total / count
+
+    @torch.no_grad()
+    def divergence(self, final_raw: list[torch.Tensor], normed: bool = False,
+                   adapter=None) -> tuple[float, float]:
         """``(last-position value, all-positions value)`` of a modified stack's raw last
-        block output against the dense model (see module docstring)."""
+        block output (``normed``: already after the final norm) against the dense model
+        (see module docstring)."""
+        adapter = adapter or self.adapter
         last_sum = all_sum = 0.0
         n_rows = n_tok = 0
         for b, h in enumerate(final_raw):
             ref = self._ref(b).to(self.runner.device)
-            final = self._final(h.to(self.runner.device))
+            h = h.to(self.runner.device)
+            final = h if normed else self._final(h)
             if self.encoder:
                 pooled = torch.cosine_similarity(ref.mean(1).double(), final.mean(1).double(),
                                                  dim=-1)
@@ -118,7 +143,7 @@ class ProbeContext:
                 last_sum += float((1 - pooled).sum())
                 all_sum += float((1 - tok).sum())
             else:
-                logits = self.adapter.logits(final)
+                logits = adapter.logits(final)
                 last_sum += float(kl_last_position(ref[:, -1], logits[:, -1]).sum())
                 for r in range(h.shape[0]):
                     lp_ref = torch.log_softmax(ref[r].float(), -1)
