@@ -1,16 +1,21 @@
 """prunelab: measure where a transformer is redundant and remove that redundancy.
 
-Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`evaluate`, :func:`save`.
+Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`prune`, :func:`evaluate`,
+:func:`save`.
 """
 
 __version__ = "0.1.0"
 
+# The subpackage prunelab.prune must be imported before the verb prune below, so that the
+# function (not the subpackage) is what ``prunelab.prune`` names.
+from prunelab.prune import Depth  # noqa: E402
+
+# isort: split
 from prunelab.api import evaluate, info, load, probe, prune, save  # noqa: E402
 from prunelab.calib.runner import BlockRunner, StateStore  # noqa: E402
 from prunelab.errors import PrunelabError  # noqa: E402
 from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
-from prunelab.prune import Depth  # noqa: E402
 
 __all__ = ["BlockRunner", "Depth", "LoadedModel", "PrunelabError", "StateStore", "evaluate",
            "get_adapter", "info", "load", "probe", "prune", "save", "wrap", "__version__"]

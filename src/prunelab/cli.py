@@ -208,6 +208,127 @@ def probe(model: str = ModelOpt,
     log.info(f"wrote {out_dir}/ (NAME.json, NAME.csv, NAME.png, summary.md)")
 
 
+prune_app = typer.Typer(no_args_is_help=True, help="Prune a model and save a checkpoint.")
+sweep_app = typer.Typer(no_args_is_help=True, help="Pruning curves over several settings.")
+app.add_typer(prune_app, name="prune")
+app.add_typer(sweep_app, name="sweep")
+
+
+def _blocks(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ConfigError(f"--blocks takes 0-based indices like 3,5,9, got {text!r}") from exc
+
+
+@prune_app.command("depth")
+def prune_depth_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        remove: Optional[int] = typer.Option(None, help="number of blocks to remove"),
+        target_params: Optional[float] = typer.Option(None, help="parameters to keep: a "
+                                                      "fraction (<= 1) or a count"),
+        probe_name: str = typer.Option("block-influence", "--probe", help="probe that ranks "
+                                       "blocks (run on the calibration data)"),
+        from_probe: Optional[Path] = typer.Option(None, help="a saved DIR/NAME.json instead"),
+        strategy: Optional[str] = typer.Option(None, help="one-shot | no-adjacent | span | "
+                                               "iterative | beam | blend | last-n | random "
+                                               "(default from the probe kind)"),
+        recovery: str = typer.Option("none", help="none | foldable | boundary | ghost | lra"),
+        rank: Optional[int] = typer.Option(None, help="lra: rank of the adapter"),
+        token_aware: bool = typer.Option(False, "--token-aware", help="ghost/lra: separate "
+                                         "map for the first position"),
+        blocks: Optional[str] = typer.Option(None, help="explicit 0-based blocks, e.g. 3,5"),
+        window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
+        blend_probe: str = typer.Option("contraction", help="blend: the second probe"),
+        beam_width: int = typer.Option(3, help="beam: width"),
+        beam_seeds: int = typer.Option(12, help="beam: candidate blocks"),
+        beam_score: str = typer.Option("kl", help="beam: kl or perplexity"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling / random strategy seed"),
+        batch_size: int = typer.Option(8, help="windows per block call"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+    """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
+    from prunelab import api
+    from prunelab.prune import Depth
+
+    if out_dir.exists() and not overwrite:
+        raise OutputExistsError(f"{out_dir} exists; pass --overwrite to replace it")
+    cfg = Depth(remove=remove, target_params=target_params, probe=probe_name,
+                from_probe=str(from_probe) if from_probe else None, strategy=strategy,
+                recovery=recovery, rank=rank, token_aware=token_aware, blocks=_blocks(blocks),
+                window=window, blend_probe=blend_probe, beam_width=beam_width,
+                beam_seeds=beam_seeds, beam_score=beam_score, seed=seed)
+    lm = _load(model, dtype, device, trust_remote_code)
+    rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
+                    batch_size=batch_size)
+    api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
+             metrics={k: rep[k] for k in ("calib_kl_before_recovery",
+                                          "calib_kl_after_recovery")},
+             extra={"report": rep})
+    t = Table(title=f"depth pruning of {model}", show_header=False)
+    b, a = rep["size_before"], rep["size_after"]
+    rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
+            ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
+            ("selection", ", ".join(f"{k}={v}" for k, v in rep["selection"].items()
+                                    if v is not None and k != "beam")),
+            ("recovery", rep["recovery"]),
+            ("parameters", f"{b['params']:,} -> {a['params']:,} "
+                           f"({a['params'] / b['params']:.1%})"),
+            ("bytes", f"{_fmt_bytes(b['bytes'])} -> {_fmt_bytes(a['bytes'])}"),
+            ("calibration KL before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
+            ("calibration KL after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
+            ("checkpoint", str(out_dir))]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+    if rep["needs_remote_code"]:
+        out.print(f"note: {recovery} adds linear bridges: load the checkpoint with "
+                  "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
+
+
+@sweep_app.command("depth")
+def sweep_depth_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        test: str = typer.Option("wiki-vital:test", help="test data spec"),
+        probes: str = typer.Option("block-influence", help="comma-separated probes; "
+                                   "last-n and random are baselines"),
+        remove: str = typer.Option("1..4", help="N..M or a list N,M,..."),
+        recovery: str = typer.Option("none,foldable", help="comma-separated recoveries"),
+        out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
+        strategy: Optional[str] = typer.Option(None, help="override the per-probe default"),
+        window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="calibration window length"),
+        test_samples: int = typer.Option(16, help="test windows"),
+        test_seqlen: int = typer.Option(512, help="test window length"),
+        seed: int = typer.Option(0, help="window sampling / random baseline seed"),
+        batch_size: int = typer.Option(8, help="windows per block call"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+    """Test perplexity and KL to dense against blocks removed, per probe x recovery."""
+    from prunelab import api
+    from prunelab.prune.sweep import parse_range, sweep_depth
+
+    removes = parse_range(remove)
+    lm = _load(model, dtype, device, trust_remote_code)
+    calib = api.tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
+    test_b = api.tokens_for(lm, test, seqlen=test_seqlen, samples=test_samples, mode="test")
+    points = sweep_depth(lm, [p.strip() for p in probes.split(",") if p.strip()], removes,
+                         [r.strip() for r in recovery.split(",") if r.strip()],
+                         calib.input_ids, test_b.input_ids, out_dir, batch_size=batch_size,
+                         window=window, seed=seed, strategy=strategy,
+                         data_info=calib.to_dict())
+    print((out_dir / "curve.md").read_text())
+    log.info(f"wrote {out_dir}/ (curve.png, curve.csv, curve.md, points.json); "
+             f"{len(points)} points")
+
+
 def run() -> None:
     """Console entry point: one-line errors, exit code 2, traceback only with --verbose."""
     import transformers

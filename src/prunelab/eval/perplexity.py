@@ -31,9 +31,12 @@ def final_hidden(lm, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def score_windows(lm, input_ids: torch.Tensor, batch_size: int = 4, reference=None,
-                  desc: str = "eval") -> dict:
+                  desc: str = "eval", reference_cache: dict | None = None) -> dict:
     """Perplexity of ``lm`` on ``input_ids`` ``[N, T]``; KL and top-1 agreement to
-    ``reference`` (another loaded model with the same tokenizer) when given."""
+    ``reference`` (another loaded model with the same tokenizer) when given.
+
+    ``reference_cache``: a dict that keeps the reference's final hidden states per batch,
+    so that evaluating many models against one reference runs the reference once."""
     input_ids = torch.as_tensor(input_ids)
     n, t = input_ids.shape
     nll = 0.0
@@ -42,7 +45,15 @@ def score_windows(lm, input_ids: torch.Tensor, batch_size: int = 4, reference=No
     batches = input_ids.split(batch_size)
     for ids in progress(batches, total=len(batches), desc=desc):
         hidden = final_hidden(lm, ids)
-        ref_hidden = final_hidden(reference, ids) if reference is not None else None
+        ref_hidden = None
+        if reference is not None:
+            key = (len(ids), hash(ids.numpy().tobytes()))
+            if reference_cache is not None and key in reference_cache:
+                ref_hidden = reference_cache[key].to(lm.device)
+            else:
+                ref_hidden = final_hidden(reference, ids)
+                if reference_cache is not None:
+                    reference_cache[key] = ref_hidden.to("cpu")
         for row in range(ids.shape[0]):
             logits = lm.adapter.logits(hidden[row:row + 1])
             nll += float(nll_sum(logits, ids[row:row + 1]))

@@ -128,8 +128,10 @@ def _load_probe(path: str, num_blocks: int) -> ProbeResult:
     return res
 
 
-def select(lm, cfg: Depth, ctx: ProbeContext, n: int) -> tuple[list[int], dict]:
-    """The blocks to remove (0-based, current numbering) and how they were chosen."""
+def select(lm, cfg: Depth, ctx: ProbeContext, n: int,
+           result: ProbeResult | None = None) -> tuple[list[int], dict]:
+    """The blocks to remove (0-based, current numbering) and how they were chosen.
+    ``result``: a probe result computed earlier on the same model (reused, not re-run)."""
     nb = lm.adapter.num_blocks
     if cfg.blocks:
         if any(not 0 <= b < nb for b in cfg.blocks) or len(set(cfg.blocks)) != len(cfg.blocks):
@@ -142,8 +144,9 @@ def select(lm, cfg: Depth, ctx: ProbeContext, n: int) -> tuple[list[int], dict]:
         return sel.random_blocks(nb, n, cfg.seed), {"strategy": strategy, "seed": cfg.seed}
     if strategy == "iterative":
         return iterative(lm, cfg, ctx, n), {"strategy": strategy, "probe": cfg.probe}
-    result = _load_probe(cfg.from_probe, nb) if cfg.from_probe else run_probe(cfg.probe, ctx,
-                                                                              cfg, n)
+    if result is None:
+        result = _load_probe(cfg.from_probe, nb) if cfg.from_probe else \
+            run_probe(cfg.probe, ctx, cfg, n)
     strategy = strategy or default_strategy(result)
     how = {"strategy": strategy, "probe": result.probe,
            "from_probe": cfg.from_probe, "layer_values": result.layer_values()}

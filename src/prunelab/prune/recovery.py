@@ -43,9 +43,10 @@ def fit_foldable(runner, index: int, inputs, targets, ridge: float = 1e-6) -> di
     eq = NormalEquations()
     before = 0.0
     for out, m, y in zip(outs, taps["m"], targets, strict=True):
-        rest = out.double() - m.double()
-        eq.update(m, y.double() - rest)
-        before += float((out.double() - y.double()).pow(2).sum())
+        out, m, y = _rows(out), _rows(m), _rows(y)  # some families flatten tokens (opt)
+        rest = out - m
+        eq.update(m, y - rest)
+        before += float((out - y).pow(2).sum())
     t = eq.solve(ridge)  # [d, d]: m -> m T
     down = ad.mlp_projections(index)["down"]
     w = weight_out_in(down).detach().double()
@@ -54,6 +55,11 @@ def fit_foldable(runner, index: int, inputs, targets, ridge: float = 1e-6) -> di
         with torch.no_grad():
             down.bias.copy_((down.bias.double() @ t.to(down.bias.device)).to(down.bias.dtype))
     return {"error_before": before, "error_after": _error(runner, index, inputs, targets)}
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., d] -> [tokens, d]`` in float64."""
+    return x.reshape(-1, x.shape[-1]).double()
 
 
 def _error(runner, index, inputs, targets) -> float:
@@ -69,8 +75,8 @@ def _refit_projection(runner, index, inputs, targets, proj, ridge) -> None:
     has_bias = getattr(proj, "bias", None) is not None
     eq = NormalEquations(affine=has_bias)
     for out, z, p, y in zip(outs, taps["z"], outp["p"], targets, strict=True):
-        rest = out.double() - p.double()
-        eq.update(z, y.double() - rest)
+        rest = _rows(out) - _rows(p)
+        eq.update(_rows(z), _rows(y) - rest)
     sol = eq.solve(ridge)
     d_in = weight_out_in(proj).shape[1]
     set_weight_out_in(proj, sol[:d_in].t())

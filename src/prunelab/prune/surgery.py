@@ -96,15 +96,24 @@ def recover(lm, cfg: Depth, ctx: ProbeContext, removed: list[int], batch_size: i
 
 
 def prune_depth(lm, cfg: Depth, input_ids, data_info: dict | None = None,
-                batch_size: int = 8) -> dict:
-    """Select, delete and repair; returns the report (0-based original block numbers)."""
+                batch_size: int = 8, ctx: ProbeContext | None = None,
+                removed: list[int] | None = None) -> dict:
+    """Select, delete and repair; returns the report (0-based original block numbers).
+
+    ``ctx``: a probe context of the dense model on the same windows (e.g. shared by the
+    points of a sweep, where ``lm`` is a copy of that model); ``removed``: skip selection.
+    """
     start = time.perf_counter()
     before = model_size(lm.model)
     n_orig = lm.adapter.num_blocks
-    n = blocks_to_remove(lm, cfg)
-    ctx = ProbeContext(lm, input_ids, batch_size=batch_size, lazy=True)
+    own = ctx is None
+    ctx = ctx or ProbeContext(lm, input_ids, batch_size=batch_size, lazy=True)
+    evals0 = ctx.block_evaluations
     try:
-        removed, how = select(lm, cfg, ctx, n)
+        if removed is None:
+            removed, how = select(lm, cfg, ctx, blocks_to_remove(lm, cfg))
+        else:
+            removed, how = sorted(removed), {"strategy": "given"}
         info(f"prunelab: removing blocks {removed} (0-based) of {n_orig}")
         ctx.ensure_cached()
         lm.adapter.delete_blocks(removed)
@@ -112,7 +121,8 @@ def prune_depth(lm, cfg: Depth, input_ids, data_info: dict | None = None,
         records = recover(lm, cfg, ctx, removed, batch_size) if cfg.recovery != "none" else []
         kl_after = ctx.model_divergence(lm) if records else kl_none
     finally:
-        ctx.close()
+        if own:
+            ctx.close()
     report = {
         "removed_blocks": removed, "kept_blocks": [i for i in range(n_orig) if i not in removed],
         "num_blocks_before": n_orig, "num_blocks_after": lm.adapter.num_blocks,
@@ -123,7 +133,7 @@ def prune_depth(lm, cfg: Depth, input_ids, data_info: dict | None = None,
         "calib_kl_last_before_recovery": kl_none[0], "calib_kl_last_after_recovery": kl_after[0],
         "size_before": before, "size_after": model_size(lm.model),
         "needs_remote_code": cfg.recovery in ("ghost", "lra"),
-        "block_evaluations": ctx.block_evaluations, "seconds": time.perf_counter() - start,
+        "block_evaluations": ctx.block_evaluations - evals0, "seconds": time.perf_counter() - start,
         "data": data_info or {},
     }
     lm.history.append({"operation": "prune-depth", "config": _cfg_dict(cfg),

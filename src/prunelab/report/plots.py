@@ -263,3 +263,34 @@ def plot_swap_pair(replacement: ProbeResult, interchange: ProbeResult,
               for ax, mat, name in zip(axes, mats, ("replacement", "interchange"), strict=True)]
     fig.colorbar(images[0], ax=list(axes), label="mean KL (value)")
     return _finish(fig, path)
+
+
+def plot_sweep(points: list[dict], dense: dict, path: str | Path | None = None) -> Figure:
+    """Depth-pruning curve: test perplexity (log scale) and KL to dense against blocks
+    removed, one line per probe x recovery; the dense perplexity as a dashed line."""
+    fig = _new_figure(11.0, 4.2)
+    ax_ppl, ax_kl = fig.subplots(1, 2)
+    lines = sorted({(p["probe"], p["recovery"]) for p in points})
+    for probe, rec in lines:
+        pts = sorted((p for p in points if p["probe"] == probe and p["recovery"] == rec
+                      and p.get("test_perplexity") is not None),
+                     key=lambda p: p["removed_count"])
+        if not pts:
+            continue
+        xs = [0] + [p["removed_count"] for p in pts]
+        style = "-" if rec == "none" else "--"
+        ax_ppl.plot(xs, [dense["perplexity"]] + [p["test_perplexity"] for p in pts], style,
+                    marker="o", label=f"{probe} / {rec}")
+        ax_kl.plot(xs, [0.0] + [p["test_kl"] for p in pts], style, marker="o",
+                   label=f"{probe} / {rec}")
+    ax_ppl.axhline(dense["perplexity"], color="grey", linestyle=":", linewidth=1)
+    ax_ppl.set_yscale("log")
+    ax_ppl.set_xlabel("blocks removed")
+    ax_ppl.set_ylabel("test perplexity")
+    ax_kl.set_xlabel("blocks removed")
+    ax_kl.set_ylabel("KL to dense (mean over positions)")
+    ax_ppl.set_title("test perplexity")
+    ax_kl.set_title("KL to the dense model")
+    if lines:
+        ax_kl.legend(fontsize=7, loc="upper left")
+    return _finish(fig, path)

@@ -1,0 +1,184 @@
+"""Depth-pruning curves: test perplexity and KL against blocks removed.
+
+One line per probe x recovery (the central figure of the "No Free Swap" study). The dense
+model is probed once on the calibration windows (one shared cache of block boundaries);
+every point prunes a fresh copy of the dense model, repairs it, and is scored on the test
+windows against the dense model (whose test outputs are computed once). ``last-n`` and
+``random`` can be listed among the probes as baselines.
+
+Resumable: ``DIR/points.json`` gains one entry per finished point (written atomically) and
+finished points are never redone; probe results are kept in ``DIR/probes/``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from prunelab.errors import ConfigError
+from prunelab.eval.perplexity import score_windows
+from prunelab.io.save import write_json
+from prunelab.log import info
+from prunelab.models.loading import wrap
+from prunelab.probes import ProbeContext, ProbeResult
+from prunelab.probes.base import REGISTRY
+from prunelab.prune.depth import Depth, run_probe, select
+from prunelab.prune.surgery import prune_depth
+
+BASELINES = ("last-n", "random")
+N_DEPENDENT = ("span-angular", "interval")  # re-probed for every n
+
+
+def parse_range(text: str) -> list[int]:
+    """``"1..6"`` or ``"1,2,4"`` -> sorted distinct ints."""
+    try:
+        if ".." in text:
+            lo, hi = text.split("..")
+            values = list(range(int(lo), int(hi) + 1))
+        else:
+            values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--remove takes N..M or a list N,M,..., got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise ConfigError(f"--remove needs values >= 1, got {text!r}")
+    return sorted(set(values))
+
+
+def _point_key(p: dict) -> tuple:
+    return (p["probe"], p["recovery"], p["removed_count"])
+
+
+def _probe_result(name, ctx, out: Path, window, seed) -> ProbeResult:
+    path = out / "probes" / f"{name}.json"
+    if path.is_file():
+        res = ProbeResult.load(path)
+        if res.num_blocks == ctx.num_blocks:
+            return res
+    res = run_probe(name, ctx, Depth(remove=1, probe=name, window=window, seed=seed), 1)
+    write_json(path, res.to_dict(), overwrite=True)
+    return res
+
+
+def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str],
+                calib_ids, test_ids, out_dir, *, batch_size: int = 8, window: int | None = 1,
+                seed: int = 0, strategy: str | None = None, data_info: dict | None = None
+                ) -> list[dict]:
+    """Run every (probe, recovery, n) point not yet in ``out_dir``; returns all points."""
+    for name in probes:
+        if name not in REGISTRY and name not in BASELINES:
+            raise ConfigError(f"unknown probe {name!r}; available: "
+                              f"{', '.join([*REGISTRY, *BASELINES])}")
+    for rec in recoveries:
+        Depth(remove=1, recovery=rec)  # validates the name
+    nb = lm.adapter.num_blocks
+    if max(removes) >= nb:
+        raise ConfigError(f"cannot remove {max(removes)} of {nb} blocks")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    points_path = out / "points.json"
+    points = json.loads(points_path.read_text()) if points_path.is_file() else []
+    done = {_point_key(p) for p in points}
+    ctx = ProbeContext(lm, calib_ids, batch_size=batch_size, lazy=True)
+    ref_cache: dict = {}
+    try:
+        dense = score_windows(lm, test_ids, batch_size=4, reference=lm,
+                              reference_cache=ref_cache, desc="dense test")
+        write_json(out / "dense.json", dense, overwrite=True)
+        for name in probes:
+            result = None
+            if name not in BASELINES and name not in N_DEPENDENT:
+                result = _probe_result(name, ctx, out, window, seed)
+            for n in removes:
+                for rec in recoveries:
+                    key = (name, rec, n)
+                    if key in done:
+                        continue
+                    info(f"prunelab: sweep point {name} / {rec} / n={n}")
+                    point = _run_point(lm, ctx, name, rec, n, result, strategy, window, seed,
+                                       test_ids, ref_cache, batch_size)
+                    points.append(point)
+                    done.add(key)
+                    write_json(points_path, points, overwrite=True)
+        write_sweep_reports(points, dense, out)
+    finally:
+        ctx.close()
+    return points
+
+
+def _run_point(lm, ctx, name, rec, n, result, strategy, window, seed, test_ids, ref_cache,
+               batch_size) -> dict:
+    is_base = name in BASELINES
+    cfg = Depth(remove=n, probe="block-influence" if is_base else name, recovery=rec,
+                strategy=name if is_base else strategy, window=window, seed=seed)
+    removed, how = select(lm, cfg, ctx, n, result=result)
+    work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
+    try:
+        report = prune_depth(work, cfg, ctx.input_ids, batch_size=batch_size, ctx=ctx,
+                             removed=removed)
+        test = score_windows(work, test_ids, batch_size=4, reference=lm,
+                             reference_cache=ref_cache, desc=f"test n={n}")
+        error = None
+    except Exception as exc:  # a recovery that does not apply (e.g. cut at block 0)
+        from prunelab.errors import PrunelabError
+
+        if not isinstance(exc, PrunelabError):
+            raise
+        report, test, error = {}, {}, str(exc)
+    return {"probe": name, "strategy": how.get("strategy"), "recovery": rec,
+            "removed_count": n, "removed_blocks": removed,
+            "test_perplexity": test.get("perplexity"), "test_kl": test.get("kl_to_reference"),
+            "test_top1": test.get("top1_agreement"),
+            "calib_kl_before_recovery": report.get("calib_kl_before_recovery"),
+            "calib_kl_after_recovery": report.get("calib_kl_after_recovery"),
+            "params": (report.get("size_after") or {}).get("params"), "error": error}
+
+
+def write_sweep_reports(points: list[dict], dense: dict, out: Path) -> None:
+    """``curve.csv``, ``curve.md`` and ``curve.png`` from the finished points."""
+    from prunelab.report.plots import plot_sweep
+
+    cols = ["probe", "strategy", "recovery", "removed_count", "removed_blocks",
+            "test_perplexity", "test_kl", "test_top1", "calib_kl_before_recovery",
+            "calib_kl_after_recovery", "params", "error"]
+    lines = [",".join(cols)]
+    for p in sorted(points, key=_point_key):
+        row = [" ".join(map(str, p[c])) if isinstance(p.get(c), list) else
+               ("" if p.get(c) is None else str(p[c])) for c in cols]
+        lines.append(",".join(f'"{v}"' if "," in v else v for v in row))
+    _atomic_text(out / "curve.csv", "\n".join(lines) + "\n")
+    _atomic_text(out / "curve.md", sweep_markdown(points, dense))
+    plot_sweep(points, dense, out / "curve.png")
+
+
+def sweep_markdown(points: list[dict], dense: dict) -> str:
+    lines_ = sorted({(p["probe"], p["recovery"]) for p in points})
+    ns = sorted({p["removed_count"] for p in points})
+    by = {_point_key(p): p for p in points}
+    head = "| removed | " + " | ".join(f"{a} / {b}" for a, b in lines_) + " |"
+    out = ["# Depth pruning curve", "",
+           f"Dense test perplexity: {dense['perplexity']:.4f} ({dense['samples']} windows x "
+           f"{dense['seqlen']} tokens). Cells: test perplexity (KL to dense); blocks are "
+           "0-based.", "", head, "|" + "---|" * (len(lines_) + 1)]
+    for n in ns:
+        cells = []
+        for a, b in lines_:
+            p = by.get((a, b, n))
+            if p is None:
+                cells.append("")
+            elif p.get("error"):
+                cells.append("n/a")
+            else:
+                cells.append(f"{p['test_perplexity']:.3f} ({p['test_kl']:.4f})")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out += ["", "Removed blocks per point:", ""]
+    for p in sorted(points, key=_point_key):
+        out.append(f"- {p['probe']} / {p['recovery']} / n={p['removed_count']}: "
+                   f"{p['removed_blocks']}" + (f" ({p['error']})" if p.get("error") else ""))
+    return "\n".join(out) + "\n"
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
