@@ -105,3 +105,21 @@ def test_smollm2_probes_block_influence_and_adjacent_interchange(smol, tmp_path)
         assert math.isfinite(s["value_all_positions"]) and s["value_all_positions"] >= 0
     assert inter.meta["block_evaluations"] == sum(30 - i for i in range(29))
     assert (tmp_path / "probes" / "summary.md").read_text().count("| 28-29 |") >= 1
+
+
+def test_smollm2_depth_recovery_beats_none(smol):
+    """Remove 6 of 30 blocks chosen by block influence: foldable and ghost recovery give a
+    lower test perplexity than no recovery."""
+    from prunelab.prune.sweep import sweep_depth
+
+    calib = make_batches(smol.tokenizer, "wiki-vital:calib", seqlen=256, samples=16, seed=0)
+    test = make_batches(smol.tokenizer, "wiki-vital:test", seqlen=256, samples=8)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        points = sweep_depth(smol, ["block-influence"], [6], ["none", "foldable", "ghost"],
+                             calib.input_ids, test.input_ids, out, batch_size=8)
+    ppl = {p["recovery"]: p["test_perplexity"] for p in points}
+    assert len(points[0]["removed_blocks"]) == 6
+    assert ppl["foldable"] < ppl["none"] and ppl["ghost"] < ppl["none"]
+    assert smol.adapter.num_blocks == 30
