@@ -102,6 +102,17 @@ class StateStore:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+    def __del__(self) -> None:
+        if getattr(self, "_dir", None) is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
 
 class BlockRunner:
     """Runs a model's blocks one at a time over calibration batches.

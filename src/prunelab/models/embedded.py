@@ -144,6 +144,7 @@ def _unzip_once(em: EmbeddedModel, archive: Path) -> Path:
         root = min(roots, key=lambda p: len(p.parts)) if roots else tmp
         if target.exists():
             shutil.rmtree(target)
+        os.chmod(root, 0o755)
         os.replace(root, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -115,6 +115,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     try:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -176,6 +177,10 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     """
     import transformers
 
+    from prunelab.log import is_quiet
+
+    if is_quiet():
+        transformers.utils.logging.disable_progress_bar()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     source = resolve_source(spec)
