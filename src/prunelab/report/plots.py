@@ -283,6 +283,10 @@ def plot_sweep(points: list[dict], dense: dict, path: str | Path | None = None) 
                     marker="o", label=f"{probe} / {rec}")
         ax_kl.plot(xs, [0.0] + [p["test_kl"] for p in pts], style, marker="o",
                    label=f"{probe} / {rec}")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_ppl, ax_kl):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_ppl.axhline(dense["perplexity"], color="grey", linestyle=":", linewidth=1)
     ax_ppl.set_yscale("log")
     ax_ppl.set_xlabel("blocks removed")
