@@ -74,3 +74,25 @@ def test_embedded_files_found_without_importing_packages():
                 pytest.skip(f"{dist} not installed")
             assert path.is_file() and path.stat().st_size > 1000
             assert module not in sys.modules, f"{module} was imported"
+
+
+def test_gguf_path_is_converted_once_into_the_cache(tmp_path, monkeypatch):
+    """A .gguf spec goes through the converter, keyed by the file's sha256, and the
+    converted directory is then loaded like any checkpoint."""
+    from prunelab.models import loading
+
+    from tiny_models import save_tiny_checkpoint
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF-not-really")
+    monkeypatch.setenv("PRUNELAB_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(path, name=None):
+        calls.append((path, name))
+        return save_tiny_checkpoint("llama", tmp_path / "converted")
+
+    monkeypatch.setattr(loading, "convert_gguf", fake_convert)
+    lm = prunelab.load(str(gguf))
+    assert calls == [(gguf.resolve(), None)] and lm.adapter.num_blocks == 4
+    assert lm.source == str(tmp_path / "converted")
