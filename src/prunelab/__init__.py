@@ -8,7 +8,18 @@ __version__ = "0.1.0"
 
 # The subpackage prunelab.prune must be imported before the verb prune below, so that the
 # function (not the subpackage) is what ``prunelab.prune`` names.
-from prunelab.prune import Depth  # noqa: E402
+from prunelab.prune import (  # noqa: E402
+    Depth,
+    Magnitude,
+    Owl,
+    Pals,
+    QKWanda,
+    Ramp,
+    Rose,
+    SparseGPT,
+    Uniform,
+    Wanda,
+)
 
 # isort: split
 from prunelab.api import evaluate, info, load, probe, prune, save  # noqa: E402
@@ -17,5 +28,6 @@ from prunelab.errors import PrunelabError  # noqa: E402
 from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
 
-__all__ = ["BlockRunner", "Depth", "LoadedModel", "PrunelabError", "StateStore", "evaluate",
+__all__ = ["BlockRunner", "Depth", "LoadedModel", "Magnitude", "Owl", "Pals", "PrunelabError",
+           "QKWanda", "Ramp", "Rose", "SparseGPT", "StateStore", "Uniform", "Wanda", "evaluate",
            "get_adapter", "info", "load", "probe", "prune", "save", "wrap", "__version__"]

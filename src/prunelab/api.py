@@ -148,10 +148,10 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
     Returns the method's report (removed units, sizes before/after, calibration KL before
     and after recovery...); it is also recorded in the model's history for the manifest.
     """
-    from prunelab.prune import PRUNERS
+    from prunelab.prune import handler_for
 
     lm = _as_loaded(model, tokenizer)
-    handler = PRUNERS.get(type(config))
+    handler = handler_for(config)
     if handler is None:
         raise ConfigError(f"no pruning method for {type(config).__name__}")
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")

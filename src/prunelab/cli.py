@@ -292,6 +292,81 @@ def prune_depth_cmd(
                   "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
 
 
+def _patterns(text: str | None) -> tuple[str, ...]:
+    return tuple(p.strip() for p in (text or "").split(",") if p.strip())
+
+
+@prune_app.command("sparsity")
+def prune_sparsity_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        method: str = typer.Option("wanda", help="magnitude | wanda | sparsegpt | rose | "
+                                   "qk-wanda"),
+        sparsity: float = typer.Option(0.5, help="unstructured target (mean over layers)"),
+        pattern: Optional[str] = typer.Option(None, help="N:M pattern, e.g. 2:4"),
+        allocation: str = typer.Option("uniform", help="uniform | owl | pals | ramp"),
+        owl_m: float = typer.Option(5.0, help="owl: outlier threshold M"),
+        owl_lambda: float = typer.Option(0.08, help="owl: lambda"),
+        pals_delta: float = typer.Option(0.05, help="pals: delta"),
+        ramp_span: float = typer.Option(0.1, help="ramp: +- span around the target"),
+        ramp_down: bool = typer.Option(False, "--ramp-down", help="ramp: sparsity falls "
+                                       "with depth"),
+        group: str = typer.Option("row", help="unstructured comparison group: row or layer"),
+        targets: Optional[str] = typer.Option(None, help="glob patterns of linears to prune"),
+        ignore: Optional[str] = typer.Option(None, help="glob patterns of linears to keep"),
+        propagate: str = typer.Option("modified", help="modified or dense block outputs"),
+        scope: str = typer.Option("qk", help="qk-wanda: qk or block"),
+        no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
+        hessian_alpha: float = typer.Option(0.0, help="sparsegpt/rose: Taylor blend "
+                                            "(MOONSHOT)"),
+        samples: int = typer.Option(64, help="calibration windows"),
+        seqlen: int = typer.Option(512, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = typer.Option(8, help="windows per block call"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+    """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude)."""
+    from prunelab import api
+    from prunelab.prune.sparsity.config import CLASSES, Owl, Pals, Ramp, Uniform
+
+    if out_dir.exists() and not overwrite:
+        raise OutputExistsError(f"{out_dir} exists; pass --overwrite to replace it")
+    if method not in CLASSES:
+        raise ConfigError(f"--method must be one of {', '.join(CLASSES)}, got {method!r}")
+    allocs = {"uniform": lambda: Uniform(), "owl": lambda: Owl(m=owl_m, lam=owl_lambda),
+              "pals": lambda: Pals(delta=pals_delta),
+              "ramp": lambda: Ramp(span=ramp_span, increasing=not ramp_down)}
+    if allocation not in allocs:
+        raise ConfigError(f"--allocation must be one of {', '.join(allocs)}, "
+                          f"got {allocation!r}")
+    kw = dict(sparsity=sparsity, pattern=pattern, allocation=allocs[allocation](),
+              group=group, targets=_patterns(targets), ignore=_patterns(ignore),
+              propagate=propagate)
+    if method in ("sparsegpt", "rose"):
+        kw["hessian_alpha"] = hessian_alpha
+    if method == "rose":
+        kw["reorder"] = not no_reorder
+    if method == "qk-wanda":
+        kw["scope"] = scope
+    cfg = CLASSES[method](**kw)
+    lm = _load(model, dtype, device, trust_remote_code)
+    rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
+                    batch_size=batch_size)
+    api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
+             metrics={"achieved_sparsity": rep["achieved_sparsity"]}, extra={"report": rep})
+    t = Table(title=f"{method} sparsity of {model} (blocks 0-based)")
+    for col in ("block", "target", "achieved (mean over linears)"):
+        t.add_column(col)
+    for layer in rep["layers"]:
+        vals = list(layer["linears"].values())
+        t.add_row(str(layer["block"]), f"{layer['target']:.4f}",
+                  f"{sum(vals) / max(len(vals), 1):.4f}")
+    out.print(t)
+    out.print(f"achieved sparsity over pruned linears: {rep['achieved_sparsity']:.4f}; "
+              f"{rep['seconds']:.1f} s; checkpoint {out_dir} (plain transformers)")
+
+
 @sweep_app.command("depth")
 def sweep_depth_cmd(
         model: str = ModelOpt,

@@ -15,11 +15,35 @@ PRUNERS: dict[type, Callable] = {}
 
 
 def _register_defaults() -> None:
+    from prunelab.prune.sparsity.config import SparsityConfig
+    from prunelab.prune.sparsity.execute import prune_sparsity
     from prunelab.prune.surgery import prune_depth
 
     PRUNERS[Depth] = prune_depth
+    PRUNERS[SparsityConfig] = prune_sparsity
+
+
+def handler_for(config) -> Callable | None:
+    """The handler registered for ``type(config)`` or its nearest base class."""
+    for cls in type(config).__mro__:
+        if cls in PRUNERS:
+            return PRUNERS[cls]
+    return None
 
 
 _register_defaults()
 
-__all__ = ["PRUNERS", "Depth"]
+from prunelab.prune.sparsity.config import (  # noqa: E402
+    Magnitude,
+    Owl,
+    Pals,
+    QKWanda,
+    Ramp,
+    Rose,
+    SparseGPT,
+    Uniform,
+    Wanda,
+)
+
+__all__ = ["PRUNERS", "Depth", "Magnitude", "Owl", "Pals", "QKWanda", "Ramp", "Rose",
+           "SparseGPT", "Uniform", "Wanda", "handler_for"]

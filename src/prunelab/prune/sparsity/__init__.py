@@ -1,0 +1,52 @@
+"""Unstructured and N:M sparsity: masks, importance scores, SparseGPT / ROSE weight updates
+and per-block sparsity allocation (pure tensor maths; no model code, no hooks).
+
+Weights are ``[d_out, d_in]``; calibration statistics (column norms, Hessians) come
+precomputed. See prunelab methods.md section 3 for the formulas.
+"""
+
+from __future__ import annotations
+
+from prunelab.prune.sparsity.allocation import (
+    outlier_ratio,
+    owl,
+    pals,
+    ramp,
+    rescale_to_target,
+    uniform,
+)
+from prunelab.prune.sparsity.masks import (
+    achieved_sparsity,
+    nm_mask,
+    parse_pattern,
+    unstructured_mask,
+)
+from prunelab.prune.sparsity.rose import rose_permutation, rose_prune
+from prunelab.prune.sparsity.scores import (
+    magnitude_scores,
+    qk_wanda_scores,
+    shared_budget_masks,
+    wanda_scores,
+)
+from prunelab.prune.sparsity.sparsegpt import hessian_blend, sparsegpt_prune
+
+__all__ = [
+    "achieved_sparsity",
+    "hessian_blend",
+    "magnitude_scores",
+    "nm_mask",
+    "outlier_ratio",
+    "owl",
+    "pals",
+    "parse_pattern",
+    "qk_wanda_scores",
+    "ramp",
+    "rescale_to_target",
+    "rose_permutation",
+    "rose_prune",
+    "shared_budget_masks",
+    "sparsegpt_prune",
+    "uniform",
+    "unstructured_mask",
+    "wanda_scores",
+]

@@ -1,0 +1,175 @@
+"""Typed configs of the sparsity methods and of the layerwise allocations.
+
+``prunelab.prune(lm, Wanda(sparsity=0.5, allocation=Owl()), data)``; every config
+validates at construction and round-trips through :func:`to_dict` / :func:`from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from prunelab.errors import ConfigError
+from prunelab.probes.base import check_range
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Every block gets the target sparsity."""
+
+    name: str = "uniform"
+
+
+@dataclass(frozen=True)
+class Owl:
+    """OWL (Yin et al. 2024): less sparsity for blocks with more outliers (Wanda scores above
+    ``m`` times the mean); deviations spread over ``[-lam, lam]``."""
+
+    m: float = 5.0
+    lam: float = 0.08
+    name: str = "owl"
+
+    def __post_init__(self):
+        check_range("owl m", self.m, 1e-6, None)
+        check_range("owl lambda", self.lam, 0.0, 0.5)
+
+
+@dataclass(frozen=True)
+class Pals:
+    """PALS (derived): sparsity from the 99th-percentile input activation per block,
+    ``s_l = s + delta (1 - 2 z_l)``."""
+
+    delta: float = 0.05
+    name: str = "pals"
+
+    def __post_init__(self):
+        check_range("pals delta", self.delta, 0.0, 0.5)
+
+
+@dataclass(frozen=True)
+class Ramp:
+    """Sparsity rising (``increasing``) or falling linearly with depth, target +- span."""
+
+    span: float = 0.1
+    increasing: bool = True
+    name: str = "ramp"
+
+    def __post_init__(self):
+        check_range("ramp span", self.span, 0.0, 0.5)
+
+
+ALLOCATIONS = {"uniform": Uniform, "owl": Owl, "pals": Pals, "ramp": Ramp}
+METHODS = ("magnitude", "wanda", "sparsegpt", "rose", "qk-wanda")
+
+
+@dataclass(frozen=True)
+class SparsityConfig:
+    """Shared options. ``pattern`` "N:M" (e.g. "2:4") replaces ``sparsity`` by ``1 - N/M``;
+    ``group`` is the unstructured comparison group ("row" as in Wanda, or "layer");
+    ``targets`` / ``ignore`` are glob patterns on a linear's path inside its block
+    (``self_attn.q_proj``, ``mlp.*``) or on its full module name; ``propagate`` passes the
+    pruned block's outputs on (``modified``) or the dense ones (``dense``)."""
+
+    sparsity: float = 0.5
+    pattern: str | None = None
+    allocation: Uniform | Owl | Pals | Ramp = field(default_factory=Uniform)
+    group: str = "row"
+    targets: tuple = ()
+    ignore: tuple = ()
+    propagate: str = "modified"
+    method: str = "wanda"
+
+    def __post_init__(self):
+        from prunelab.prune.sparsity.masks import parse_pattern
+
+        nm = parse_pattern(self.pattern) if self.pattern else None
+        if nm is not None:
+            object.__setattr__(self, "sparsity", 1.0 - nm[0] / nm[1])
+        check_range("sparsity", self.sparsity, 0.0, 0.99)
+        if nm is not None and not isinstance(self.allocation, Uniform):
+            raise ConfigError("N:M patterns use the same N:M in every layer: use "
+                              "--allocation uniform")
+        if self.group not in ("row", "layer"):
+            raise ConfigError(f"group must be row or layer, got {self.group!r}")
+        if self.propagate not in ("modified", "dense"):
+            raise ConfigError(f"propagate must be modified or dense, got {self.propagate!r}")
+        if self.method not in METHODS:
+            raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        object.__setattr__(self, "targets", tuple(self.targets))
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+
+
+@dataclass(frozen=True)
+class Magnitude(SparsityConfig):
+    """|W| per row (or per layer); needs no calibration statistics."""
+
+    method: str = "magnitude"
+
+
+@dataclass(frozen=True)
+class Wanda(SparsityConfig):
+    """Wanda (Sun et al. 2024): |W| * ||X_j||, per output row; no weight update."""
+
+    method: str = "wanda"
+
+
+@dataclass(frozen=True)
+class SparseGPT(SparsityConfig):
+    """SparseGPT (Frantar & Alistarh 2023): OBS-style mask and weight update from
+    H = X^T X; ``hessian_alpha`` > 0 blends in the Taylor (gradient) term (MOONSHOT)."""
+
+    blocksize: int = 128
+    percdamp: float = 0.01
+    hessian_alpha: float = 0.0
+    method: str = "sparsegpt"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("blocksize", self.blocksize, 1, None, integer=True)
+        check_range("percdamp", self.percdamp, 0.0, 1.0)
+        check_range("hessian_alpha", self.hessian_alpha, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Rose(SparseGPT):
+    """ROSE: SparseGPT on columns reordered by Wanda pre-pruning loss when the layer is
+    "columnar" (block-loss spread > ``threshold``); ``reorder=False`` is SparseGPT."""
+
+    reorder: bool = True
+    threshold: float = 0.5
+    method: str = "rose"
+
+
+@dataclass(frozen=True)
+class QKWanda(SparsityConfig):
+    """QK-Wanda (derived): query and key weights of a block share one budget, weighted by
+    the key / query activation energy of their channel; ``scope="block"`` also prunes V, O
+    and the MLP by Wanda."""
+
+    scope: str = "qk"
+    method: str = "qk-wanda"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.scope not in ("qk", "block"):
+            raise ConfigError(f"scope must be qk or block, got {self.scope!r}")
+
+
+CLASSES = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT, "rose": Rose,
+           "qk-wanda": QKWanda}
+
+
+def to_dict(cfg: SparsityConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["targets"], d["ignore"] = list(cfg.targets), list(cfg.ignore)
+    return d
+
+
+def from_dict(d: dict) -> SparsityConfig:
+    d = dict(d)
+    alloc = d.pop("allocation", {"name": "uniform"})
+    alloc = dict(alloc)
+    alloc_cls = ALLOCATIONS[alloc.pop("name", "uniform")]
+    cls = CLASSES[d.get("method", "wanda")]
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(allocation=alloc_cls(**alloc), **{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,129 @@
+"""Sparsity masks: pattern parsing, unstructured (per row / per layer) and N:M masks.
+
+Every mask here is a **kept** mask: ``True`` where the weight survives. Decisions run on
+float64 copies of the scores, and ties are broken by index order (a stable ascending sort:
+among equal scores the one with the lower flat index is pruned first), so masks are
+deterministic whatever the input dtype or device.
+
+Sources: Wanda (Sun et al. 2024, "A Simple and Effective Pruning Approach for Large
+Language Models") for the per-output-row comparison group and the N:M convention; NVIDIA's
+2:4 sparse tensor cores for "N:M" meaning *at most N non-zeros in every M consecutive
+weights of a row*.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prunelab.errors import ConfigError
+
+__all__ = [
+    "achieved_sparsity",
+    "check_sparsity",
+    "nm_mask",
+    "parse_pattern",
+    "prune_count",
+    "prune_lowest_k",
+    "unstructured_mask",
+]
+
+
+def parse_pattern(text: str | None) -> tuple[int, int] | None:
+    """Parse a sparsity pattern.
+
+    ``"2:4"`` -> ``(2, 4)`` (keep N=2 of every M=4 consecutive weights of a row);
+    ``None``, ``""`` or ``"unstructured"`` (any case) -> ``None``. Raises
+    :class:`~prunelab.errors.ConfigError` unless ``1 <= N < M``.
+    """
+    if text is None:
+        return None
+    value = str(text).strip()
+    if value == "" or value.lower() == "unstructured":
+        return None
+    parts = value.split(":")
+    if len(parts) != 2:
+        raise ConfigError(f"sparsity pattern {text!r} is not 'N:M' or 'unstructured'")
+    try:
+        n, m = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise ConfigError(f"sparsity pattern {text!r}: N and M must be integers") from None
+    if n < 1 or m < 1 or n >= m:
+        raise ConfigError(f"sparsity pattern {text!r} needs 1 <= N < M")
+    return n, m
+
+
+def check_sparsity(sparsity: float) -> float:
+    """Return ``sparsity`` as a float, raising ConfigError unless it lies in ``[0, 1)``."""
+    s = float(sparsity)
+    if not (0.0 <= s < 1.0):
+        raise ConfigError(f"sparsity {sparsity!r} must lie in [0, 1)")
+    return s
+
+
+def prune_count(n: int, sparsity: float) -> int:
+    """``floor(n * sparsity)``, the number of weights to prune out of ``n``.
+
+    A relative tolerance of 1e-12 absorbs binary rounding (``100 * 0.29`` is
+    ``28.999999999999996`` in floating point; the count is 29, not 28).
+    """
+    return min(n, int(math.floor(n * sparsity * (1.0 + 1e-12) + 1e-12)))
+
+
+def prune_lowest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Kept mask of a 2-D ``scores``: per row, prune the ``k`` lowest (stable, float64)."""
+    keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    if k <= 0:
+        return keep
+    order = torch.sort(scores.double(), dim=1, stable=True).indices
+    keep.scatter_(1, order[:, :k], False)
+    return keep
+
+
+def unstructured_mask(scores: torch.Tensor, sparsity: float, group: str = "row") -> torch.Tensor:
+    """Kept mask ``[d_out, d_in]`` (bool) pruning the lowest scores.
+
+    ``scores``: ``[d_out, d_in]`` importance (higher = more important), any float dtype.
+    ``sparsity``: fraction pruned, in ``[0, 1)``.
+    ``group="row"`` (default; Wanda's per-output comparison group): every row prunes exactly
+    ``floor(d_in * sparsity)`` of its lowest scores. ``group="layer"``: the lowest
+    ``floor(numel * sparsity)`` over the whole matrix (magnitude pruning's classic group).
+    Ties: the lower index is pruned first (stable sort on float64 scores).
+    """
+    s = check_sparsity(sparsity)
+    if scores.dim() != 2:
+        raise ConfigError(f"scores must be 2-D [d_out, d_in], got shape {tuple(scores.shape)}")
+    if group == "row":
+        return prune_lowest_k(scores, prune_count(scores.shape[1], s))
+    if group == "layer":
+        flat = scores.reshape(1, -1)
+        return prune_lowest_k(flat, prune_count(flat.shape[1], s)).reshape(scores.shape)
+    raise ConfigError(f"comparison group {group!r} must be 'row' or 'layer'")
+
+
+def nm_mask(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """Kept N:M mask ``[d_out, d_in]`` (bool): in every group of ``m`` consecutive input
+    columns of each row keep the ``n`` highest scores (prune the ``m - n`` lowest; ties: the
+    lower column is pruned first).
+
+    ``d_in`` must be divisible by ``m`` and ``1 <= n < m`` (else ConfigError). Source:
+    Wanda / SparseGPT N:M semi-structured sparsity (2:4 keeps 2 of each 4).
+    """
+    if not (1 <= n < m):
+        raise ConfigError(f"N:M pattern {n}:{m} needs 1 <= N < M")
+    if scores.dim() != 2:
+        raise ConfigError(f"scores must be 2-D [d_out, d_in], got shape {tuple(scores.shape)}")
+    d_out, d_in = scores.shape
+    if d_in % m:
+        raise ConfigError(f"N:M pattern {n}:{m}: d_in={d_in} is not divisible by M={m}")
+    grouped = scores.reshape(d_out * (d_in // m), m)
+    return prune_lowest_k(grouped, m - n).reshape(d_out, d_in)
+
+
+def achieved_sparsity(weight: torch.Tensor) -> float:
+    """Fraction of entries of ``weight`` (any shape) that are exactly zero; 0.0 if empty."""
+    numel = weight.numel()
+    if numel == 0:
+        return 0.0
+    return float((weight == 0).sum().item()) / numel

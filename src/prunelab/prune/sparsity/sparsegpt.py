@@ -1,0 +1,194 @@
+"""SparseGPT one-shot pruning with OBS weight updates, and the MOONSHOT Hessian blend.
+
+Source: Frantar & Alistarh 2023, "SparseGPT: Massive Language Models Can Be Accurately
+Pruned in One-Shot" (algorithm as in prunelab methods.md section 3); MOONSHOT (derived,
+methods.md section 3): a trace-normalised blend of the reconstruction Hessian and a Taylor
+(Fisher) term.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from prunelab.errors import ConfigError
+from prunelab.prune.sparsity.masks import check_sparsity, parse_pattern, prune_count, prune_lowest_k
+
+__all__ = ["hessian_blend", "no_tf32", "sparsegpt_prune"]
+
+
+@contextmanager
+def no_tf32() -> Iterator[None]:
+    """Context with TF32 off for CUDA matmuls and cuDNN (float32 maths stays float32);
+    the previous settings are restored on exit."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prev = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+
+
+def _check_perm(perm: torch.Tensor, d_in: int) -> torch.Tensor:
+    perm = torch.as_tensor(perm).long().reshape(-1)
+    if perm.numel() != d_in or not torch.equal(perm.sort().values.cpu(), torch.arange(d_in)):
+        raise ConfigError(f"perm is not a permutation of the {d_in} input columns")
+    return perm
+
+
+def _upper_inverse_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """``U`` upper-triangular with ``U^T U = (H + damp I)^{-1}``, ``damp = percdamp *
+    mean(diag H)``; if a Cholesky fails the damping is multiplied by 10 (up to 6 times)."""
+    d = H.shape[0]
+    mean_diag = float(H.diagonal().mean())
+    damp = percdamp * mean_diag
+    eye = torch.eye(d, dtype=H.dtype, device=H.device)
+    for _ in range(7):
+        chol, info = torch.linalg.cholesky_ex(H + damp * eye)
+        if int(info) == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+            if int(info) == 0:
+                return upper
+        damp = max(damp * 10.0, 1e-8 * mean_diag)
+    raise ConfigError("SparseGPT: the Hessian is not positive definite even after damping")
+
+
+def sparsegpt_prune(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    sparsity: float = 0.5,
+    pattern: tuple[int, int] | str | None = None,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+    perm: torch.Tensor | None = None,
+    mask_group: str = "row",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prune ``W`` with SparseGPT; returns ``(W_new, kept_mask)``.
+
+    ``W``: ``[d_out, d_in]``; ``H``: ``[d_in, d_in]``, ``X^T X`` up to any positive scale
+    (the paper's ``2/N X^T X``). Maths runs on float32 copies (float64 if ``W`` or ``H`` is
+    float64) with TF32 off; ``W_new`` comes back in ``W``'s dtype, ``kept_mask`` is bool.
+
+    Algorithm: dead columns (``H_jj = 0``) get ``H_jj = 1`` and ``W[:, j] = 0``;
+    ``H += percdamp * mean(diag H) * I``; ``U = chol_upper(H^{-1})``. Columns are processed
+    left to right in lazy blocks of ``blocksize``. Unstructured (``pattern=None``): at each
+    block start the block's mask is chosen from the saliency ``W^2 / diag(U)^2`` of the
+    current (already updated) weights. ``mask_group="row"`` (default) prunes, per row, the
+    lowest ``floor(e * s) - floor(b * s)`` of the block ``[b, e)``, so every row ends with
+    exactly ``floor(d_in * s)`` zeros; ``mask_group="block"`` is the reference code's joint
+    choice over the whole ``[d_out, block]`` slice (per-row counts then vary). N:M
+    (``pattern=(n, m)`` or ``"n:m"``): at every column ``i`` with ``i % m == 0`` each row
+    prunes the ``m - n`` lowest saliencies of ``[i, i + m)`` (``blocksize`` is rounded down
+    to a multiple of ``m``, at least ``m``; ``sparsity`` is then unused). For each column
+    ``j``: ``q = w * keep``, ``err = (w - q) / U_jj``, ``W[:, j:] -= err (x) U[j, j:]``
+    inside the block; after the block ``W[:, end:] -= Err @ U[block, end:]``.
+
+    ``perm``: optional column order (ROSE): SparseGPT runs on ``W[:, perm]`` and
+    ``H[perm][:, perm]``, and ``W_new`` / the mask are un-permuted. ``sparsity=0`` without a
+    pattern returns an exact copy of ``W`` and an all-True mask. Dead columns are zero in
+    ``W_new`` even where the mask keeps them. Defaults follow the paper: ``blocksize=128``,
+    ``percdamp=0.01``.
+    """
+    s = check_sparsity(sparsity)
+    nm = parse_pattern(pattern) if isinstance(pattern, str) or pattern is None else pattern
+    if W.dim() != 2 or H.shape != (W.shape[1], W.shape[1]):
+        raise ConfigError(
+            f"SparseGPT: W {tuple(W.shape)} and H {tuple(H.shape)} must be [d_out, d_in] and "
+            "[d_in, d_in]"
+        )
+    if blocksize < 1 or percdamp < 0:
+        raise ConfigError(f"SparseGPT: blocksize={blocksize} must be >= 1, percdamp >= 0")
+    if mask_group not in ("row", "block"):
+        raise ConfigError(f"SparseGPT mask_group {mask_group!r} must be 'row' or 'block'")
+    rows, cols = W.shape
+    if nm is None and s == 0.0:
+        return W.detach().clone(), torch.ones(W.shape, dtype=torch.bool, device=W.device)
+    if nm is not None:
+        n, m = int(nm[0]), int(nm[1])
+        if not (1 <= n < m) or cols % m:
+            raise ConfigError(f"SparseGPT N:M {n}:{m}: needs 1 <= N < M and d_in={cols} % M == 0")
+        blocksize = max(m, blocksize // m * m)
+
+    dtype = torch.float64 if torch.float64 in (W.dtype, H.dtype) else torch.float32
+    with no_tf32():
+        Wf = W.detach().to(dtype=dtype).clone()
+        Hf = H.detach().to(device=W.device, dtype=dtype).clone()
+        if perm is not None:
+            perm = _check_perm(perm, cols).to(W.device)
+            Wf, Hf = Wf[:, perm], Hf[perm][:, perm]
+        dead = Hf.diagonal() == 0
+        Hf[dead, dead] = 1.0
+        Wf[:, dead] = 0.0
+        U = _upper_inverse_factor(Hf, percdamp)
+        del Hf
+        pruned = torch.zeros((rows, cols), dtype=torch.bool, device=W.device)
+        for b in range(0, cols, blocksize):
+            e = min(b + blocksize, cols)
+            W1, U1 = Wf[:, b:e].clone(), U[b:e, b:e]
+            d1 = U1.diagonal()
+            err1 = torch.zeros_like(W1)
+            if nm is None:
+                sal = W1.square() / d1.square()[None, :]
+                if mask_group == "row":
+                    k = prune_count(e, s) - prune_count(b, s)
+                    mask1 = ~prune_lowest_k(sal, k)
+                else:
+                    k = prune_count(rows * e, s) - prune_count(rows * b, s)
+                    mask1 = ~prune_lowest_k(sal.reshape(1, -1), k).reshape(sal.shape)
+            else:
+                mask1 = torch.zeros_like(W1, dtype=torch.bool)
+            for i in range(e - b):
+                if nm is not None and i % m == 0:
+                    sal = W1[:, i:i + m].square() / d1[i:i + m].square()[None, :]
+                    mask1[:, i:i + m] = ~prune_lowest_k(sal, m - n)
+                w = W1[:, i]
+                err = torch.where(mask1[:, i], w, torch.zeros_like(w)) / U1[i, i]
+                W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+                err1[:, i] = err
+            Wf[:, b:e] = W1.masked_fill(mask1, 0.0)
+            pruned[:, b:e] = mask1
+            if e < cols:
+                Wf[:, e:] -= err1 @ U[b:e, e:]
+        if perm is not None:
+            inv = torch.argsort(perm)
+            Wf, pruned = Wf[:, inv], pruned[:, inv]
+    return Wf.to(W.dtype), ~pruned
+
+
+def hessian_blend(xtx: torch.Tensor, taylor: torch.Tensor, alpha: float) -> torch.Tensor:
+    """MOONSHOT-style curvature: ``(1 - a) * xtx / tr(xtx) + a * taylor / tr(taylor)``.
+
+    ``xtx``: ``[d_in, d_in]`` reconstruction Hessian ``X^T X``; ``taylor``: ``[d_in, d_in]``
+    Taylor/Fisher term ``X^T diag(||g_t||^2) X`` (``g_t`` the loss gradient w.r.t. the
+    layer output at token ``t``, computed by the caller); ``alpha`` in ``[0, 1]``. Computed
+    in float64, returned in the promoted input dtype (at least float32); feed it to
+    :func:`sparsegpt_prune`. A term with weight 0 is skipped; a used term needs a positive
+    trace. Source: MOONSHOT (derived; prunelab methods.md section 3).
+    """
+    a = float(alpha)
+    if not (0.0 <= a <= 1.0):
+        raise ConfigError(f"hessian_blend alpha {alpha!r} must lie in [0, 1]")
+    if xtx.shape != taylor.shape or xtx.dim() != 2 or xtx.shape[0] != xtx.shape[1]:
+        raise ConfigError(
+            f"hessian_blend: shapes {tuple(xtx.shape)} and {tuple(taylor.shape)} must be equal "
+            "and square"
+        )
+    out_dtype = torch.promote_types(torch.promote_types(xtx.dtype, taylor.dtype), torch.float32)
+    out = torch.zeros(xtx.shape, dtype=torch.float64, device=xtx.device)
+    for weight, term, name in ((1.0 - a, xtx, "xtx"), (a, taylor, "taylor")):
+        if weight == 0.0:
+            continue
+        t = term.detach().to(device=xtx.device, dtype=torch.float64)
+        tr = float(t.trace())
+        if not tr > 0.0:
+            raise ConfigError(f"hessian_blend: tr({name}) = {tr} must be positive")
+        out += (weight / tr) * t
+    return out.to(out_dtype)

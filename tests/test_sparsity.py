@@ -1,0 +1,161 @@
+"""Sparsity methods end to end on tiny models of every architecture."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+import prunelab
+from prunelab import Magnitude, Owl, Pals, QKWanda, Ramp, Rose, SparseGPT, Wanda
+from prunelab.data import TokenBatches
+from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.models.linear import weight_out_in
+from prunelab.models.loading import wrap
+from prunelab.prune.sparsity.config import from_dict, to_dict
+
+from tiny_models import ARCHS, char_tokenizer, tiny_model, tiny_tokens
+
+IDS = tiny_tokens(6, 16)
+CALIB = TokenBatches(input_ids=IDS, spec="tiny", seqlen=16, samples=6, seed=0, mode="calib",
+                     total_windows=6, sha256="0")
+
+
+def run(arch, cfg):
+    lm = wrap(tiny_model(arch), char_tokenizer(), spec=f"tiny-{arch}")
+    return lm, prunelab.prune(lm, cfg, CALIB, batch_size=3)
+
+
+def block_weights(lm):
+    ad = lm.adapter
+    return {(i, p): weight_out_in(m) for i in range(ad.num_blocks)
+            for p, m in ad.linears(i).items()}
+
+
+METHODS = [Magnitude(sparsity=0.5), Wanda(sparsity=0.5), SparseGPT(sparsity=0.5),
+           Rose(sparsity=0.5), Wanda(pattern="2:4"), SparseGPT(pattern="2:4")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg", METHODS, ids=lambda c: f"{c.method}-{c.pattern or c.sparsity}")
+def test_methods_on_every_architecture(arch, cfg):
+    lm, rep = run(arch, cfg)
+    for (i, path), w in block_weights(lm).items():
+        rows_zero = (w == 0).sum(1)
+        if cfg.pattern:  # at most 2 of every 4 consecutive weights of a row are kept
+            groups = (w != 0).reshape(w.shape[0], -1, 4).sum(-1)
+            assert (groups <= 2).all(), (i, path)
+        else:
+            per_row = int(w.shape[1] * 0.5)
+            assert (rows_zero >= per_row).all() and (rows_zero <= per_row + 1).all(), (i, path)
+    assert rep["achieved_sparsity"] == pytest.approx(0.5, abs=0.02)
+    head = lm.adapter.head()  # the LM head (bert: the embeddings) is never pruned
+    outer = head.weight if head is not None else lm.model.get_input_embeddings().weight
+    assert (outer != 0).float().mean() > 0.99
+
+
+def test_allocations_keep_the_mean_and_vary_per_block():
+    for alloc in (Owl(), Pals(), Ramp(span=0.1)):
+        lm, rep = run("llama", Wanda(sparsity=0.5, allocation=alloc))
+        s = rep["per_block_sparsity"]
+        assert sum(s) / len(s) == pytest.approx(0.5, abs=1e-6)  # equal block sizes
+        assert max(s) - min(s) > 0.01 and all(0 <= v < 1 for v in s)
+        for layer in rep["layers"]:
+            for frac in layer["linears"].values():
+                assert frac == pytest.approx(layer["target"], abs=0.04)
+    ramp = run("llama", Wanda(sparsity=0.5, allocation=Ramp(span=0.1)))[1]
+    assert ramp["per_block_sparsity"] == sorted(ramp["per_block_sparsity"])
+
+
+def test_targets_and_ignore_select_linears():
+    lm, rep = run("llama", Wanda(sparsity=0.5, targets=("mlp.*",), ignore=("*down_proj",)))
+    for (i, path), w in block_weights(lm).items():
+        zeros = float((w == 0).float().mean())
+        if path in ("mlp.gate_proj", "mlp.up_proj"):
+            assert zeros == pytest.approx(0.5, abs=0.02)
+        else:
+            assert zeros < 0.01, path
+    with pytest.raises(ConfigError, match="selected no linear"):
+        run("llama", Wanda(sparsity=0.5, targets=("nothing*",)))
+
+
+def test_tied_head_and_embeddings_untouched():
+    model = tiny_model("llama")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    emb = model.get_input_embeddings().weight.clone()
+    lm = wrap(model, char_tokenizer())
+    prunelab.prune(lm, Magnitude(sparsity=0.7), CALIB, batch_size=3)
+    assert torch.equal(model.get_input_embeddings().weight, emb)
+
+
+def test_sparsegpt_reconstructs_better_than_wanda_on_a_block():
+    x_lm, _ = run("llama", Wanda(sparsity=0.6))
+    s_lm, _ = run("llama", SparseGPT(sparsity=0.6))
+    dense = wrap(tiny_model("llama"))
+    with torch.no_grad():
+        ref = dense.model(input_ids=IDS).logits
+        err_w = (x_lm.model(input_ids=IDS).logits - ref).pow(2).mean()
+        err_s = (s_lm.model(input_ids=IDS).logits - ref).pow(2).mean()
+    assert err_s < err_w
+
+
+def test_qk_wanda_shares_one_budget_and_refuses_fused_qkv():
+    lm, rep = run("llama", QKWanda(sparsity=0.5))
+    w = block_weights(lm)
+    q, k = w[(0, "self_attn.q_proj")], w[(0, "self_attn.k_proj")]
+    total_zero = int((q == 0).sum() + (k == 0).sum())
+    assert total_zero == int((q.numel() + k.numel()) * 0.5)
+    assert float((w[(0, "self_attn.v_proj")] == 0).float().mean()) == 0.0  # scope qk
+    lm, rep = run("llama", QKWanda(sparsity=0.5, scope="block"))
+    assert float((block_weights(lm)[(0, "mlp.down_proj")] == 0).float().mean()) == \
+        pytest.approx(0.5, abs=0.02)
+    with pytest.raises(UnsupportedOperationError, match="fuses"):
+        run("gpt2", QKWanda(sparsity=0.5))
+
+
+def test_moonshot_hessian_blend_runs_and_differs():
+    a = block_weights(run("llama", SparseGPT(sparsity=0.5))[0])
+    b = block_weights(run("llama", SparseGPT(sparsity=0.5, hessian_alpha=0.5))[0])
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert all(float((b[k] == 0).float().mean()) == pytest.approx(0.5, abs=0.02) for k in b)
+
+
+def test_rose_without_reordering_equals_sparsegpt():
+    a = block_weights(run("llama", SparseGPT(sparsity=0.5))[0])
+    b = block_weights(run("llama", Rose(sparsity=0.5, reorder=False))[0])
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_propagate_dense_differs_from_modified():
+    a = block_weights(run("llama", SparseGPT(sparsity=0.5))[0])
+    b = block_weights(run("llama", SparseGPT(sparsity=0.5, propagate="dense"))[0])
+    assert torch.equal(a[(0, "mlp.down_proj")], b[(0, "mlp.down_proj")])  # block 0: same input
+    assert not torch.equal(a[(3, "mlp.down_proj")], b[(3, "mlp.down_proj")])
+
+
+def test_config_validation_and_round_trip():
+    with pytest.raises(ConfigError, match="sparsity"):
+        Wanda(sparsity=1.5)
+    with pytest.raises(ConfigError):
+        Wanda(pattern="4:2")
+    with pytest.raises(ConfigError, match="uniform"):
+        Wanda(pattern="2:4", allocation=Owl())
+    assert Wanda(pattern="2:4").sparsity == 0.5
+    for cfg in (Wanda(sparsity=0.3, allocation=Owl(m=4.0)), Rose(reorder=False),
+                QKWanda(scope="block"), SparseGPT(pattern="4:8", hessian_alpha=0.2)):
+        d = json.loads(json.dumps(to_dict(cfg)))
+        assert from_dict(d) == cfg
+
+
+def test_checkpoint_reloads_with_plain_transformers(tmp_path):
+    lm, rep = run("llama", SparseGPT(sparsity=0.5))
+    out = prunelab.save(lm, tmp_path / "ckpt", extra={"report": rep})
+    again = tf.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS).logits, lm.model(input_ids=IDS).logits,
+                                   rtol=0, atol=0)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["report"]["layers"][0]["linears"]["mlp.down_proj"] == pytest.approx(0.5, abs=0.02)
