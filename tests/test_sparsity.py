@@ -71,7 +71,7 @@ def test_allocations_keep_the_mean_and_vary_per_block():
 
 def test_targets_and_ignore_select_linears():
     lm, rep = run("llama", Wanda(sparsity=0.5, targets=("mlp.*",), ignore=("*down_proj",)))
-    for (i, path), w in block_weights(lm).items():
+    for (_block, path), w in block_weights(lm).items():
         zeros = float((w == 0).float().mean())
         if path in ("mlp.gate_proj", "mlp.up_proj"):
             assert zeros == pytest.approx(0.5, abs=0.02)
