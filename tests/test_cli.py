@@ -98,3 +98,28 @@ def test_probe_command(tiny_dir):
     assert_one_line_error(cli(*args[:6], "--probe", "nope", "--out", str(out)), "unknown probe")
     bad = [a if a != "0-1,1-3" else "0-x" for a in args]
     assert_one_line_error(cli(*bad, "--overwrite"), "--pairs")
+
+
+def test_prune_commands(tiny_dir):
+    base = ["--quiet", "prune"]
+    data = ["--model", str(tiny_dir / "model"), "--data", f"text:{tiny_dir / 'text.txt'}",
+            "--samples", "4", "--seqlen", "16", "--batch-size", "2"]
+    out = tiny_dir / "sparse"
+    res = cli(*base, "sparsity", *data, "--method", "sparsegpt", "--pattern", "2:4",
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["report"]["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert man["operations"][-1]["operation"] == "prune-sparsity"
+    assert_one_line_error(cli(*base, "sparsity", *data, "--method", "sparsegpt", "--out",
+                              str(out)), "--overwrite")
+    assert_one_line_error(cli(*base, "sparsity", *data, "--method", "wanda", "--pattern",
+                              "5:4", "--out", str(tiny_dir / "x")), "5:4")
+    depth = tiny_dir / "depth"
+    res = cli(*base, "depth", *data, "--remove", "1", "--recovery", "foldable",
+              "--out", str(depth))
+    assert res.returncode == 0, res.stderr
+    man = json.loads((depth / "manifest.json").read_text())
+    assert len(man["report"]["removed_blocks"]) == 1 and man["num_blocks"] == 3
+    assert_one_line_error(cli(*base, "depth", *data, "--remove", "9", "--out",
+                              str(tiny_dir / "y")), "cannot remove")

