@@ -36,11 +36,12 @@ def prune_linear(module, accs, cfg, sparsity: float) -> None:
         keep = _mask(scores.wanda_scores(w, accs[0].sum_sq.to(w.device)), cfg, sparsity)
         new = w * keep.to(w.device)
     else:
-        h = accs[1].xtx
+        h = accs[1].xtx  # accumulated in float64; SparseGPT itself runs in float32
         if getattr(cfg, "hessian_alpha", 0.0) > 0:
             from prunelab.prune.sparsity.sparsegpt import hessian_blend
 
             h = hessian_blend(h, accs[2], cfg.hessian_alpha)
+        h = h.float()
         kw = dict(pattern=nm, blocksize=cfg.blocksize, percdamp=cfg.percdamp,
                   mask_group=cfg.group)
         if method == "rose":
