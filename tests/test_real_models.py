@@ -104,7 +104,8 @@ def test_smollm2_probes_block_influence_and_adjacent_interchange(smol, tmp_path)
         assert math.isfinite(s["value"]) and s["value"] >= 0
         assert math.isfinite(s["value_all_positions"]) and s["value_all_positions"] >= 0
     assert inter.meta["block_evaluations"] == sum(30 - i for i in range(29))
-    assert (tmp_path / "probes" / "summary.md").read_text().count("| 28-29 |") >= 1
+    summary = (tmp_path / "probes" / "summary.md").read_text()
+    assert "| interchange | 29 |" in summary  # the swap-pair class counts of 29 pairs
 
 
 def test_smollm2_depth_recovery_beats_none(smol):
@@ -112,8 +113,8 @@ def test_smollm2_depth_recovery_beats_none(smol):
     lower test perplexity than no recovery."""
     from prunelab.prune.sweep import sweep_depth
 
-    calib = make_batches(smol.tokenizer, "wiki-vital:calib", seqlen=256, samples=16, seed=0)
-    test = make_batches(smol.tokenizer, "wiki-vital:test", seqlen=256, samples=8)
+    calib = make_batches(smol.tokenizer, "wiki-vital:calib", seqlen=256, samples=12, seed=0)
+    test = make_batches(smol.tokenizer, "wiki-vital:test", seqlen=256, samples=6)
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
@@ -136,19 +137,20 @@ def test_smollm2_half_sparse_wanda_sparsegpt_magnitude(tmp_path):
     ppl = {}
     for cfg in (SparseGPT(sparsity=0.5), Wanda(sparsity=0.5), Magnitude(sparsity=0.5)):
         lm = prunelab.load("smollm2-135m")
-        calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=256, samples=16, seed=0)
-        test = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=256, samples=8)
+        dense_emb = lm.model.model.embed_tokens.weight.detach().clone()
+        calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=256, samples=8, seed=0)
+        test = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=256, samples=6)
         rep = prunelab.prune(lm, cfg, calib, batch_size=8)
-        assert rep["achieved_sparsity"] == pytest.approx(0.5, abs=1e-3)
+        # the de-quantized Q4_1 weights hold about 1 % exact zeros of their own
+        assert 0.5 <= rep["achieved_sparsity"] < 0.51
         ppl[cfg.method] = prunelab.evaluate(lm, test)["perplexity"]
         if cfg.method == "sparsegpt":
             out = prunelab.save(lm, tmp_path / "sgpt")
             again = tf.AutoModelForCausalLM.from_pretrained(out)
-            emb = again.model.embed_tokens.weight
-            assert float((emb == 0).float().mean()) < 0.001
+            assert torch.equal(again.model.embed_tokens.weight, dense_emb)  # tied head intact
             for layer in again.model.layers:
                 for m in (layer.self_attn.q_proj, layer.mlp.down_proj):
-                    assert float((m.weight == 0).float().mean()) == pytest.approx(0.5, abs=1e-3)
+                    assert 0.5 <= float((m.weight == 0).float().mean()) < 0.51
             with torch.no_grad():
                 ids = test.input_ids[:1, :64]
                 torch.testing.assert_close(again(input_ids=ids).logits,
