@@ -4,7 +4,8 @@ For n = 3, 6, 9 (``--removes``) blocks of the embedded model, chosen by block in
 repaired with each recovery (``foldable``: vanilla, no extra parameters; ``ghost`` and
 ``lra``: one linear bridge per removed span), prints the measured speed-up next to the
 ideal ``L / (L - n)`` and the fraction of ideal reached, plus parameters. The dense model
-is measured once; every setting prunes a fresh copy. Speed is measured with
+is measured back to back with every pruned copy (alternating, best of ``--rounds``), so
+each ratio compares runs made under the same machine load. Speed is measured with
 :func:`prunelab.eval.speed.measure_speed` (prefill of ``--prompt-len`` tokens, median of 3
 after a warm-up; ``--decode`` greedy steps with the KV cache).
 
@@ -40,6 +41,23 @@ def speed(lm, args) -> dict:
             "decode": max(r["decode_tokens_per_s"] for r in runs)}
 
 
+def paired(dense_lm, pruned_lm, args) -> tuple[dict, dict]:
+    """Dense and pruned measured back to back, alternating, best of ``rounds`` each: the
+    ratio compares runs made under the same machine load."""
+    d_runs, p_runs = [], []
+    for _ in range(args.rounds):
+        d_runs.append(measure_speed(dense_lm, prompt_len=args.prompt_len,
+                                    decode_tokens=args.decode, repeats=3, seed=0))
+        p_runs.append(measure_speed(pruned_lm, prompt_len=args.prompt_len,
+                                    decode_tokens=args.decode, repeats=3, seed=0))
+
+    def best(runs):
+        return {"prefill": max(r["prefill_tokens_per_s"] for r in runs),
+                "decode": max(r["decode_tokens_per_s"] for r in runs)}
+
+    return best(d_runs), best(p_runs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -69,18 +87,20 @@ def main() -> None:
             work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
             report = prune_depth(work, Depth(blocks=tuple(removed), recovery=rec), calib,
                                  ctx=ctx, removed=removed, batch_size=8)
-            s = speed(work, args)
+            d, s = paired(lm, work, args)
             ideal = n_blocks / (n_blocks - n)
             rows.append({"removed": n, "blocks": removed, "recovery": rec,
                          "params": report["size_after"]["params"],
                          "prefill": s["prefill"], "decode": s["decode"],
-                         "prefill_speedup": s["prefill"] / dense["prefill"],
-                         "decode_speedup": s["decode"] / dense["decode"], "ideal": ideal})
+                         "dense_prefill": d["prefill"], "dense_decode": d["decode"],
+                         "prefill_speedup": s["prefill"] / d["prefill"],
+                         "decode_speedup": s["decode"] / d["decode"], "ideal": ideal})
             del work
     ctx.close()
     print(f"{args.model}: {n_blocks} blocks, {dense_params:,} params, {torch.get_num_threads()} "
           f"threads; prefill {args.prompt_len} tokens, decode {args.decode} tokens")
-    print(f"dense: prefill {dense['prefill']:.0f} tok/s, decode {dense['decode']:.1f} tok/s")
+    print(f"dense (first measurement): prefill {dense['prefill']:.0f} tok/s, decode "
+          f"{dense['decode']:.1f} tok/s; each row's ratio uses its own paired dense run")
     print(f"{'n':>2} {'recovery':<9} {'params':>12} {'prefill':>8} {'x':>6} {'decode':>7} "
           f"{'x':>6} {'ideal':>6} {'pre/ideal':>9} {'dec/ideal':>9}")
     for r in rows:
