@@ -7,16 +7,19 @@ nothing about models or hooks: the calibration runner feeds them.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 
-class Accumulator:
+class Accumulator(abc.ABC):
     """Base class: ``update(x)`` with ``x`` of shape ``[tokens, d_in]``."""
 
     tokens: int = 0
 
-    def update(self, x: torch.Tensor) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def update(self, x: torch.Tensor) -> None:
+        """Add a batch of activations."""
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
