@@ -10,11 +10,19 @@ import transformers as tf
 
 import prunelab
 from prunelab import Magnitude, Owl, Pals, QKWanda, Ramp, Rose, SparseGPT, Wanda
+from prunelab.calib.runner import BlockRunner
+from prunelab.calib.stats import SumSquares
 from prunelab.data import TokenBatches
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
 from prunelab.prune.sparsity.config import from_dict, to_dict
+from prunelab.prune.sparsity.execute import (
+    branch_containers,
+    prune_block,
+    prune_block_sequential,
+    role_groups,
+)
 
 from tiny_models import ARCHS, char_tokenizer, tiny_model, tiny_tokens
 
@@ -159,3 +167,65 @@ def test_checkpoint_reloads_with_plain_transformers(tmp_path):
                                    rtol=0, atol=0)
     man = json.loads((out / "manifest.json").read_text())
     assert man["report"]["layers"][0]["linears"]["mlp.down_proj"] == pytest.approx(0.5, abs=0.02)
+
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cfg", [Wanda(sparsity=0.5), SparseGPT(sparsity=0.5),
+                                 Magnitude(sparsity=0.5)], ids=lambda c: c.method)
+def test_one_pass_block_equals_group_by_group_passes(arch, cfg):
+    """The replaying one-pass executor prunes exactly like separate partial passes per
+    group, and its outputs equal a plain run of the pruned block."""
+    ref = wrap(tiny_model(arch), char_tokenizer(), spec="ref")
+    new = wrap(tiny_model(arch), char_tokenizer(), spec="new")
+    r_ref, r_new = BlockRunner(ref, IDS, batch_size=3), BlockRunner(new, IDS, batch_size=3)
+    h_ref, h_new = r_ref.capture(), r_new.capture()
+    for i in range(ref.adapter.num_blocks):
+        prune_block(ref, r_ref, i, h_ref, cfg, 0.5)
+        before = r_new.block_evals
+        _, outs = prune_block_sequential(new, r_new, i, h_new, cfg, 0.5)
+        stages = 1 if cfg.method == "magnitude" else len(
+            role_groups(new, i, new.adapter.linears(i))) + 1
+        assert r_new.block_evals - before == stages * len(r_new.batches)
+        for path, m in ref.adapter.linears(i).items():
+            torch.testing.assert_close(weight_out_in(new.adapter.linears(i)[path]),
+                                       weight_out_in(m), rtol=0, atol=0)
+        for a, b in zip(outs, r_new.run_block(i, h_new), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        h_ref, h_new = r_ref.run_block(i, h_ref), outs
+
+
+def test_one_pass_computes_each_pruned_linear_and_attention_sparingly():
+    """On a llama block (2 batches): after the first batch showed that q/k/v and gate/up
+    share their inputs, a stage stops at the first of them; every pruned linear computes
+    once per batch (then its output, or its branch's, is replayed). Only batch 0 computes
+    q, k and gate once more while the sharing is found. The attention branch is entered
+    three times per batch, but the first entry stops at q's input (no attention)."""
+    lm = wrap(tiny_model("llama"), char_tokenizer(), spec="count")
+    runner = BlockRunner(lm, IDS, batch_size=3)
+    hidden = runner.capture()
+    blk = lm.adapter.block(0)
+    calls = {}
+    for name, m in [*lm.adapter.linears(0).items(), ("self_attn", blk.self_attn)]:
+        def counting(*a, _f=m.forward, _n=name, **k):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _f(*a, **k)
+        m.forward = counting
+    updates = []
+
+    class Count(SumSquares):
+        def update(self, x):
+            updates.append(x.shape)
+            super().update(x)
+
+    groups = role_groups(lm, 0, lm.adapter.linears(0))
+    runner.sequential(0, hidden, groups, lambda n: Count(), lambda g, accs: None,
+                      containers=branch_containers(lm, 0))
+    nb = len(runner.batches)
+    assert calls == {"self_attn": 3 * nb, "self_attn.q_proj": nb + 1,
+                     "self_attn.k_proj": nb + 1, "self_attn.v_proj": nb,
+                     "self_attn.o_proj": nb, "mlp.gate_proj": nb + 1, "mlp.up_proj": nb,
+                     "mlp.down_proj": nb}
+    assert len(updates) == 4 * nb  # [q,k,v] once, o, [gate,up] once, down
+    assert all(m.__dict__.get("forward") is not None for m in blk.modules()
+               if m in lm.adapter.linears(0).values())  # instance forwards restored

@@ -18,6 +18,7 @@ for its turn, so a model larger than the accelerator can be calibrated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -48,6 +49,19 @@ class _Recorder(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["_block"], name)
+
+
+_MISSING = object()
+
+
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, tuple):
+        return tuple(_clone(o) for o in obj)
+    if isinstance(obj, list):
+        return [_clone(o) for o in obj]
+    return obj
 
 
 class _StopBlock(Exception):
@@ -277,15 +291,145 @@ class BlockRunner:
                 handle.remove()
         return accs
 
+    @torch.no_grad()
+    def sequential(self, index: int, hidden: Sequence[torch.Tensor],
+                   groups: Sequence[dict[str, nn.Module]],
+                   make: Callable[[str], Accumulator | Sequence[Accumulator]] | None,
+                   on_group: Callable[[int, dict[str, list[Accumulator]]], None],
+                   containers: Sequence[nn.Module] = ()) -> list[torch.Tensor]:
+        """Change block ``index`` group by group in about one pass; return its new outputs.
+
+        ``groups`` lists the block's linears in execution order (e.g. ``[q, k, v]``,
+        ``[o]``, ``[gate, up]``, ``[down]``). For group ``g``: the inputs of its linears
+        are fed over every batch to accumulators from ``make(name)`` (linears that receive
+        the same tensor, like q/k/v, share one set: it is computed once), with groups
+        ``< g`` already changed; then ``on_group(g, accs)`` changes the group in place.
+        After the last group the changed block runs once more and its outputs are
+        returned.
+
+        Nothing is computed twice that cannot have changed: a module becomes *final*
+        once every group linear inside it was changed. A final module's output is
+        recorded the next time it runs and replayed (its forward is not called) in later
+        stages, and every stage stops as soon as its group's inputs were seen.
+        ``containers`` are extra final-able modules (the attention / MLP branch) whose
+        replay also skips the computation between linears (attention itself). Replayed
+        values are clones, so in-place operations downstream cannot corrupt them.
+        ``make=None`` skips the statistics stages (``on_group`` gets ``{}``).
+        """
+        self.ensure_captured()
+        blk = self.adapter.block(index)
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(groups):
+            for module in group.values():
+                group_of[id(module)] = g
+        candidates: list[tuple[nn.Module, int]] = []  # (module, final after group)
+        for module in [*(m for group in groups for m in group.values()), *containers]:
+            inside = [group_of[id(m)] for m in module.modules() if id(m) in group_of]
+            if inside and all(m is not module for m, _ in candidates):
+                candidates.append((module, max(inside)))
+        records: dict[int, list] = {}
+        state = {"batch": 0}
+
+        def replay(key, *_args, **_kwargs):
+            return _clone(records[key][state["batch"]])
+
+        def stage(targets: dict[str, nn.Module], accs: dict | None) -> list[torch.Tensor]:
+            g = len(done)
+            final = [m for m, after in candidates if after < g]
+            replayed = [m for m in final if id(m) in records]
+            recording = {id(m): [] for m in final if id(m) not in records}
+            fired: dict[str, torch.Tensor] = {}
+            leaders: dict[str, str] = shared
+            outs: list[torch.Tensor] = []
+
+            def record_hook(module, _args, output):
+                recording[id(module)].append(_clone(output))
+
+            def stat_hook(name):
+                def hook(_module, inputs):
+                    x = inputs[0]  # the very object: q/k/v receive the same one
+                    if state["batch"] == 0:
+                        leader = next((n for n, t in fired.items() if t is x), name)
+                        leaders[name] = leader
+                    leader = leaders[name]
+                    if leader == name:
+                        for acc in accs[name]:
+                            acc.update(x.detach())
+                    elif fired.get(leader) is not x:
+                        raise RuntimeError(f"{name} no longer shares its input with {leader}")
+                    fired[name] = x
+                    if len(fired) == len(targets) or (
+                            state["batch"] > 0 and needed.issubset(fired)):
+                        raise _StopBlock  # later batches need only the leaders' inputs
+                return hook
+
+            saved = {}
+            handles = []
+            try:
+                for m in replayed:
+                    saved[id(m)] = m.__dict__.get("forward", _MISSING)
+                    m.forward = functools.partial(replay, id(m))
+                handles += [m.register_forward_hook(record_hook) for m in final
+                            if id(m) in recording]
+                handles += [m.register_forward_pre_hook(stat_hook(n))
+                            for n, m in targets.items()]
+                for b, h in enumerate(hidden):
+                    state["batch"] = b
+                    fired.clear()
+                    needed = set(leaders.values())
+                    args, kwargs = self.call_args(index, b)
+                    try:
+                        out = blk(h.to(self.device), *args, **kwargs)
+                        out = out[0] if isinstance(out, tuple) else out
+                        outs.append(out.to(self.store_device))
+                    except _StopBlock:
+                        pass
+                    self.block_evals += 1
+            finally:
+                for handle in handles:
+                    handle.remove()
+                for m in replayed:
+                    if saved[id(m)] is _MISSING:
+                        del m.forward
+                    else:
+                        m.forward = saved[id(m)]
+            for key, values in recording.items():
+                if len(values) == len(hidden):  # ran to completion on every batch
+                    records[key] = values
+            for m, _after in candidates:  # a recorded module makes its children's moot
+                if id(m) in records:
+                    for child in m.modules():
+                        if child is not m:
+                            records.pop(id(child), None)
+            return outs
+
+        done: list[int] = []
+        shared: dict[str, str] = {}
+        with self._on_device(blk):
+            for g, group in enumerate(groups):
+                accs: dict[str, list[Accumulator]] = {}
+                if make is not None:
+                    shared.clear()
+                    raw = {n: (lambda a: list(a) if isinstance(a, (list, tuple)) else [a])(
+                        make(n)) for n in group}
+                    accs = raw
+                    stage(group, accs)
+                    accs = {n: list(raw[shared.get(n, n)]) for n in group}
+                on_group(g, accs)
+                done.append(g)
+            return stage({}, None)
+
     def run(self, on_block: Callable[[int, list[torch.Tensor]], None] | None = None,
             propagate: str = "modified", states: StateStore | None = None,
             desc: str = "blocks", until: int | None = None) -> list[torch.Tensor]:
         """Run every block in order and return the last block's outputs.
 
         ``on_block(index, inputs)`` is called before block ``index`` runs and may change
-        it (prune, collect statistics). ``propagate="dense"`` passes on the outputs the
-        block had before ``on_block``; ``"modified"`` those after. ``states`` receives the
-        hidden state at every boundary ``0..L`` (boundary ``i`` = input of block ``i``).
+        it (prune, collect statistics); if it returns a list of tensors, those are taken
+        as the changed block's outputs (it ran the block itself, see :meth:`sequential`).
+        ``propagate="dense"`` passes on the outputs the block had before ``on_block``;
+        ``"modified"`` those after. ``states`` receives the hidden state at every boundary
+        ``0..L`` (boundary ``i`` = input of block ``i``).
         ``until``: stop after block ``until`` and return its outputs.
         """
         if propagate not in ("dense", "modified"):
@@ -298,9 +442,13 @@ class BlockRunner:
             states.put(0, hidden)
         for i in progress(range(n), total=n, desc=desc):
             dense = self.run_block(i, hidden) if propagate == "dense" else None
-            if on_block is not None:
-                on_block(i, hidden)
-            hidden = dense if dense is not None else self.run_block(i, hidden)
+            result = on_block(i, hidden) if on_block is not None else None
+            if dense is not None:
+                hidden = dense
+            elif isinstance(result, list):  # on_block already ran the changed block
+                hidden = result
+            else:
+                hidden = self.run_block(i, hidden)
             if states is not None:
                 states.put(i + 1, hidden)
         return hidden

@@ -1,14 +1,17 @@
 """Block-by-block execution of the sparsity methods.
 
-For every block: its linears are pruned sublayer group by sublayer group
-(``[q, k, v]`` -> ``o`` -> ``[gate, up]`` -> ``down``); each group's input statistics are
-gathered over all calibration batches with the earlier groups already pruned (a partial
-block pass that stops as soon as the group's inputs are seen), then the pruned block runs
-once to produce the next block's inputs (``propagate="dense"`` passes on the dense outputs
-instead). Cost: about 1.7 passes through each block instead of a dense plus a pruned pass.
+For every block its linears are pruned sublayer group by sublayer group (``[q, k, v]`` ->
+``o`` -> ``[gate, up]`` -> ``down``): each group's input statistics are gathered over all
+calibration batches with the earlier groups already pruned, then the group is pruned.
+:meth:`BlockRunner.sequential` does this in about one pass through the block: every stage
+stops once its group's inputs were seen, and the outputs of pruned linears and of finished
+attention / MLP branches are recorded once and replayed, so nothing is computed twice that
+cannot have changed. The pruned block's outputs (a by-product of the last stage) are the
+next block's inputs (``propagate="dense"`` passes on the dense outputs instead: one extra
+pass). Linears that receive the same tensor (q, k, v) share one set of statistics.
 OWL and PALS need every block's statistics before choosing per-block sparsities: one
 extra dense statistics pass. Linears are selected through the adapter (never the LM head
-or the embeddings); masks and updates are computed in float32/float64.
+or the embeddings); Wanda norms are float64, SparseGPT Hessians and masks float32.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def _accumulators(cfg: SparsityConfig):
     if cfg.method == "magnitude":
         return None
     if cfg.method in ("sparsegpt", "rose"):
-        return lambda name: [SumSquares(), Gram(torch.float64)]
+        return lambda name: [SumSquares(), Gram(torch.float32)]
     return lambda name: [SumSquares()]
 
 
@@ -155,6 +158,51 @@ def prune_block(lm, runner, index, inputs, cfg: SparsityConfig, sparsity: float,
     return achieved
 
 
+def _lca(paths) -> str:
+    """The deepest module path containing every path (``""``: the block itself)."""
+    parts = [p.split(".")[:-1] for p in paths]
+    common = []
+    for names in zip(*parts, strict=False):
+        if len(set(names)) != 1:
+            break
+        common.append(names[0])
+    return ".".join(common)
+
+
+def branch_containers(lm, index: int) -> list[torch.nn.Module]:
+    """The attention and MLP sub-modules of block ``index`` that hold all their
+    projections (the block itself excluded): replaying them skips attention."""
+    blk = lm.adapter.block(index)
+    out = []
+    for roles in (lm.adapter.spec.attn_proj, lm.adapter.spec.mlp_proj):
+        path = _lca(roles.values()) if roles else ""
+        if path:
+            out.append(blk.get_submodule(path))
+    return out
+
+
+def prune_block_sequential(lm, runner, index, inputs, cfg: SparsityConfig, sparsity: float,
+                           taylor: dict | None = None) -> tuple[dict, list[torch.Tensor]]:
+    """Prune block ``index`` group by group in about one block pass
+    (:meth:`BlockRunner.sequential`); returns the achieved sparsity per linear path and the
+    pruned block's outputs. Same pruning as :func:`prune_block`."""
+    chosen = selected_linears(lm, index, cfg)
+    groups = role_groups(lm, index, chosen)
+
+    def on_group(g, accs):
+        group = groups[g]
+        if taylor:
+            for path in group:
+                accs[path].append(taylor[f"{index}:{path}"])
+        for path, module in group.items():
+            prune_linear(module, accs.get(path), cfg, sparsity)
+
+    outs = runner.sequential(index, inputs, groups, _accumulators(cfg), on_group,
+                             containers=branch_containers(lm, index))
+    achieved = {path: masks.achieved_sparsity(weight_out_in(m)) for path, m in chosen.items()}
+    return achieved, outs
+
+
 def prune_sparsity(lm, cfg: SparsityConfig, input_ids, data_info: dict | None = None,
                    batch_size: int = 8) -> dict:
     """Prune every block of ``lm`` in place; returns the report."""
@@ -176,8 +224,14 @@ def prune_sparsity(lm, cfg: SparsityConfig, input_ids, data_info: dict | None = 
     layers: list[dict] = []
 
     def on_block(i, inputs):
-        achieved = prune_block(lm, runner, i, inputs, cfg, per_block[i], taylor)
+        outs = None
+        if isinstance(cfg, QKWanda):
+            achieved = prune_block(lm, runner, i, inputs, cfg, per_block[i], taylor)
+        else:
+            achieved, outs = prune_block_sequential(lm, runner, i, inputs, cfg,
+                                                    per_block[i], taylor)
         layers.append({"block": i, "target": per_block[i], "linears": achieved})
+        return outs
 
     runner.run(on_block=on_block, propagate=cfg.propagate, desc=f"{cfg.method} pruning")
     if not any(ly["linears"] for ly in layers):

@@ -36,7 +36,7 @@ def prune_linear(module, accs, cfg, sparsity: float) -> None:
         keep = _mask(scores.wanda_scores(w, accs[0].sum_sq.to(w.device)), cfg, sparsity)
         new = w * keep.to(w.device)
     else:
-        h = accs[1].xtx  # accumulated in float64; SparseGPT itself runs in float32
+        h = accs[1].xtx  # X^T X (float32 from the executor); SparseGPT runs in float32
         if getattr(cfg, "hessian_alpha", 0.0) > 0:
             from prunelab.prune.sparsity.sparsegpt import hessian_blend
 
