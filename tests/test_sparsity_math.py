@@ -381,3 +381,20 @@ def test_rescale_to_target_rejects_out_of_range():
         rescale_to_target([0.5, 0.5], None, 1.0)
     with pytest.raises(ConfigError):
         uniform(3, 0.5, weights=[1.0, -1.0, 1.0])
+
+
+def test_sparsegpt_factor_cache_gives_the_same_result():
+    """Linears sharing one Hessian reuse its inverse factor: results are identical to
+    separate calls, and the cache holds the factor after the first call."""
+    torch.manual_seed(3)
+    x = torch.randn(200, 32)
+    h = x.t() @ x
+    h[:, 5] = h[5, :] = 0.0  # a dead column
+    cache = {}
+    for rows in (16, 8):
+        w = torch.randn(rows, 32)
+        a, ma = sparsegpt_prune(w, h, 0.5, blocksize=8)
+        b, mb = sparsegpt_prune(w, h, 0.5, blocksize=8, factor_cache=cache)
+        assert torch.equal(a, b) and torch.equal(ma, mb)
+        assert (b[:, 5] == 0).all()
+    assert set(cache) == {"key", "dead", "U"}

@@ -37,10 +37,13 @@ def prune_linear(module, accs, cfg, sparsity: float) -> None:
         new = w * keep.to(w.device)
     else:
         h = accs[1].xtx  # X^T X (float32 from the executor); SparseGPT runs in float32
+        cache = None
         if getattr(cfg, "hessian_alpha", 0.0) > 0:
             from prunelab.prune.sparsity.sparsegpt import hessian_blend
 
             h = hessian_blend(h, accs[2], cfg.hessian_alpha)
+        elif method == "sparsegpt":  # linears sharing an input (q/k/v) share one factor
+            cache = accs[1].__dict__.setdefault("_sparsegpt_factor", {})
         h = h.float()
         kw = dict(pattern=nm, blocksize=cfg.blocksize, percdamp=cfg.percdamp,
                   mask_group=cfg.group)
@@ -48,6 +51,6 @@ def prune_linear(module, accs, cfg, sparsity: float) -> None:
             out = rose_prune(w, h, accs[0].sum_sq, sparsity, reorder=cfg.reorder,
                              threshold=cfg.threshold, **kw)
         else:
-            out = sparsegpt_prune(w, h, sparsity, **kw)
+            out = sparsegpt_prune(w, h, sparsity, factor_cache=cache, **kw)
         new = out[0]
     set_weight_out_in(module, new)

@@ -44,6 +44,25 @@ def _check_perm(perm: torch.Tensor, d_in: int) -> torch.Tensor:
     return perm
 
 
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    prev = torch.get_num_threads()
+    if n != prev:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != prev:
+            torch.set_num_threads(prev)
+
+
+def _column_threads(rows: int) -> int:
+    """Threads for the sequential column updates: each touches at most ``rows x
+    blocksize`` numbers, where a parallel region costs more than it saves on a CPU
+    (and spins badly when the cores are shared); GPUs are unaffected."""
+    return 1 if rows <= 8192 else torch.get_num_threads()
+
+
 def _upper_inverse_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     """``U`` upper-triangular with ``U^T U = (H + damp I)^{-1}``, ``damp = percdamp *
     mean(diag H)``; if a Cholesky fails the damping is multiplied by 10 (up to 6 times)."""
@@ -54,7 +73,8 @@ def _upper_inverse_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     for _ in range(7):
         chol, info = torch.linalg.cholesky_ex(H + damp * eye)
         if int(info) == 0:
-            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+            inv_l = torch.linalg.solve_triangular(chol, eye, upper=False)
+            upper, info = torch.linalg.cholesky_ex(inv_l.t() @ inv_l, upper=True)
             if int(info) == 0:
                 return upper
         damp = max(damp * 10.0, 1e-8 * mean_diag)
@@ -70,6 +90,7 @@ def sparsegpt_prune(
     percdamp: float = 0.01,
     perm: torch.Tensor | None = None,
     mask_group: str = "row",
+    factor_cache: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prune ``W`` with SparseGPT; returns ``(W_new, kept_mask)``.
 
@@ -96,6 +117,9 @@ def sparsegpt_prune(
     pattern returns an exact copy of ``W`` and an all-True mask. Dead columns are zero in
     ``W_new`` even where the mask keeps them. Defaults follow the paper: ``blocksize=128``,
     ``percdamp=0.01``.
+
+    ``factor_cache``: a dict shared by calls with one and the same ``H`` (q/k/v see the same
+    inputs): the inverse Cholesky factor is computed once and reused.
     """
     s = check_sparsity(sparsity)
     nm = parse_pattern(pattern) if isinstance(pattern, str) or pattern is None else pattern
@@ -120,23 +144,30 @@ def sparsegpt_prune(
     dtype = torch.float64 if torch.float64 in (W.dtype, H.dtype) else torch.float32
     with no_tf32():
         Wf = W.detach().to(dtype=dtype).clone()
-        Hf = H.detach().to(device=W.device, dtype=dtype).clone()
         if perm is not None:
             perm = _check_perm(perm, cols).to(W.device)
-            Wf, Hf = Wf[:, perm], Hf[perm][:, perm]
-        dead = Hf.diagonal() == 0
-        Hf[dead, dead] = 1.0
+            Wf = Wf[:, perm]
+        key = (dtype, W.device, percdamp, None if perm is None else perm.tolist())
+        if factor_cache is not None and factor_cache.get("key") == key:
+            dead, U = factor_cache["dead"], factor_cache["U"]
+        else:
+            Hf = H.detach().to(device=W.device, dtype=dtype).clone()
+            if perm is not None:
+                Hf = Hf[perm][:, perm]
+            dead = Hf.diagonal() == 0
+            Hf[dead, dead] = 1.0
+            U = _upper_inverse_factor(Hf, percdamp)
+            del Hf
+            if factor_cache is not None:
+                factor_cache.update(key=key, dead=dead, U=U)
         Wf[:, dead] = 0.0
-        U = _upper_inverse_factor(Hf, percdamp)
-        del Hf
         pruned = torch.zeros((rows, cols), dtype=torch.bool, device=W.device)
         for b in range(0, cols, blocksize):
             e = min(b + blocksize, cols)
-            W1, U1 = Wf[:, b:e].clone(), U[b:e, b:e]
+            U1 = U[b:e, b:e]
             d1 = U1.diagonal()
-            err1 = torch.zeros_like(W1)
             if nm is None:
-                sal = W1.square() / d1.square()[None, :]
+                sal = Wf[:, b:e].square() / d1.square()[None, :]
                 if mask_group == "row":
                     k = prune_count(e, s) - prune_count(b, s)
                     mask1 = ~prune_lowest_k(sal, k)
@@ -144,19 +175,25 @@ def sparsegpt_prune(
                     k = prune_count(rows * e, s) - prune_count(rows * b, s)
                     mask1 = ~prune_lowest_k(sal.reshape(1, -1), k).reshape(sal.shape)
             else:
-                mask1 = torch.zeros_like(W1, dtype=torch.bool)
-            for i in range(e - b):
-                if nm is not None and i % m == 0:
-                    sal = W1[:, i:i + m].square() / d1[i:i + m].square()[None, :]
-                    mask1[:, i:i + m] = ~prune_lowest_k(sal, m - n)
-                w = W1[:, i]
-                err = torch.where(mask1[:, i], w, torch.zeros_like(w)) / U1[i, i]
-                W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-                err1[:, i] = err
-            Wf[:, b:e] = W1.masked_fill(mask1, 0.0)
-            pruned[:, b:e] = mask1
+                mask1 = torch.zeros((rows, e - b), dtype=torch.bool, device=W.device)
+            # Column-major work copy: column i of the block is the contiguous row T[i].
+            T = Wf[:, b:e].t().contiguous()
+            gone = mask1.t().contiguous()  # True = pruned
+            errs = torch.empty_like(T)
+            with _threads(_column_threads(rows)):
+                for i in range(e - b):
+                    if nm is not None and i % m == 0:
+                        sal = T[i:i + m].t().square() / d1[i:i + m].square()[None, :]
+                        gone[i:i + m] = ~prune_lowest_k(sal, m - n).t()
+                    err = errs[i]
+                    torch.mul(T[i], gone[i], out=err)
+                    err.div_(U1[i, i])
+                    T[i:].sub_(U1[i, i:, None] * err[None, :])
+            T.masked_fill_(gone, 0.0)
+            Wf[:, b:e] = T.t()
+            pruned[:, b:e] = gone.t()
             if e < cols:
-                Wf[:, e:] -= err1 @ U[b:e, e:]
+                Wf[:, e:] -= errs.t() @ U[b:e, e:]
         if perm is not None:
             inv = torch.argsort(perm)
             Wf, pruned = Wf[:, inv], pruned[:, inv]
