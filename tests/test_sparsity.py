@@ -200,7 +200,8 @@ def test_one_pass_computes_each_pruned_linear_and_attention_sparingly():
     share their inputs, a stage stops at the first of them; every pruned linear computes
     once per batch (then its output, or its branch's, is replayed). Only batch 0 computes
     q, k and gate once more while the sharing is found. The attention branch is entered
-    three times per batch, but the first entry stops at q's input (no attention)."""
+    twice per batch: the first entry stops at q's input, the second computes attention
+    with o returning a placeholder that is then replaced by the pruned o's output."""
     lm = wrap(tiny_model("llama"), char_tokenizer(), spec="count")
     runner = BlockRunner(lm, IDS, batch_size=3)
     hidden = runner.capture()
@@ -222,7 +223,7 @@ def test_one_pass_computes_each_pruned_linear_and_attention_sparingly():
     runner.sequential(0, hidden, groups, lambda n: Count(), lambda g, accs: None,
                       containers=branch_containers(lm, 0))
     nb = len(runner.batches)
-    assert calls == {"self_attn": 3 * nb, "self_attn.q_proj": nb + 1,
+    assert calls == {"self_attn": 2 * nb, "self_attn.q_proj": nb + 1,
                      "self_attn.k_proj": nb + 1, "self_attn.v_proj": nb,
                      "self_attn.o_proj": nb, "mlp.gate_proj": nb + 1, "mlp.up_proj": nb,
                      "mlp.down_proj": nb}

@@ -30,6 +30,7 @@ from torch import nn
 from prunelab.calib.stats import Accumulator
 from prunelab.log import progress
 from prunelab.models.adapters import Adapter, get_adapter
+from prunelab.models.linear import weight_out_in
 
 
 class _Recorder(nn.Module):
@@ -307,14 +308,18 @@ class BlockRunner:
         After the last group the changed block runs once more and its outputs are
         returned.
 
-        Nothing is computed twice that cannot have changed: a module becomes *final*
-        once every group linear inside it was changed. A final module's output is
-        recorded the next time it runs and replayed (its forward is not called) in later
-        stages, and every stage stops as soon as its group's inputs were seen.
-        ``containers`` are extra final-able modules (the attention / MLP branch) whose
-        replay also skips the computation between linears (attention itself). Replayed
-        values are clones, so in-place operations downstream cannot corrupt them.
-        ``make=None`` skips the statistics stages (``on_group`` gets ``{}``).
+        Nothing is computed twice that cannot have changed. A module becomes *final* once
+        every group linear inside it was changed; a final module's output is recorded the
+        next time it runs and replayed (its forward is not called) in later stages. Every
+        stage stops as soon as its group's inputs were seen. ``containers`` (the
+        attention / MLP branch) are final-able too; when a stage's group is a single
+        linear whose output a container returns as is (``o_proj`` for attention,
+        ``down_proj`` for the MLP), that linear returns a zero placeholder during the
+        stage, the stage stops when the container returns, and after ``on_group`` the
+        container's record is its output with the placeholder replaced by the changed
+        linear applied to the saved inputs: attention runs once per batch in all.
+        Replayed values are clones, so in-place operations downstream cannot corrupt
+        them. ``make=None`` skips the statistics stages (``on_group`` gets ``{}``).
         """
         self.ensure_captured()
         blk = self.adapter.block(index)
@@ -327,20 +332,40 @@ class BlockRunner:
             inside = [group_of[id(m)] for m in module.modules() if id(m) in group_of]
             if inside and all(m is not module for m, _ in candidates):
                 candidates.append((module, max(inside)))
+        container_ids = {id(c) for c in containers}
         records: dict[int, list] = {}
         state = {"batch": 0}
+        shared: dict[str, str] = {}
 
         def replay(key, *_args, **_kwargs):
             return _clone(records[key][state["batch"]])
 
-        def stage(targets: dict[str, nn.Module], accs: dict | None) -> list[torch.Tensor]:
-            g = len(done)
+        def placeholder(module, x, *_args, **_kwargs):
+            out = torch.zeros((*x.shape[:-1], weight_out_in(module).shape[0]),
+                              dtype=x.dtype, device=x.device)
+            state["placeholder"] = out
+            return out
+
+        def drop_moot_records():
+            for m, _after in candidates:  # a recorded module makes its children's moot
+                if id(m) in records:
+                    for child in m.modules():
+                        if child is not m:
+                            records.pop(id(child), None)
+
+        def stage(g: int, targets: dict[str, nn.Module], accs: dict | None) -> dict:
             final = [m for m, after in candidates if after < g]
             replayed = [m for m in final if id(m) in records]
             recording = {id(m): [] for m in final if id(m) not in records}
+            sub = None  # (container, linear): the linear's output is the container's
+            if len(targets) == 1:
+                (lin,) = targets.values()
+                sub = next(((c, lin) for c, after in candidates
+                            if after == g and id(c) in container_ids and id(c) not in records
+                            and any(m is lin for m in c.modules())), None)
             fired: dict[str, torch.Tensor] = {}
             leaders: dict[str, str] = shared
-            outs: list[torch.Tensor] = []
+            result = {"outs": [], "sub_inputs": [], "sub_outs": [], "sub": sub}
 
             def record_hook(module, _args, output):
                 recording[id(module)].append(_clone(output))
@@ -358,21 +383,34 @@ class BlockRunner:
                     elif fired.get(leader) is not x:
                         raise RuntimeError(f"{name} no longer shares its input with {leader}")
                     fired[name] = x
-                    if len(fired) == len(targets) or (
+                    if sub is not None:
+                        result["sub_inputs"].append(x.detach().clone())
+                    elif len(fired) == len(targets) or (
                             state["batch"] > 0 and needed.issubset(fired)):
                         raise _StopBlock  # later batches need only the leaders' inputs
                 return hook
 
+            def container_hook(_module, _args, output):
+                ph = state.pop("placeholder", None)
+                first = output[0] if isinstance(output, tuple) else output
+                result["sub_outs"].append(output if ph is not None and first is ph else None)
+                raise _StopBlock
+
             saved = {}
             handles = []
+            overridden = [(m, functools.partial(replay, id(m))) for m in replayed]
+            if sub is not None:
+                overridden.append((sub[1], functools.partial(placeholder, sub[1])))
             try:
-                for m in replayed:
+                for m, fn in overridden:
                     saved[id(m)] = m.__dict__.get("forward", _MISSING)
-                    m.forward = functools.partial(replay, id(m))
+                    m.forward = fn
                 handles += [m.register_forward_hook(record_hook) for m in final
                             if id(m) in recording]
                 handles += [m.register_forward_pre_hook(stat_hook(n))
                             for n, m in targets.items()]
+                if sub is not None:
+                    handles.append(sub[0].register_forward_hook(container_hook))
                 for b, h in enumerate(hidden):
                     state["batch"] = b
                     fired.clear()
@@ -381,43 +419,53 @@ class BlockRunner:
                     try:
                         out = blk(h.to(self.device), *args, **kwargs)
                         out = out[0] if isinstance(out, tuple) else out
-                        outs.append(out.to(self.store_device))
+                        result["outs"].append(out.to(self.store_device))
                     except _StopBlock:
                         pass
                     self.block_evals += 1
             finally:
                 for handle in handles:
                     handle.remove()
-                for m in replayed:
-                    if saved[id(m)] is _MISSING:
-                        del m.forward
+                for m, _fn in overridden:
+                    if saved.get(id(m), _MISSING) is _MISSING:
+                        m.__dict__.pop("forward", None)
                     else:
                         m.forward = saved[id(m)]
+                state.pop("placeholder", None)
             for key, values in recording.items():
                 if len(values) == len(hidden):  # ran to completion on every batch
                     records[key] = values
-            for m, _after in candidates:  # a recorded module makes its children's moot
-                if id(m) in records:
-                    for child in m.modules():
-                        if child is not m:
-                            records.pop(id(child), None)
-            return outs
+            drop_moot_records()
+            return result
 
-        done: list[int] = []
-        shared: dict[str, str] = {}
+        def substitute(result) -> None:
+            """After the group changed: the container's records, placeholder replaced."""
+            sub, outs, xs = result["sub"], result["sub_outs"], result["sub_inputs"]
+            if sub is None or len(outs) != len(hidden) or len(xs) != len(hidden) \
+                    or any(o is None for o in outs):
+                return
+            container, linear = sub
+            values = []
+            for out, x in zip(outs, xs, strict=True):
+                y = linear(x)
+                values.append((y, *_clone(out[1:])) if isinstance(out, tuple) else y)
+            records[id(container)] = values
+            drop_moot_records()
+
         with self._on_device(blk):
             for g, group in enumerate(groups):
                 accs: dict[str, list[Accumulator]] = {}
+                result = None
                 if make is not None:
                     shared.clear()
                     raw = {n: (lambda a: list(a) if isinstance(a, (list, tuple)) else [a])(
                         make(n)) for n in group}
-                    accs = raw
-                    stage(group, accs)
+                    result = stage(g, group, raw)
                     accs = {n: list(raw[shared.get(n, n)]) for n in group}
                 on_group(g, accs)
-                done.append(g)
-            return stage({}, None)
+                if result is not None:
+                    substitute(result)
+            return stage(len(groups), {}, None)["outs"]
 
     def run(self, on_block: Callable[[int, list[torch.Tensor]], None] | None = None,
             propagate: str = "modified", states: StateStore | None = None,

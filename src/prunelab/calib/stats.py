@@ -27,7 +27,8 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class SumSquares(Accumulator):
-    """Per input channel ``sum_t x[t, j]^2`` (float64) and the token and row counts.
+    """Per input channel ``sum_t x[t, j]^2`` (summed in float64) and the token and row
+    counts.
 
     ``rows`` counts the sequences seen (the leading batch dimension of the raw input), as
     Wanda's ``||X_j||^2`` is averaged over calibration sequences.
@@ -40,8 +41,10 @@ class SumSquares(Accumulator):
 
     def update(self, x: torch.Tensor) -> None:
         self.rows += x.shape[0] if x.dim() > 2 else 1
-        x = _flat(x).to(torch.float64)
-        s = (x * x).sum(0)
+        x = _flat(x)
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.to(torch.float32)
+        s = x.square().sum(0, dtype=torch.float64)  # squares in x's dtype, float64 sum
         self.sum_sq = s if self.sum_sq is None else self.sum_sq + s
         self.tokens += x.shape[0]
 

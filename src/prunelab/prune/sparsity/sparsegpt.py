@@ -65,18 +65,23 @@ def _column_threads(rows: int) -> int:
 
 def _upper_inverse_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     """``U`` upper-triangular with ``U^T U = (H + damp I)^{-1}``, ``damp = percdamp *
-    mean(diag H)``; if a Cholesky fails the damping is multiplied by 10 (up to 6 times)."""
+    mean(diag H)``; if a Cholesky fails the damping is multiplied by 10 (up to 6 times).
+
+    One Cholesky and one triangular inverse: with ``J`` the reversal permutation and
+    ``J (H + damp I) J = L L^T``, ``H + damp I = R R^T`` for the upper ``R = J L J``, so
+    ``(H + damp I)^{-1} = R^{-T} R^{-1}`` and ``U = R^{-1} = J L^{-1} J`` (the unique
+    Cholesky factor of the inverse, without forming the inverse)."""
     d = H.shape[0]
     mean_diag = float(H.diagonal().mean())
     damp = percdamp * mean_diag
     eye = torch.eye(d, dtype=H.dtype, device=H.device)
+    flipped = H.flip(0, 1)
     for _ in range(7):
-        chol, info = torch.linalg.cholesky_ex(H + damp * eye)
+        chol, info = torch.linalg.cholesky_ex(flipped + damp * eye)
         if int(info) == 0:
             inv_l = torch.linalg.solve_triangular(chol, eye, upper=False)
-            upper, info = torch.linalg.cholesky_ex(inv_l.t() @ inv_l, upper=True)
-            if int(info) == 0:
-                return upper
+            if bool(torch.isfinite(inv_l).all()):
+                return inv_l.flip(0, 1)
         damp = max(damp * 10.0, 1e-8 * mean_diag)
     raise ConfigError("SparseGPT: the Hessian is not positive definite even after damping")
 
