@@ -356,3 +356,56 @@ def test_multi_query_groups_refused_early_query_heads_work(arch, tmp_path):
     out = prunelab.save(lm, tmp_path / "ckpt")
     again = tf.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     torch.testing.assert_close(out_of(again), out_of(lm.model), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- CLI
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="160")
+    return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def _one_line_error(res, fragment):
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in res.stderr and len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and fragment in lines[0], res.stderr
+
+
+def test_cli_prune_width(tmp_path):
+    from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+
+    save_tiny_checkpoint("llama", tmp_path / "model")
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT)
+    data = ["--model", str(tmp_path / "model"), "--data", f"text:{tmp_path / 't.txt'}",
+            "--samples", "4", "--seqlen", "16", "--batch-size", "2"]
+    out = tmp_path / "w"
+    res = _cli("prune", "width", *data, "--unit", "ffn", "--score", "flap", "--ratio", "0.3",
+               "--compensate", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "48 -> 32" in res.stdout and "plain transformers" in res.stdout
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["operations"][-1]["operation"] == "prune-width"
+    assert [len(b["removed_channels"]) for b in man["report"]["blocks"]] == [16] * 4
+    assert man["size_after"]["params"] < man["size_before"]["params"]
+    _one_line_error(_cli("prune", "width", *data, "--ratio", "0.3", "--out", str(out)),
+                    "--overwrite")
+    res = _cli("prune", "width", *data, "--unit", "ffn", "--ratio", "0.3", "--allocation",
+               "global", "--round-to", "1", "--out", str(tmp_path / "g"))
+    assert res.returncode == 0, res.stderr
+    assert "trust_remote_code=True" in res.stdout
+    _one_line_error(_cli("prune", "width", *data, "--unit", "heads", "--score", "cocurve",
+                         "--ratio", "0.3", "--out", str(tmp_path / "x")), "score for unit")
+    # multi-query: refused in one line before calibration
+    cfg = tiny_config("llama")
+    cfg.num_key_value_heads = 1
+    mqa = tf.AutoModelForCausalLM.from_config(cfg)
+    mqa.save_pretrained(tmp_path / "mqa")
+    char_tokenizer().save_pretrained(tmp_path / "mqa")
+    _one_line_error(_cli("prune", "width", "--model", str(tmp_path / "mqa"), "--data",
+                         "nope:x", "--unit", "heads", "--ratio", "0.5", "--out",
+                         str(tmp_path / "y")), "multi-query")
