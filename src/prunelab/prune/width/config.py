@@ -42,6 +42,10 @@ class Width:
     ``bias_compensation``: FLAP's ``b += W[:, removed] mean(X_removed)`` where the consumer
     has a bias (always folded into the fit when ``compensate`` is on and a bias exists).
     ``round_to``: FFN widths kept are multiples of this (1 = no rounding).
+    ``damp``: ridge of the refit, times the mean diagonal of ``X^T X``, shrinking towards
+    plain slicing (default 1.0: on SmolLM2 with 8 x 256 calibration tokens it lowered the
+    held-out ``down_proj`` error of blocks 0/5/15 from 0.036/0.114/0.066 (slicing) to
+    0.025/0.102/0.051, where 1e-3 over-fitted to 0.051/0.271/0.109).
     ``ablation_samples``: calibration windows used by ablation scores (ablation-kl, putri
     heads, cocurve); ``channel_group``: FFN channels per CoCurve unit; ``putri_per_round``:
     units removed per Putri round.
@@ -56,7 +60,7 @@ class Width:
     compensate: bool = False
     bias_compensation: bool = True
     round_to: int = 8
-    damp: float = 1e-3
+    damp: float = 1.0
     ablation_samples: int = 4
     channel_group: int = 64
     putri_per_round: int = 1
@@ -86,7 +90,7 @@ class Width:
         if self.heads == "query" and self.unit == "joint":
             raise ConfigError("unit joint prunes whole KV groups: heads must be groups")
         check_range("round_to", self.round_to, 1, 4096, integer=True)
-        check_range("damp", self.damp, 0.0, 1.0)
+        check_range("damp", self.damp, 0.0, 1e4)
         check_range("ablation_samples", self.ablation_samples, 1, None, integer=True)
         check_range("channel_group", self.channel_group, 1, None, integer=True)
         check_range("putri_per_round", self.putri_per_round, 1, None, integer=True)

@@ -252,7 +252,8 @@ def apply_plans(lm, cfg: Width, runner: BlockRunner, plans, stats) -> dict:
             w = weight_out_in(module).detach().clone()
             width = w.shape[1]
             has_b = getattr(module, "bias", None) is not None
-            removed = torch.tensor([c for c in range(width) if c not in set(keep.tolist())])
+            kept = set(keep.tolist())
+            removed = torch.tensor([c for c in range(width) if c not in kept])
             if inputs is not None:
                 accs = runner.collect(i, inputs, {name: module},
                                       lambda n: [Gram(), MeanVar()])[name]
@@ -265,9 +266,8 @@ def apply_plans(lm, cfg: Width, runner: BlockRunner, plans, stats) -> dict:
                 if has_b and cfg.bias_compensation and stats and name in stats[i]:
                     db = S.flap_bias(w, removed, stats[i][name][1].mean())
                     done["bias"].append(f"{i}:{name}")
-            # the consumer is sliced by the adapter together with its producers
-            do_slice()
-            _set_consumer(module if name == "o" else module, w_new, db)
+            do_slice()  # the adapter slices the consumer together with its producers
+            _set_consumer(module, w_new, db)
 
     if cfg.compensate:
         runner.run(on_block=one, propagate="modified", desc="width compensation")

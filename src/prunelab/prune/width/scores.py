@@ -116,30 +116,36 @@ def round_width(width: int, keep: float, multiple: int) -> int:
 def refit_consumer(w: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
                    col_sum: torch.Tensor | None = None, tokens: int = 0,
                    damp: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Least-squares refit of a consumer after its input columns outside ``keep`` are
-    removed (Putri ``min_mse``; FLAP's bias compensation generalised): the dense output
-    ``Y = X W^T`` is re-fitted from the kept inputs,
-    ``W_S^T = (H_SS + lambda I)^{-1} (X^T Y)_S = (H_SS + lambda I)^{-1} H_{S,:} W^T``,
-    by Cholesky with a damping cascade (:func:`prunelab.prune.lstsq.ridge_solve`,
-    ``lambda = damp * mean(diag H_SS)``). With ``col_sum`` (``sum_t X_t``) and ``tokens``
-    the fit is affine (a bias change ``db`` is fitted too, unpenalised).
+    """Least-squares refit of a consumer after its input columns outside ``keep`` (``S``;
+    removed ``R``) are removed (Putri ``min_mse``; FLAP's bias compensation generalised):
+    the dense output ``Y = X W^T`` is re-fitted from the kept inputs. Written as a
+    correction of the sliced weight, ``W_S^T + D`` with
+    ``(H_SS + lambda I) D = H_SR W_R^T`` (``H = X^T X``; with ``lambda = 0`` exactly
+    ``W_S^T = H_SS^{-1} (X^T Y)_S``), so the ridge ``lambda = damp * mean(diag H_SS)``
+    shrinks towards plain slicing rather than towards zero (few calibration tokens
+    otherwise over-fit). Cholesky with a damping cascade
+    (:func:`prunelab.prune.lstsq.ridge_solve`). With ``col_sum`` (``sum_t X_t``) and
+    ``tokens`` the fit is affine (a bias change ``db`` is fitted too, unpenalised).
     Returns ``(W_S [d_out, |S|] float64, db [d_out] or None)``."""
     w = w.double()
     h = gram.double()
     keep = torch.as_tensor(keep, dtype=torch.long)
+    mask = torch.ones(h.shape[0], dtype=torch.bool)
+    mask[keep] = False
+    rem = torch.nonzero(mask).flatten()
     hss = h[keep][:, keep]
-    rhs = h[keep] @ w.t()
+    rhs = h[keep][:, rem] @ w[:, rem].t()
     if col_sum is None:
         sol = ridge_solve(hss, rhs, damp)
-        return sol.t().contiguous(), None
+        return (w[:, keep].t() + sol).t().contiguous(), None
     s = col_sum.double()
     n = float(tokens)
     top = torch.cat([hss, s[keep][:, None]], dim=1)
     bottom = torch.cat([s[keep], torch.tensor([n], dtype=h.dtype)])[None, :]
     ata = torch.cat([top, bottom], dim=0)
-    atb = torch.cat([rhs, (s @ w.t())[None, :]], dim=0)
+    atb = torch.cat([rhs, (s[rem] @ w[:, rem].t())[None, :]], dim=0)
     sol = ridge_solve(ata, atb, damp, unpenalised_last=True)
-    return sol[:-1].t().contiguous(), sol[-1]
+    return (w[:, keep].t() + sol[:-1]).t().contiguous(), sol[-1]
 
 
 def flap_bias(w: torch.Tensor, removed: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
