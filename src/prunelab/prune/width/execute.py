@@ -37,7 +37,8 @@ def check_width(lm, cfg: Width) -> None:
         raise UnsupportedOperationError(
             f"{lm.spec} is multi-query (1 KV head shared by {geo.num_heads} query heads): "
             "removing a KV group would remove all attention; prune query heads inside the "
-            "group with --heads query")
+            "group with --unit heads --heads query" + (
+                " (joint/cocurve units are whole KV groups)" if cfg.unit == "joint" else ""))
     if cfg.unit == "heads" and cfg.heads == "query" and (fused or geo.group_size == 1):
         raise UnsupportedOperationError(
             f"{ad.family}: --heads query needs grouped (GQA/MQA) attention with separate "
