@@ -19,6 +19,7 @@ from prunelab.prune import (  # noqa: E402
     SparseGPT,
     Uniform,
     Wanda,
+    Width,
 )
 
 # isort: split
@@ -29,5 +30,6 @@ from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
 
 __all__ = ["BlockRunner", "Depth", "LoadedModel", "Magnitude", "Owl", "Pals", "PrunelabError",
-           "QKWanda", "Ramp", "Rose", "SparseGPT", "StateStore", "Uniform", "Wanda", "evaluate",
-           "get_adapter", "info", "load", "probe", "prune", "save", "wrap", "__version__"]
+           "QKWanda", "Ramp", "Rose", "SparseGPT", "StateStore", "Uniform", "Wanda", "Width",
+           "evaluate", "get_adapter", "info", "load", "probe", "prune", "save", "wrap",
+           "__version__"]

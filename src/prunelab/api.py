@@ -154,6 +154,9 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
     handler = handler_for(config)
     if handler is None:
         raise ConfigError(f"no pruning method for {type(config).__name__}")
+    precheck = getattr(handler, "precheck", None)
+    if precheck is not None:  # user errors before any tokenisation or calibration
+        precheck(lm, config)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
     report = handler(lm, config, batches.input_ids, data_info=batches.to_dict(),
                      batch_size=batch_size)

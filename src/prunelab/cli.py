@@ -367,6 +367,85 @@ def prune_sparsity_cmd(
               f"{rep['seconds']:.1f} s; checkpoint {out_dir} (plain transformers)")
 
 
+@prune_app.command("width")
+def prune_width_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        unit: str = typer.Option("ffn", help="heads | ffn | joint"),
+        score: str = typer.Option("wanda-sp", help="heads: wanda-sp | magnitude-profile | flap "
+                                  "| ablation-kl | putri; ffn: wanda-sp | flap | putri | "
+                                  "ablation-kl | magnitude-profile; joint: cocurve"),
+        ratio: Optional[float] = typer.Option(None, help="fraction of the unit's parameters "
+                                              "removed"),
+        target_params: Optional[float] = typer.Option(None, help="parameters the model keeps: "
+                                                      "a fraction (<= 1) or a count"),
+        allocation: str = typer.Option("uniform", help="uniform (plain config) | global "
+                                       "(per-block widths, needs trust_remote_code)"),
+        heads: str = typer.Option("groups", help="groups (KV groups; heads without GQA) | "
+                                  "query (query heads inside every group)"),
+        compensate: bool = typer.Option(False, "--compensate", help="least-squares refit of "
+                                        "o_proj / down_proj, block by block"),
+        no_bias_compensation: bool = typer.Option(False, "--no-bias-compensation",
+                                                  help="no FLAP bias compensation"),
+        round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
+        damp: float = typer.Option(1.0, help="refit ridge (times mean diag of X^T X), "
+                                   "shrinking towards plain slicing"),
+        ablation_samples: int = typer.Option(4, help="windows for ablation-kl / putri / "
+                                             "cocurve"),
+        channel_group: int = typer.Option(64, help="FFN channels per ablation / cocurve unit"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = typer.Option(8, help="windows per block call"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+    """Structured width pruning: KV groups / heads / query heads and FFN channels removed
+    physically (0-based blocks)."""
+    from prunelab import api
+    from prunelab.prune import Width
+
+    if out_dir.exists() and not overwrite:
+        raise OutputExistsError(f"{out_dir} exists; pass --overwrite to replace it")
+    cfg = Width(unit=unit, score=score, ratio=ratio, target_params=target_params,
+                allocation=allocation, heads=heads, compensate=compensate,
+                bias_compensation=not no_bias_compensation, round_to=round_to, damp=damp,
+                ablation_samples=ablation_samples, channel_group=channel_group)
+    lm = _load(model, dtype, device, trust_remote_code)
+    rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
+                    batch_size=batch_size)
+    api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
+             metrics={"removed_params": rep["removed_params"]}, extra={"report": rep})
+    t = Table(title=f"width pruning of {model}: {unit} by {score}, {allocation} "
+                    "(blocks 0-based)")
+    for col in ("block", "heads (q/kv)", "ffn", "removed"):
+        t.add_column(col, overflow="fold")
+    for b in rep["blocks"]:
+        gone = []
+        if b.get("removed_groups"):
+            gone.append("groups " + ",".join(map(str, b["removed_groups"])))
+        if "kept_query_heads" in b:
+            gone.append("kept q heads " + str(b["kept_query_heads"]))
+        if b.get("removed_channels") is not None:
+            gone.append(f"{len(b['removed_channels'])} channels")
+        t.add_row(str(b["block"]), f"{b['heads_before']}/{b['kv_heads_before']} -> "
+                  f"{b['heads_after']}/{b['kv_heads_after']}",
+                  f"{b['ffn_before']} -> {b['ffn_after']}", "; ".join(gone) or "-")
+    out.print(t)
+    bf, af = rep["size_before"], rep["size_after"]
+    out.print(f"parameters {bf['params']:,} -> {af['params']:,} "
+              f"({af['params'] / bf['params']:.1%}); bytes {_fmt_bytes(bf['bytes'])} -> "
+              f"{_fmt_bytes(af['bytes'])}; compensation: "
+              f"{len(rep['compensation']['least_squares'])} least-squares refits, "
+              f"{len(rep['compensation']['bias'])} bias updates; {rep['seconds']:.1f} s")
+    if rep["needs_remote_code"]:
+        out.print(f"note: per-block widths ({'; '.join(rep['vanilla_problems'])}): load "
+                  f"{out_dir} with AutoModelForCausalLM.from_pretrained(path, "
+                  "trust_remote_code=True)")
+    else:
+        out.print(f"checkpoint {out_dir} (plain transformers)")
+
+
 @sweep_app.command("depth")
 def sweep_depth_cmd(
         model: str = ModelOpt,

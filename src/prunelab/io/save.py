@@ -108,16 +108,26 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     """Save ``lm`` as a plain ``transformers`` checkpoint plus ``manifest.json``.
 
     The config is brought in line with the (pruned) shapes first; shapes a plain config
-    cannot describe raise :class:`~prunelab.errors.UnsupportedOperationError`. Models with
-    linear bridges (ghost / lra depth recovery) get a modeling file and ``auto_map`` and
-    load with ``trust_remote_code=True`` (see :mod:`prunelab.io.remote`).
+    cannot describe raise :class:`~prunelab.errors.UnsupportedOperationError`, except
+    after prunelab's width pruning (per-block widths, head counts a family derives from
+    ``hidden_size``): those, like models with linear bridges (ghost / lra depth
+    recovery) get a modeling file and ``auto_map`` and load with
+    ``trust_remote_code=True`` (see :mod:`prunelab.io.remote`).
     """
     from prunelab.io.remote import has_bridges, write_remote_code
 
     out = Path(out_dir)
     _check_target(out, overwrite)
-    lm.adapter.sync_config()
-    remote = has_bridges(lm.model)
+    # per-block widths from prunelab's width pruning: the modeling file resizes the
+    # projections at load; other shapes a plain config cannot hold are refused
+    widths = bool(lm.adapter.vanilla_problems()) and (any(
+        op.get("operation") == "prune-width" for op in getattr(lm, "history", []))
+        or getattr(lm.model.config, "prunelab_widths", None) is not None)
+    if widths:
+        lm.model.config.num_hidden_layers = lm.adapter.num_blocks
+    else:
+        lm.adapter.sync_config()
+    remote = has_bridges(lm.model) or widths
     if getattr(lm.model, "hf_quantizer", None) is not None:
         raise PrunelabError("a quantized (GGUF) model cannot be saved; load it by prunelab "
                             "spec so it is converted to a float checkpoint first")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prunelab.prune.depth import Depth
+from prunelab.prune.width.config import Width
 
 PRUNERS: dict[type, Callable] = {}
 
@@ -18,9 +19,11 @@ def _register_defaults() -> None:
     from prunelab.prune.sparsity.config import SparsityConfig
     from prunelab.prune.sparsity.execute import prune_sparsity
     from prunelab.prune.surgery import prune_depth
+    from prunelab.prune.width.execute import prune_width
 
     PRUNERS[Depth] = prune_depth
     PRUNERS[SparsityConfig] = prune_sparsity
+    PRUNERS[Width] = prune_width
 
 
 def handler_for(config) -> Callable | None:
@@ -46,4 +49,4 @@ from prunelab.prune.sparsity.config import (  # noqa: E402
 )
 
 __all__ = ["PRUNERS", "Depth", "Magnitude", "Owl", "Pals", "QKWanda", "Ramp", "Rose",
-           "SparseGPT", "Uniform", "Wanda", "handler_for"]
+           "SparseGPT", "Uniform", "Wanda", "Width", "handler_for"]
