@@ -358,6 +358,29 @@ def test_multi_query_groups_refused_early_query_heads_work(arch, tmp_path):
     torch.testing.assert_close(out_of(again), out_of(lm.model), rtol=0, atol=0)
 
 
+def test_gemma3_three_query_heads_save_with_remote_code(tmp_path):
+    """Gemma 3's config refuses hidden_size % num_attention_heads != 0 although head_dim
+    is explicit (the real 270M: 640 hidden, 4 -> 3 heads): such a uniform result is saved
+    with remote code instead of failing, and reloads with identical logits."""
+    cfg = tiny_config("gemma3_text")
+    cfg.num_key_value_heads = 1
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    lm = loaded("gemma3_text", model)
+    prunelab.prune(lm, Width(unit="heads", heads="query", score="wanda-sp", ratio=0.25),
+                   CALIB, batch_size=3)
+    assert {get_adapter(lm.model).head_geometry(i).num_heads
+            for i in range(cfg.num_hidden_layers)} == {3}
+    problems = get_adapter(lm.model).vanilla_problems()
+    assert cfg.hidden_size % 3 and any("refuses these shapes" in p for p in problems)
+    out = prunelab.save(lm, tmp_path / "ckpt")
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["loads_with"].startswith("AutoModelForCausalLM") and man["remote_code"]
+    again = tf.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True,
+                                                    attn_implementation="eager").eval()
+    torch.testing.assert_close(out_of(again), out_of(lm.model), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- CLI
 def _cli(*args):
     import os

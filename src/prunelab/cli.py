@@ -288,8 +288,10 @@ def prune_depth_cmd(
         t.add_row(k, v)
     out.print(t)
     if rep["needs_remote_code"]:
+        from prunelab.io.remote import load_hint
+
         out.print(f"note: {recovery} adds linear bridges: load the checkpoint with "
-                  "AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)")
+                  f"{load_hint(lm.model)}")
 
 
 def _patterns(text: str | None) -> tuple[str, ...]:
@@ -439,9 +441,10 @@ def prune_width_cmd(
               f"{len(rep['compensation']['least_squares'])} least-squares refits, "
               f"{len(rep['compensation']['bias'])} bias updates; {rep['seconds']:.1f} s")
     if rep["needs_remote_code"]:
+        from prunelab.io.remote import load_hint
+
         out.print(f"note: per-block widths ({'; '.join(rep['vanilla_problems'])}): load "
-                  f"{out_dir} with AutoModelForCausalLM.from_pretrained(path, "
-                  "trust_remote_code=True)")
+                  f"{out_dir} with {load_hint(lm.model)}")
     else:
         out.print(f"checkpoint {out_dir} (plain transformers)")
 

@@ -139,6 +139,19 @@ def needs_width_code(model: nn.Module) -> bool:
     return bool(get_adapter(model).vanilla_problems())
 
 
+def _auto_key(model: nn.Module) -> str:
+    from prunelab.models.adapters import get_adapter
+
+    encoder = get_adapter(model).is_encoder or getattr(model.config, "is_encoder_decoder",
+                                                       False)
+    return "AutoModel" if encoder else "AutoModelForCausalLM"
+
+
+def load_hint(model: nn.Module) -> str:
+    """How to load a remote-code checkpoint of ``model`` with plain transformers."""
+    return f"{_auto_key(model)}.from_pretrained(path, trust_remote_code=True)"
+
+
 def write_remote_code(model: nn.Module, directory: Path) -> dict:
     """Add the modeling file and rewrite ``config.json`` in a saved checkpoint ``directory``.
     Returns what was recorded (for the manifest)."""
@@ -154,11 +167,7 @@ def write_remote_code(model: nn.Module, directory: Path) -> dict:
     widths = width_specs(model) if needs_width_code(model) else None
     if widths is not None:
         cfg["prunelab_widths"] = widths
-    from prunelab.models.adapters import get_adapter
-
-    encoder = get_adapter(model).is_encoder or getattr(model.config, "is_encoder_decoder",
-                                                       False)
-    auto_key = "AutoModel" if encoder else "AutoModelForCausalLM"
+    auto_key = _auto_key(model)
     cfg["auto_map"] = {"AutoConfig": "modeling_prunelab.PrunelabBridgedConfig",
                        auto_key: "modeling_prunelab.PrunelabBridgedModel"}
     cfg["architectures"] = ["PrunelabBridgedModel"]

@@ -114,7 +114,7 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     recovery) get a modeling file and ``auto_map`` and load with
     ``trust_remote_code=True`` (see :mod:`prunelab.io.remote`).
     """
-    from prunelab.io.remote import has_bridges, write_remote_code
+    from prunelab.io.remote import has_bridges, load_hint, write_remote_code
 
     out = Path(out_dir)
     _check_target(out, overwrite)
@@ -140,8 +140,8 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
         man = dict(manifest) if manifest is not None else build_manifest(lm)
         if remote:
             man["remote_code"] = write_remote_code(lm.model, tmp)
-        man["loads_with"] = ("AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)"
-                             if remote else "plain transformers (no remote code)")
+        man["loads_with"] = (load_hint(lm.model) if remote
+                             else "plain transformers (no remote code)")
         write_json(tmp / "manifest.json", man)
         os.chmod(tmp, 0o755)
         _replace(tmp, out)

@@ -12,6 +12,7 @@ not forks: one generic implementation reads the spec.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -296,7 +297,30 @@ class Adapter:
             msg = self.spec.heads_representable(self.config, geo)
             if msg:
                 problems.append(msg)
+        if not problems:
+            msg = self._config_rejects()
+            if msg:
+                problems.append(msg)
         return problems
+
+    def _config_rejects(self) -> str:
+        """Why transformers' own config validation refuses the current uniform shapes
+        (e.g. Gemma 3 wants ``hidden_size % num_attention_heads == 0`` even though its
+        ``head_dim`` is explicit); empty when it accepts them or cannot check."""
+        cfg = copy.deepcopy(self.config)
+        validate = getattr(cfg, "validate", None)
+        if not callable(validate):
+            return ""
+        try:
+            cfg.num_hidden_layers = self.num_blocks
+            self.spec.write_config(cfg, self.head_geometry(0), self.ffn_width(0))
+            validate()
+        except Exception as exc:  # noqa: BLE001 - any refusal makes the shapes non-vanilla
+            cause = exc.__cause__ or exc
+            text = str(cause).strip().splitlines()
+            return (f"transformers' {type(cfg).__name__} refuses these shapes"
+                    + (f" ({text[-1].strip()})" if text else ""))
+        return ""
 
     def sync_config(self) -> None:
         """Write the current (uniform) shapes into the config.
