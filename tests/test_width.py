@@ -461,3 +461,42 @@ def test_smollm2_ffn_uniform_compensation_lowers_perplexity():
           f"plain {ppl[False]:.3f}, compensated {ppl[True]:.3f}")
     assert ppl[True] < ppl[False]
     assert ppl["dense"] < ppl[True]
+
+
+def _embedded_or_skip(name):
+    from prunelab.models.embedded import EMBEDDED, package_file
+
+    if not all(package_file(*p) is not None for p in EMBEDDED[name].packages):
+        pytest.skip(f"{name} packages not installed")
+
+
+@pytest.mark.slow
+def test_gemma3_query_heads_and_minilm_ffn_prune_save_and_reload(tmp_path):
+    """The other two real models: gemma3-270m (multi-query) refuses KV-group removal and
+    drops one query head per block (4 -> 3, saved with remote code), minilm-l6 loses 25 %
+    of its FFN channels (a plain checkpoint); both reload with identical outputs."""
+    from prunelab.data import make_batches
+
+    for name, cfg, auto in (
+            ("gemma3-270m", Width(unit="heads", heads="query", score="wanda-sp", ratio=0.25),
+             tf.AutoModelForCausalLM),
+            ("minilm-l6", Width(unit="ffn", score="wanda-sp", ratio=0.25, compensate=True),
+             tf.AutoModel)):
+        _embedded_or_skip(name)
+        lm = prunelab.load(name)
+        calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=64, samples=2)
+        if name == "gemma3-270m":
+            with pytest.raises(UnsupportedOperationError, match="multi-query"):
+                prunelab.prune(lm, Width(unit="heads", score="wanda-sp", ratio=0.25), calib)
+        before = sum(p.numel() for p in lm.model.parameters())
+        rep = prunelab.prune(lm, cfg, calib, batch_size=2)
+        assert sum(p.numel() for p in lm.model.parameters()) < before
+        if name == "gemma3-270m":
+            assert {b["heads_after"] for b in rep["blocks"]} == {3}
+        else:
+            assert {b["ffn_after"] for b in rep["blocks"]} == {1152}  # 1536 * 0.75
+        out = prunelab.save(lm, tmp_path / name)
+        again = auto.from_pretrained(out, trust_remote_code=True).eval()
+        ids = calib.input_ids[:1, :32]
+        torch.testing.assert_close(out_of(again, ids), out_of(lm.model, ids), rtol=1e-5,
+                                   atol=1e-5)
