@@ -297,6 +297,7 @@ def prune_depth_cmd(
                                           "calib_kl_after_recovery")},
              extra={"report": rep})
     t = Table(title=f"depth pruning of {model}", show_header=False)
+    div = "1 - cos (pooled)" if lm.is_encoder else "KL"
     b, a = rep["size_before"], rep["size_after"]
     rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
             ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
@@ -306,8 +307,8 @@ def prune_depth_cmd(
             ("parameters", f"{b['params']:,} -> {a['params']:,} "
                            f"({a['params'] / b['params']:.1%})"),
             ("bytes", f"{_fmt_bytes(b['bytes'])} -> {_fmt_bytes(a['bytes'])}"),
-            ("calibration KL before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
-            ("calibration KL after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
+            (f"calibration {div} before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
+            (f"calibration {div} after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
             ("checkpoint", str(out_dir))]
     for k, v in rows:
         t.add_row(k, v)
@@ -446,14 +447,30 @@ def run() -> None:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
         sys.exit(code)
     except Exception as exc:  # click usage errors and friends
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+        usage, abort = _click_exceptions()
+        if isinstance(exc, usage):
             exc.show()
             sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, abort):
             sys.exit(130)
         raise
+
+
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Usage-error and abort classes of click and of typer's vendored copy (typer >= 0.2x
+    raises its own ``typer._click`` classes, which are not click's)."""
+    import click
+
+    usage, abort = [click.exceptions.ClickException], [click.exceptions.Abort]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        vendored = None
+    if vendored is not None:
+        usage.append(vendored.ClickException)
+        if hasattr(vendored, "Abort"):
+            abort.append(vendored.Abort)
+    return tuple(usage), tuple(abort)
 
 
 def dump(obj) -> str:
