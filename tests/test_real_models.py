@@ -383,3 +383,30 @@ def test_minilm_sparsity_checkpoint_reloads(minilm, tmp_path):
     sents = sentence_batch(minilm.tokenizer, "wiki-vital:test", samples=64, max_length=128)
     res = prunelab.evaluate(again, sents, reference=minilm, batch_size=32)
     assert 0.5 < res["mean_cosine_to_reference"] < 1.0
+
+
+def test_cli_info_and_eval_on_gemma3_and_minilm(tmp_path):
+    """The commands on the two new real models: info (attention types / encoder flag) and
+    eval (perplexity with BOS for Gemma; sentence-embedding metrics for MiniLM)."""
+    import json
+
+    from test_cli import cli
+
+    if not (installed("gemma3-270m") and installed("minilm-l6")):
+        pytest.skip("gemma3-270m or minilm-l6 not installed")
+    r = cli("--quiet", "info", "--model", "gemma3-270m", "--json", str(tmp_path / "g.json"))
+    assert r.returncode == 0, r.stderr
+    assert "sliding_attention" in r.stdout and "full_attention" in r.stdout
+    assert json.loads((tmp_path / "g.json").read_text())["kv_heads"] == 1
+    r = cli("--quiet", "eval", "--model", "gemma3-270m", "--samples", "1", "--seqlen", "64",
+            "--json", str(tmp_path / "ge.json"))
+    assert r.returncode == 0, r.stderr
+    got = json.loads((tmp_path / "ge.json").read_text())
+    assert got["data"]["special_prefix"] == [2] and got["perplexity"] < 100
+    r = cli("--quiet", "info", "--model", "minilm-l6")
+    assert r.returncode == 0 and "encoder" in r.stdout and "True" in r.stdout
+    r = cli("--quiet", "eval", "--model", "minilm-l6", "--samples", "32", "--batch-size", "32",
+            "--reference", "minilm-l6", "--json", str(tmp_path / "m.json"))
+    assert r.returncode == 0, r.stderr
+    got = json.loads((tmp_path / "m.json").read_text())
+    assert got["nn_agreement"] == 1.0 and got["sentences"] == 32
