@@ -15,18 +15,20 @@ from prunelab.data import (
     describe_sources,
     load_text_source,
     make_batches,
+    special_frame,
 )
 from prunelab.data import sources as sources_mod
 from prunelab.errors import ConfigError, DataError
 
 BOS_ID = 128
+EOS_ID = 130
 
 
-@pytest.fixture(scope="module")
-def char_tokenizer():
+def make_char_tokenizer(template: str | None = None):
     """A real PreTrainedTokenizerFast whose ids are the characters' code points (ASCII).
 
-    It adds a BOS token by default (template post-processor), which make_batches must not add.
+    ``template``: a post-processor template such as ``"<s> $A"`` (adds a BOS by default)
+    or ``"<s> $A </s>"`` (BERT-like frame); ``None`` adds no special token.
     """
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -34,14 +36,23 @@ def char_tokenizer():
     vocab = {chr(i): i for i in range(128)}
     vocab["<s>"] = BOS_ID
     vocab["[UNK]"] = 129
+    vocab["</s>"] = EOS_ID
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", BOS_ID)]
-    )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="[UNK]")
+    if template is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=template, special_tokens=[("<s>", BOS_ID), ("</s>", EOS_ID)]
+        )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="[UNK]")
     fast.model_max_length = 8  # shorter than our texts: the warning must stay silent
     return fast
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    """Adds no special token (like SmolLM2's tokenizer): windows are pure text."""
+    return make_char_tokenizer()
 
 
 def codes(text: str) -> list[int]:
@@ -55,8 +66,42 @@ def src(*docs: str, name: str = "hand:test", joiner: str = "\n\n") -> TextSource
 # --------------------------------------------------------------------------- windows
 
 
-def test_tokenizer_adds_bos_by_default_but_not_here(char_tokenizer):
-    assert char_tokenizer("ab")["input_ids"] == [BOS_ID, 97, 98]
+def test_windows_start_with_bos_when_the_tokenizer_adds_one():
+    tok = make_char_tokenizer("<s> $A")
+    assert tok("ab")["input_ids"] == [BOS_ID, 97, 98]
+    assert special_frame(tok) == ((BOS_ID,), ())
+    # "abcdefgh" -> bodies of 3 text tokens, each window = <s> + 3 tokens; "gh" dropped
+    tb = make_batches(tok, src("abcdefgh"), seqlen=4)
+    assert tb.input_ids.tolist() == [[BOS_ID, *codes("abc")], [BOS_ID, *codes("def")]]
+    assert (tb.total_windows, tb.seqlen, tb.tokens) == (2, 4, 8)
+    d = tb.to_dict()
+    assert d["special_prefix"] == [BOS_ID] and d["special_suffix"] == []
+    plain = make_batches(tok, src("abcdefgh"), seqlen=4, specials="none")
+    assert plain.input_ids.tolist() == [codes("abcd"), codes("efgh")]
+    assert plain.to_dict()["special_prefix"] == [] and plain.sha256 != tb.sha256
+    # calib sampling picks among the framed windows
+    text = "".join(f"{k:02d}|" for k in range(30))  # 30 bodies of 3
+    cal = make_batches(tok, src(text, name="x:calib"), seqlen=4, samples=5, seed=3)
+    picks = torch.randperm(30, generator=torch.Generator().manual_seed(3))[:5].sort().values
+    assert cal.input_ids.tolist() == [[BOS_ID, *codes(text[3 * k:3 * k + 3])]
+                                      for k in picks.tolist()]
+
+
+def test_bert_like_frame_prefix_and_suffix():
+    tok = make_char_tokenizer("<s> $A </s>")
+    assert special_frame(tok) == ((BOS_ID,), (EOS_ID,))
+    tb = make_batches(tok, src("abcdef"), seqlen=5)
+    assert tb.input_ids.tolist() == [[BOS_ID, *codes("abc"), EOS_ID],
+                                     [BOS_ID, *codes("def"), EOS_ID]]
+    with pytest.raises(ConfigError, match="no room for text"):
+        make_batches(tok, src("abcdef"), seqlen=2)
+    with pytest.raises(ConfigError, match="specials"):
+        make_batches(tok, src("abcdef"), seqlen=4, specials="bos")
+
+
+def test_no_special_tokens_windows_are_pure_text(char_tokenizer):
+    assert char_tokenizer("ab")["input_ids"] == [97, 98]
+    assert special_frame(char_tokenizer) == ((), ())
     tb = make_batches(char_tokenizer, src("abcd"), seqlen=4)
     assert tb.input_ids.tolist() == [codes("abcd")]
 
@@ -88,7 +133,8 @@ def test_test_mode_takes_first_n_and_batches(char_tokenizer):
     d = tb.to_dict()
     assert "input_ids" not in d
     assert d == {"spec": "hand:test", "mode": "test", "seqlen": 4, "samples": 3, "seed": None,
-                 "total_windows": 10, "tokens": 12, "sha256": tb.sha256}
+                 "total_windows": 10, "tokens": 12, "sha256": tb.sha256,
+                 "special_prefix": [], "special_suffix": []}
     json.dumps(d)
 
 
@@ -147,8 +193,7 @@ def test_validation_errors(char_tokenizer):
 def test_minimal_fake_tokenizer_and_string_spec(tmp_path):
     class Fake:
         def __call__(self, text, add_special_tokens=True):
-            assert add_special_tokens is False
-            return {"input_ids": [ord(c) for c in text]}
+            return {"input_ids": [ord(c) for c in text]}  # no special tokens either way
 
     (tmp_path / "a.txt").write_text("abcdefgh", encoding="utf-8")
     tb = make_batches(Fake(), f"text:{tmp_path / 'a.txt'}", seqlen=4)

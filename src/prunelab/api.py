@@ -83,29 +83,37 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
 
 def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | None = None,
              batch_size: int = 4, reference=None, speed: bool = False, seed: int = 0,
-             tokenizer=None) -> dict[str, Any]:
-    """Evaluate a causal LM on held-out windows (protocol in
-    :mod:`prunelab.eval.perplexity`).
+             tokenizer=None, reference_cache: dict | None = None) -> dict[str, Any]:
+    """Evaluate a model on held-out data.
 
-    Returns ``perplexity``, ``tokens`` (scored tokens), ``seqlen``, ``samples``, ``params``,
-    ``bytes``; with ``reference`` (a loaded model or spec) also ``kl_to_reference`` and
-    ``top1_agreement``; with ``speed`` also ``prefill_tokens_per_s``,
-    ``decode_tokens_per_s`` and ``peak_memory_bytes``.
+    Causal LMs (protocol in :mod:`prunelab.eval.perplexity`): ``perplexity``, ``tokens``
+    (scored tokens), ``seqlen``, ``samples``, ``params``, ``bytes``; with ``reference`` (a
+    loaded model or spec) also ``kl_to_reference`` and ``top1_agreement``; with ``speed``
+    also ``prefill_tokens_per_s``, ``decode_tokens_per_s`` and ``peak_memory_bytes``.
+
+    Encoders (protocol in :mod:`prunelab.eval.embedding`): ``samples`` held-out sentences
+    (default 512) truncated to ``seqlen`` tokens, mean-pooled; ``same_document_nn``, and
+    with ``reference`` ``mean_cosine_to_reference`` and ``nn_agreement``.
+    ``reference_cache``: a dict keeping the reference's outputs between calls.
     """
     lm = _as_loaded(model, tokenizer)
-    if lm.is_encoder:
-        raise UnsupportedOperationError(
-            f"{lm.spec} is an encoder: perplexity needs a causal LM")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     ref = None
     if reference is not None:
         ref = reference if isinstance(reference, LoadedModel) else \
             load(reference, dtype=lm.dtype, device=str(lm.device))
+        if ref.is_encoder != lm.is_encoder:
+            raise ConfigError("the reference must be of the same kind (encoder or causal LM) "
+                              "as the model")
         if int(ref.model.config.vocab_size) != int(lm.model.config.vocab_size):
-            raise ConfigError("the KL reference must share the model's vocabulary")
+            raise ConfigError("the reference must share the model's vocabulary")
+    if lm.is_encoder:
+        return _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
+                                 reference_cache)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="test")
-    result = score_windows(lm, batches.input_ids, batch_size=batch_size, reference=ref)
+    result = score_windows(lm, batches.input_ids, batch_size=batch_size, reference=ref,
+                           reference_cache=reference_cache)
     result.update(model_size(lm.model))
     result["data"] = batches.to_dict()
     result["model"] = lm.spec
@@ -113,6 +121,36 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
         result["reference"] = ref.spec
     if speed:
         result.update(measure_speed(lm))
+    return result
+
+
+def _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
+                      reference_cache) -> dict[str, Any]:
+    from prunelab.eval.embedding import SentenceBatch, score_sentences, sentence_batch
+
+    if speed:
+        raise UnsupportedOperationError(
+            f"{lm.spec} is an encoder: --speed measures prefill and decoding of causal LMs")
+    if isinstance(data, SentenceBatch):
+        batch = data
+    else:
+        if lm.tokenizer is None:
+            raise ConfigError("this model has no tokenizer: pass a SentenceBatch instead")
+        if not isinstance(data, str):
+            raise ConfigError("an encoder is evaluated on sentences: pass a data spec or a "
+                              "SentenceBatch")
+        limit = getattr(lm.model.config, "max_position_embeddings", seqlen) or seqlen
+        batch = sentence_batch(lm.tokenizer, data, samples=samples,
+                               max_length=min(seqlen, int(limit)))
+    result = score_sentences(lm, batch, batch_size=max(batch_size, 1), reference=ref,
+                             reference_cache=reference_cache)
+    result.update(model_size(lm.model))
+    result["data"] = batch.to_dict()
+    result["model"] = lm.spec
+    result["samples"] = batch.samples
+    result["seqlen"] = batch.max_length
+    if ref is not None:
+        result["reference"] = ref.spec
     return result
 
 

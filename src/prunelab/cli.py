@@ -105,17 +105,24 @@ def eval_cmd(model: str = ModelOpt,
              data: str = typer.Option("wiki-vital:test", help="wiki-vital:test | wikitext2 | "
                                       "c4 | text:PATH | jsonl:PATH[:field]"),
              seqlen: int = typer.Option(512, help="window length in tokens"),
-             samples: Optional[int] = typer.Option(None, help="windows to score (default all)"),
+             samples: Optional[int] = typer.Option(None, help="windows to score (default all); "
+                                                   "encoders: sentences (default 512)"),
              batch_size: int = typer.Option(4, help="windows per forward pass"),
-             kl_reference: Optional[str] = typer.Option(None, help="reference model spec for "
-                                                        "KL and top-1 agreement"),
+             kl_reference: Optional[str] = typer.Option(
+                 None, "--kl-reference", "--reference",
+                 help="reference (dense) model spec: KL and top-1 agreement for causal LMs, "
+                 "embedding cosine and nearest-neighbour agreement for encoders"),
              speed: bool = typer.Option(False, "--speed", help="also measure prefill/decode "
                                         "tokens/s and peak memory"),
              json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
              overwrite: bool = typer.Option(False, help="replace an existing --json file"),
              dtype: str = DtypeOpt, device: str = DeviceOpt,
              trust_remote_code: bool = RemoteOpt):
-    """Perplexity on held-out windows (plus KL to a reference and speed on request)."""
+    """Perplexity on held-out windows (plus KL to a reference and speed on request).
+
+    Encoders: mean-pooled embeddings of held-out sentences (--samples sentences, default
+    512, of at most --seqlen tokens): same-document nearest neighbour, and with --reference
+    mean cosine and nearest-neighbour agreement to the reference."""
     from prunelab import api
     from prunelab.io.save import write_json
 
@@ -125,6 +132,16 @@ def eval_cmd(model: str = ModelOpt,
     res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples, batch_size=batch_size,
                        reference=kl_reference, speed=speed)
     t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
+    shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
+    for k, v in shown:
+        t.add_row(k, v)
+    out.print(t)
+    if json_path is not None:
+        write_json(json_path, res, overwrite=overwrite)
+        log.info(f"wrote {json_path}")
+
+
+def _decoder_rows(res: dict, speed: bool) -> list[tuple[str, str]]:
     shown = [("perplexity", f"{res['perplexity']:.4f}"),
              ("windows x seqlen", f"{res['samples']} x {res['seqlen']}"),
              ("scored tokens", f"{res['tokens']:,}"),
@@ -138,12 +155,20 @@ def eval_cmd(model: str = ModelOpt,
         shown += [("prefill tokens/s", f"{res['prefill_tokens_per_s']:.0f}"),
                   ("decode tokens/s", f"{res['decode_tokens_per_s']:.1f}"),
                   ("peak memory", _fmt_bytes(res["peak_memory_bytes"]))]
-    for k, v in shown:
-        t.add_row(k, v)
-    out.print(t)
-    if json_path is not None:
-        write_json(json_path, res, overwrite=overwrite)
-        log.info(f"wrote {json_path}")
+    return shown
+
+
+def _encoder_rows(res: dict) -> list[tuple[str, str]]:
+    shown = [("sentences (max tokens)", f"{res['sentences']} ({res['max_length']})"),
+             ("documents", str(res["data"]["documents"])),
+             ("same-document nearest neighbour", f"{res['same_document_nn']:.4f}"),
+             ("parameters", f"{res['params']:,}"),
+             ("bytes", f"{res['bytes']:,} ({_fmt_bytes(res['bytes'])})"),
+             ("sentences/s", f"{res['sentences_per_s']:.0f}")]
+    if "mean_cosine_to_reference" in res:
+        shown += [("mean cosine to reference", f"{res['mean_cosine_to_reference']:.5f}"),
+                  ("nearest-neighbour agreement", f"{res['nn_agreement']:.4f}")]
+    return shown
 
 
 def _parse_pairs(text: str | None) -> list[tuple[int, int]]:
@@ -272,6 +297,7 @@ def prune_depth_cmd(
                                           "calib_kl_after_recovery")},
              extra={"report": rep})
     t = Table(title=f"depth pruning of {model}", show_header=False)
+    div = "1 - cos (pooled)" if lm.is_encoder else "KL"
     b, a = rep["size_before"], rep["size_after"]
     rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
             ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
@@ -281,8 +307,8 @@ def prune_depth_cmd(
             ("parameters", f"{b['params']:,} -> {a['params']:,} "
                            f"({a['params'] / b['params']:.1%})"),
             ("bytes", f"{_fmt_bytes(b['bytes'])} -> {_fmt_bytes(a['bytes'])}"),
-            ("calibration KL before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
-            ("calibration KL after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
+            (f"calibration {div} before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
+            (f"calibration {div} after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
             ("checkpoint", str(out_dir))]
     for k, v in rows:
         t.add_row(k, v)
@@ -503,14 +529,30 @@ def run() -> None:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
         sys.exit(code)
     except Exception as exc:  # click usage errors and friends
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
+        usage, abort = _click_exceptions()
+        if isinstance(exc, usage):
             exc.show()
             sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
+        if isinstance(exc, abort):
             sys.exit(130)
         raise
+
+
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Usage-error and abort classes of click and of typer's vendored copy (typer >= 0.2x
+    raises its own ``typer._click`` classes, which are not click's)."""
+    import click
+
+    usage, abort = [click.exceptions.ClickException], [click.exceptions.Abort]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        vendored = None
+    if vendored is not None:
+        usage.append(vendored.ClickException)
+        if hasattr(vendored, "Abort"):
+            abort.append(vendored.Abort)
+    return tuple(usage), tuple(abort)
 
 
 def dump(obj) -> str:

@@ -8,6 +8,7 @@ from prunelab.data.batches import (
     DEFAULT_CALIB_SAMPLES,
     TokenBatches,
     make_batches,
+    special_frame,
     tensor_sha256,
     tokenize_source,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "describe_sources",
     "load_text_source",
     "make_batches",
+    "special_frame",
     "tensor_sha256",
     "tokenize_source",
 ]

@@ -3,13 +3,19 @@
 The one rule, used for both evaluation and calibration data:
 
 1. Join the source's documents with its joiner (``"\\n\\n"``, or ``" "`` for ``c4:test``).
-2. Tokenize the whole text once with ``tokenizer(text, add_special_tokens=False)``. No BOS/EOS
-   or other special token is added, even for tokenizers that add a BOS token by default, so a
-   window is exactly ``seqlen`` tokens of text. (The too-long-sequence warning is silenced with
-   ``verbose=False``; the text is not chunked.)
-3. Cut the token ids into non-overlapping windows of exactly ``seqlen`` tokens from the start;
-   the incomplete tail is dropped. ``total_windows = len(ids) // seqlen``.
-4. Pick windows:
+2. Tokenize the whole text once with ``tokenizer(text, add_special_tokens=False)``. (The
+   too-long-sequence warning is silenced with ``verbose=False``; the text is not chunked.)
+3. Special tokens (``specials="auto"``, the default): every window is framed exactly as the
+   tokenizer frames one sequence. The frame is found by encoding a probe string with and
+   without ``add_special_tokens``: the ids before the plain ids are the ``prefix`` (Gemma's
+   ``<bos>``, BERT's ``[CLS]``), those after are the ``suffix`` (BERT's ``[SEP]``). SmolLM2's
+   tokenizer adds nothing, so its windows are pure text. Gemma is trained with a BOS at the
+   start of every sequence and is far worse without one. ``specials="none"`` adds nothing.
+4. Cut the token ids into non-overlapping bodies of ``seqlen - len(prefix) - len(suffix)``
+   tokens from the start (the incomplete tail is dropped) and frame each:
+   ``window = prefix + body + suffix`` is exactly ``seqlen`` tokens.
+   ``total_windows = len(ids) // body_len``.
+5. Pick windows:
 
    * ``test`` mode (the default unless the spec contains ``:calib``): the first ``samples``
      windows in order, or all of them when ``samples`` is None.
@@ -18,8 +24,9 @@ The one rule, used for both evaluation and calibration data:
      ``torch.randperm(total_windows, generator=torch.Generator().manual_seed(seed))[:samples]``
      and then sorted ascending, so the result is deterministic and in text order.
 
-The same source, tokenizer, seqlen, samples, seed and mode always give identical tokens; their
-sha256 (of the contiguous little-endian int64 tensor bytes) identifies the data in manifests.
+The same source, tokenizer, seqlen, samples, seed, mode and specials always give identical
+tokens; their sha256 (of the contiguous little-endian int64 tensor bytes) identifies the
+data in manifests.
 Asking for more windows than the text holds is a :class:`~prunelab.errors.DataError`.
 """
 
@@ -42,6 +49,7 @@ __all__ = [
     "DEFAULT_CALIB_SAMPLES",
     "TokenBatches",
     "make_batches",
+    "special_frame",
     "tensor_sha256",
     "tokenize_source",
 ]
@@ -65,6 +73,8 @@ class TokenBatches:
     mode: str
     total_windows: int
     sha256: str
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -88,6 +98,8 @@ class TokenBatches:
             "total_windows": self.total_windows,
             "tokens": self.tokens,
             "sha256": self.sha256,
+            "special_prefix": list(self.prefix),
+            "special_suffix": list(self.suffix),
         }
 
 
@@ -102,15 +114,32 @@ def _check_int(option: str, value: Any, minimum: int) -> None:
         raise ConfigError(f"{option} must be an integer >= {minimum} (got {value!r})")
 
 
-def _encode(tokenizer: Any, text: str) -> torch.Tensor:
+def _encode(tokenizer: Any, text: str, special: bool = False) -> torch.Tensor:
     try:
-        out = tokenizer(text, add_special_tokens=False, verbose=False)
+        out = tokenizer(text, add_special_tokens=special, verbose=False)
     except TypeError as exc:  # a minimal tokenizer without the ``verbose`` keyword
         if "verbose" not in str(exc):
             raise
-        out = tokenizer(text, add_special_tokens=False)
+        out = tokenizer(text, add_special_tokens=special)
     ids = out["input_ids"] if isinstance(out, Mapping) or hasattr(out, "keys") else out
     return torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+
+
+_PROBE_TEXT = "The frame of one sequence."
+
+
+def special_frame(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(prefix, suffix)``: the special token ids the tokenizer puts around one sequence
+    (step 3 of the rule), e.g. ``((2,), ())`` for Gemma, ``((101,), (102,))`` for BERT."""
+    plain = _encode(tokenizer, _PROBE_TEXT).tolist()
+    full = _encode(tokenizer, _PROBE_TEXT, special=True).tolist()
+    if not plain:
+        return (), ()
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return tuple(full[:start]), tuple(full[start + len(plain):])
+    raise DataError("the tokenizer changes the text tokens when it adds special tokens; "
+                    "cannot frame windows (use specials='none')")
 
 
 def tokenize_source(tokenizer: Any, source: TextSource) -> torch.Tensor:
@@ -146,11 +175,15 @@ def make_batches(
     samples: int | None = None,
     seed: int = 0,
     mode: str | None = None,
+    specials: str = "auto",
 ) -> TokenBatches:
-    """Token windows of ``source`` by the rule in the module docstring."""
+    """Token windows of ``source`` by the rule in the module docstring (``specials``:
+    ``"auto"`` frames every window as the tokenizer frames a sequence, ``"none"`` not)."""
     _check_int("--seqlen", seqlen, 2)
     if samples is not None:
         _check_int("--samples", samples, 1)
+    if specials not in ("auto", "none"):
+        raise ConfigError(f"specials must be 'auto' or 'none' (got {specials!r})")
     if mode is not None and mode not in MODES:
         raise ConfigError(f"mode must be 'test' or 'calib' (got {mode!r})")
     if isinstance(source, str):
@@ -163,7 +196,12 @@ def make_batches(
             samples = DEFAULT_CALIB_SAMPLES
 
     ids = tokenize_source(tokenizer, source)
-    total = ids.numel() // seqlen
+    prefix, suffix = special_frame(tokenizer) if specials == "auto" else ((), ())
+    body = seqlen - len(prefix) - len(suffix)
+    if body < 1:
+        raise ConfigError(f"--seqlen {seqlen} leaves no room for text after the "
+                          f"{len(prefix) + len(suffix)} special tokens of each window")
+    total = ids.numel() // body
     if total == 0:
         raise DataError(f"{source.name} gives {ids.numel()} tokens, less than one window of "
                         f"{seqlen} tokens; use a shorter --seqlen or more text")
@@ -172,7 +210,11 @@ def make_batches(
     if samples > total:
         raise DataError(f"{source.name} gives only {total} windows of {seqlen} tokens; ask for "
                         f"--samples {total} or fewer (or a shorter --seqlen)")
-    windows = ids[: total * seqlen].view(total, seqlen)
+    windows = ids[: total * body].view(total, body)
+    if prefix or suffix:
+        windows = torch.cat([torch.tensor(prefix, dtype=torch.int64).expand(total, -1),
+                             windows,
+                             torch.tensor(suffix, dtype=torch.int64).expand(total, -1)], dim=1)
     if mode == "test":
         chosen = windows[:samples].clone()
         used_seed = None
@@ -191,4 +233,6 @@ def make_batches(
         mode=mode,
         total_windows=total,
         sha256=tensor_sha256(chosen),
+        prefix=prefix,
+        suffix=suffix,
     )

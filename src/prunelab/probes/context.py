@@ -153,5 +153,12 @@ class ProbeContext:
             n_tok += h.shape[0] * h.shape[1]
         return last_sum / n_rows, all_sum / n_tok
 
+    @property
+    def divergence_name(self) -> str:
+        """What :meth:`divergence` measures (for reports)."""
+        if self.encoder:
+            return "1 - cos of mean-pooled final hidden states (encoder)"
+        return "KL(p_dense || p_modified) of next-token distributions"
+
     def close(self) -> None:
         self.store.close()

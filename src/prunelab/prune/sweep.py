@@ -65,6 +65,9 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
                 seed: int = 0, strategy: str | None = None, data_info: dict | None = None
                 ) -> list[dict]:
     """Run every (probe, recovery, n) point not yet in ``out_dir``; returns all points."""
+    if lm.adapter.is_encoder:
+        raise ConfigError("sweep depth scores test perplexity, which an encoder does not "
+                          "have; use prune depth and eval --reference per point")
     for name in probes:
         if name not in REGISTRY and name not in BASELINES:
             raise ConfigError(f"unknown probe {name!r}; available: "
