@@ -311,13 +311,13 @@ class BlockRunner:
         Nothing is computed twice that cannot have changed. A module becomes *final* once
         every group linear inside it was changed; a final module's output is recorded the
         next time it runs and replayed (its forward is not called) in later stages. Every
-        stage stops as soon as its group's inputs were seen. ``containers`` (the
-        attention / MLP branch) are final-able too; when a stage's group is a single
+        stage stops as soon as its group's inputs were seen, and the group's linears
+        return a zero placeholder in their own stage instead of computing. ``containers``
+        (the attention / MLP branch) are final-able too; when a stage's group is a single
         linear whose output a container returns as is (``o_proj`` for attention,
-        ``down_proj`` for the MLP), that linear returns a zero placeholder during the
-        stage, the stage stops when the container returns, and after ``on_group`` the
-        container's record is its output with the placeholder replaced by the changed
-        linear applied to the saved inputs: attention runs once per batch in all.
+        ``down_proj`` for the MLP), the stage stops when the container returns, and after
+        ``on_group`` the container's record is its output with the placeholder replaced by
+        the changed linear applied to the saved inputs: attention runs once per batch.
         Replayed values are clones, so in-place operations downstream cannot corrupt
         them. ``make=None`` skips the statistics stages (``on_group`` gets ``{}``).
         """
@@ -343,7 +343,7 @@ class BlockRunner:
         def placeholder(module, x, *_args, **_kwargs):
             out = torch.zeros((*x.shape[:-1], weight_out_in(module).shape[0]),
                               dtype=x.dtype, device=x.device)
-            state["placeholder"] = out
+            state["placeholders"][id(module)] = out
             return out
 
         def drop_moot_records():
@@ -391,7 +391,7 @@ class BlockRunner:
                 return hook
 
             def container_hook(_module, _args, output):
-                ph = state.pop("placeholder", None)
+                ph = state["placeholders"].pop(id(sub[1]), None)
                 first = output[0] if isinstance(output, tuple) else output
                 result["sub_outs"].append(output if ph is not None and first is ph else None)
                 raise _StopBlock
@@ -399,8 +399,11 @@ class BlockRunner:
             saved = {}
             handles = []
             overridden = [(m, functools.partial(replay, id(m))) for m in replayed]
-            if sub is not None:
-                overridden.append((sub[1], functools.partial(placeholder, sub[1])))
+            # The group's own linears only need their inputs here: they return a zero
+            # placeholder instead of computing (what follows them is never kept: the
+            # stage stops once they fired, and only modules before them are recorded).
+            overridden += [(m, functools.partial(placeholder, m)) for m in targets.values()]
+            state["placeholders"] = {}
             try:
                 for m, fn in overridden:
                     saved[id(m)] = m.__dict__.get("forward", _MISSING)
@@ -431,7 +434,7 @@ class BlockRunner:
                         m.__dict__.pop("forward", None)
                     else:
                         m.forward = saved[id(m)]
-                state.pop("placeholder", None)
+                state["placeholders"] = {}
             for key, values in recording.items():
                 if len(values) == len(hidden):  # ran to completion on every batch
                     records[key] = values
