@@ -23,6 +23,7 @@ from prunelab.prune.sparsity.execute import (
     prune_block_sequential,
     role_groups,
 )
+from prunelab.prune.sparsity.masks import unstructured_mask
 
 from tiny_models import ARCHS, char_tokenizer, tiny_model, tiny_tokens
 
@@ -226,3 +227,24 @@ def test_one_pass_computes_each_pruned_linear_and_attention_sparingly():
     assert len(updates) == 4 * nb  # [q,k,v] once, o, [gate,up] once, down
     assert all(m.__dict__.get("forward") is not None for m in blk.modules()
                if m in lm.adapter.linears(0).values())  # instance forwards restored
+
+
+def test_within_block_dense_calibrates_every_linear_on_the_dense_block():
+    """``within_block="dense"``: o's Wanda statistics come from the dense attention, so
+    its mask equals Wanda applied to norms collected on the unpruned block; the default
+    sequential order gives o a different mask (its inputs come from pruned q/k/v)."""
+    dense_lm = wrap(tiny_model("llama"), char_tokenizer(), spec="d")
+    runner = BlockRunner(dense_lm, IDS, batch_size=3)
+    o = dense_lm.adapter.attn_projections(0)["o"]
+    norms = runner.collect(0, runner.capture(), {"o": o}, lambda n: SumSquares())["o"][0]
+    w = weight_out_in(o).detach()
+    score = w.abs() * norms.sum_sq.sqrt().to(w.dtype)
+    expected = w * unstructured_mask(score, 0.5)
+    got = {}
+    for order in ("dense", "sequential"):
+        lm, _ = run("llama", Wanda(sparsity=0.5, within_block=order))
+        got[order] = weight_out_in(lm.adapter.attn_projections(0)["o"])
+    torch.testing.assert_close(got["dense"], expected, rtol=0, atol=0)
+    assert not torch.equal(got["sequential"] != 0, expected != 0)
+    with pytest.raises(ConfigError, match="within-block"):
+        Wanda(within_block="parallel")

@@ -344,6 +344,10 @@ def prune_sparsity_cmd(
         targets: Optional[str] = typer.Option(None, help="glob patterns of linears to prune"),
         ignore: Optional[str] = typer.Option(None, help="glob patterns of linears to keep"),
         propagate: str = typer.Option("modified", help="modified or dense block outputs"),
+        within_block: str = typer.Option("sequential", help="sequential (each sublayer "
+                                         "group calibrated after the earlier ones were "
+                                         "pruned, ~1 pass) or dense (whole block "
+                                         "calibrated dense, 2 passes)"),
         scope: str = typer.Option("qk", help="qk-wanda: qk or block"),
         no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
         hessian_alpha: float = typer.Option(0.0, help="sparsegpt/rose: Taylor blend "
@@ -370,7 +374,7 @@ def prune_sparsity_cmd(
                           f"got {allocation!r}")
     kw = dict(sparsity=sparsity, pattern=pattern, allocation=allocs[allocation](),
               group=group, targets=_patterns(targets), ignore=_patterns(ignore),
-              propagate=propagate)
+              propagate=propagate, within_block=within_block)
     if method in ("sparsegpt", "rose"):
         kw["hessian_alpha"] = hessian_alpha
     if method == "rose":

@@ -68,7 +68,12 @@ class SparsityConfig:
     ``group`` is the unstructured comparison group ("row" as in Wanda, or "layer");
     ``targets`` / ``ignore`` are glob patterns on a linear's path inside its block
     (``self_attn.q_proj``, ``mlp.*``) or on its full module name; ``propagate`` passes the
-    pruned block's outputs on (``modified``) or the dense ones (``dense``)."""
+    pruned block's outputs on (``modified``) or the dense ones (``dense``).
+    ``within_block``: ``"sequential"`` calibrates each sublayer group (``[q, k, v]``, ``o``,
+    ``[gate, up]``, ``down``) with the earlier groups of the block already pruned (about one
+    pass per block); ``"dense"`` calibrates every linear of the block on the dense block
+    (the Wanda / SparseGPT reference codes and llm-compressor; one dense and one pruned
+    pass per block)."""
 
     sparsity: float = 0.5
     pattern: str | None = None
@@ -77,6 +82,7 @@ class SparsityConfig:
     targets: tuple = ()
     ignore: tuple = ()
     propagate: str = "modified"
+    within_block: str = "sequential"
     method: str = "wanda"
 
     def __post_init__(self):
@@ -93,6 +99,9 @@ class SparsityConfig:
             raise ConfigError(f"group must be row or layer, got {self.group!r}")
         if self.propagate not in ("modified", "dense"):
             raise ConfigError(f"propagate must be modified or dense, got {self.propagate!r}")
+        if self.within_block not in ("sequential", "dense"):
+            raise ConfigError(f"within-block must be sequential or dense, got "
+                              f"{self.within_block!r}")
         if self.method not in METHODS:
             raise ConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         object.__setattr__(self, "targets", tuple(self.targets))

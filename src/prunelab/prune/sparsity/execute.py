@@ -137,7 +137,9 @@ def prune_block(lm, runner, index, inputs, cfg: SparsityConfig, sparsity: float,
     chosen = selected_linears(lm, index, cfg)
     make = _accumulators(cfg)
     achieved = {}
-    for group in role_groups(lm, index, chosen):
+    groups = [chosen] if cfg.within_block == "dense" and chosen else \
+        role_groups(lm, index, chosen)
+    for group in groups:
         if isinstance(cfg, QKWanda):
             roles = lm.adapter.spec.attn_proj
             if roles.get("q") in group:
@@ -225,7 +227,7 @@ def prune_sparsity(lm, cfg: SparsityConfig, input_ids, data_info: dict | None = 
 
     def on_block(i, inputs):
         outs = None
-        if isinstance(cfg, QKWanda):
+        if isinstance(cfg, QKWanda) or cfg.within_block == "dense":
             achieved = prune_block(lm, runner, i, inputs, cfg, per_block[i], taylor)
         else:
             achieved, outs = prune_block_sequential(lm, runner, i, inputs, cfg,
