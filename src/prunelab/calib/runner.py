@@ -363,6 +363,9 @@ class BlockRunner:
                 sub = next(((c, lin) for c, after in candidates
                             if after == g and id(c) in container_ids and id(c) not in records
                             and any(m is lin for m in c.modules())), None)
+            if sub is not None:  # the container's record comes from substitute(): its
+                inside = {id(m) for m in sub[0].modules()}  # parts need none of their own
+                recording = {k: v for k, v in recording.items() if k not in inside}
             fired: dict[str, torch.Tensor] = {}
             leaders: dict[str, str] = shared
             result = {"outs": [], "sub_inputs": [], "sub_outs": [], "sub": sub}
