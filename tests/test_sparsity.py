@@ -248,3 +248,21 @@ def test_within_block_dense_calibrates_every_linear_on_the_dense_block():
     assert not torch.equal(got["sequential"] != 0, expected != 0)
     with pytest.raises(ConfigError, match="within-block"):
         Wanda(within_block="parallel")
+
+
+def test_dense_order_with_dense_propagation_takes_one_pass_and_matches_two():
+    """``within_block="dense", propagate="dense"``: one dense pass per block gives the
+    statistics and the propagated outputs; the weights equal the two-pass route."""
+    cfg = Wanda(sparsity=0.5, within_block="dense", propagate="dense")
+    lm, rep = run("llama", cfg)
+    assert rep["block_evaluations"] == lm.adapter.num_blocks  # one pass, no extra
+    ref = wrap(tiny_model("llama"), char_tokenizer(), spec="ref")
+    runner = BlockRunner(ref, IDS, batch_size=3)
+
+    def on_block(i, inputs):
+        prune_block(ref, runner, i, inputs, cfg, 0.5)
+
+    runner.run(on_block=on_block, propagate="dense")
+    for (i, path), w in block_weights(lm).items():
+        torch.testing.assert_close(w, weight_out_in(ref.adapter.linears(i)[path]), rtol=0,
+                                   atol=0)

@@ -252,13 +252,15 @@ class BlockRunner:
     def collect(self, index: int, hidden: Sequence[torch.Tensor],
                 targets: dict[str, nn.Module],
                 make: Callable[[str], Accumulator | Sequence[Accumulator]],
-                stop_early: bool = True) -> dict[str, list[Accumulator]]:
+                stop_early: bool = True, outputs: list | None = None
+                ) -> dict[str, list[Accumulator]]:
         """Feed the inputs of each target linear of block ``index`` to new accumulators.
 
         ``targets`` maps names to modules inside the block (e.g. from
         ``adapter.linears(index)``); ``make(name)`` builds the accumulators. With
         ``stop_early`` the block stops as soon as every target has fired, so gathering
-        the inputs of ``q/k/v`` costs far less than a full block pass.
+        the inputs of ``q/k/v`` costs far less than a full block pass. Without it, the
+        block's outputs are appended to ``outputs`` when a list is given.
         """
         self.ensure_captured()
         accs = {name: (lambda a: list(a) if isinstance(a, (list, tuple)) else [a])(make(name))
@@ -283,7 +285,10 @@ class BlockRunner:
                     fired.clear()
                     args, kwargs = self.call_args(index, b)
                     try:
-                        blk(h.to(self.device), *args, **kwargs)
+                        out = blk(h.to(self.device), *args, **kwargs)
+                        if outputs is not None:
+                            out = out[0] if isinstance(out, tuple) else out
+                            outputs.append(out.to(self.store_device))
                     except _StopBlock:
                         pass
                     self.block_evals += 1

@@ -205,6 +205,26 @@ def prune_block_sequential(lm, runner, index, inputs, cfg: SparsityConfig, spars
     return achieved, outs
 
 
+def prune_block_on_dense_pass(lm, runner, index, inputs, cfg: SparsityConfig,
+                              sparsity: float, taylor: dict | None = None
+                              ) -> tuple[dict, list[torch.Tensor]]:
+    """``within_block="dense"`` with ``propagate="dense"``: one dense pass gives every
+    linear's statistics and the outputs passed on; then the block is pruned (1 pass)."""
+    chosen = selected_linears(lm, index, cfg)
+    make = _accumulators(cfg)
+    outs: list[torch.Tensor] = []
+    accs = runner.collect(index, inputs, chosen, make, stop_early=False, outputs=outs) \
+        if make else {}
+    if not make:
+        outs = runner.run_block(index, inputs)
+    for path, module in chosen.items():
+        if taylor:
+            accs[path].append(taylor[f"{index}:{path}"])
+        prune_linear(module, accs.get(path), cfg, sparsity)
+    achieved = {path: masks.achieved_sparsity(weight_out_in(m)) for path, m in chosen.items()}
+    return achieved, outs
+
+
 def prune_sparsity(lm, cfg: SparsityConfig, input_ids, data_info: dict | None = None,
                    batch_size: int = 8) -> dict:
     """Prune every block of ``lm`` in place; returns the report."""
@@ -225,9 +245,15 @@ def prune_sparsity(lm, cfg: SparsityConfig, input_ids, data_info: dict | None = 
         taylor = taylor_terms(lm, input_ids, mods, batch_size=max(1, batch_size // 2))
     layers: list[dict] = []
 
+    one_dense_pass = (cfg.within_block == "dense" and cfg.propagate == "dense"
+                      and not isinstance(cfg, QKWanda))
+
     def on_block(i, inputs):
         outs = None
-        if isinstance(cfg, QKWanda) or cfg.within_block == "dense":
+        if one_dense_pass:
+            achieved, outs = prune_block_on_dense_pass(lm, runner, i, inputs, cfg,
+                                                       per_block[i], taylor)
+        elif isinstance(cfg, QKWanda) or cfg.within_block == "dense":
             achieved = prune_block(lm, runner, i, inputs, cfg, per_block[i], taylor)
         else:
             achieved, outs = prune_block_sequential(lm, runner, i, inputs, cfg,
@@ -235,7 +261,8 @@ def prune_sparsity(lm, cfg: SparsityConfig, input_ids, data_info: dict | None = 
         layers.append({"block": i, "target": per_block[i], "linears": achieved})
         return outs
 
-    runner.run(on_block=on_block, propagate=cfg.propagate, desc=f"{cfg.method} pruning")
+    runner.run(on_block=on_block, propagate="modified" if one_dense_pass else cfg.propagate,
+               desc=f"{cfg.method} pruning")
     if not any(ly["linears"] for ly in layers):
         raise ConfigError("--targets/--ignore selected no linear layer")
     total = sum(m.weight.numel() for i in range(lm.adapter.num_blocks)
