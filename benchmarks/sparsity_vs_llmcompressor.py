@@ -127,7 +127,8 @@ def embed_zero_fraction(lm) -> tuple[float, float, bool]:
             emb is head)
 
 
-def job_prunelab(setting: str, workdir: Path, within_block: str = "sequential") -> dict:
+def job_prunelab(setting: str, workdir: Path, within_block: str = "sequential",
+                 propagate: str = "modified") -> dict:
     import torch
 
     import prunelab
@@ -136,8 +137,8 @@ def job_prunelab(setting: str, workdir: Path, within_block: str = "sequential") 
     _quiet()
     method, sparsity, pattern = parse_setting(setting)
     cls = prunelab.Wanda if method == "wanda" else prunelab.SparseGPT
-    cfg = cls(pattern=pattern, within_block=within_block) if pattern else \
-        cls(sparsity=sparsity, within_block=within_block)
+    kw = dict(within_block=within_block, propagate=propagate)
+    cfg = cls(pattern=pattern, **kw) if pattern else cls(sparsity=sparsity, **kw)
     lm = prunelab.load(MODEL)
     calib = torch.load(workdir / "calib.batches", weights_only=False)
     baseline = _page_in(lm.model)
@@ -185,7 +186,8 @@ def run_job(args) -> None:
     if args.job == "lower-bound":
         out = job_lower_bound(workdir)
     elif args.job.startswith("prunelab-"):
-        out = job_prunelab(args.job.removeprefix("prunelab-"), workdir, args.within_block)
+        out = job_prunelab(args.job.removeprefix("prunelab-"), workdir, args.within_block,
+                           args.propagate)
     else:
         raise SystemExit(f"unknown job {args.job!r}")
     Path(args.result).write_text(json.dumps(out, indent=2))
@@ -339,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--skip-llmc", action="store_true", help="run prunelab alone")
     ap.add_argument("--within-block", default="sequential", choices=("sequential", "dense"),
                     help="prunelab's order inside a block (see prune sparsity --within-block)")
+    ap.add_argument("--propagate", default="modified", choices=("modified", "dense"),
+                    help="prunelab: pass on the pruned (default) or the dense block outputs")
     ap.add_argument("--venv", default=str(DEFAULT_VENV), help="llm-compressor venv")
     ap.add_argument("--llmc-batch-size", type=int, default=8,
                     help="oneshot batch_size (default 8, as prunelab's)")
@@ -408,7 +412,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"{label(s)}: prunelab ...", flush=True)
         res = spawn(me + ["--job", f"prunelab-{s}", "--workdir", str(workdir), "--result",
                           str(workdir / f"prunelab-{tag}.json"),
-                          "--within-block", args.within_block],
+                          "--within-block", args.within_block,
+                          "--propagate", args.propagate],
                     workdir / f"prunelab-{tag}.json", workdir / f"prunelab-{tag}.log")
         results[s]["prunelab"] = res
         if llmc_py is not None:
