@@ -172,8 +172,10 @@ def test_checkpoint_reloads_with_plain_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg", [Wanda(sparsity=0.5), SparseGPT(sparsity=0.5),
-                                 Magnitude(sparsity=0.5)], ids=lambda c: c.method)
+@pytest.mark.parametrize("cfg", [Wanda(sparsity=0.5, within_block="sequential",
+                                       propagate="modified"),
+                                 SparseGPT(sparsity=0.5), Magnitude(sparsity=0.5)],
+                         ids=lambda c: c.method)
 def test_one_pass_block_equals_group_by_group_passes(arch, cfg):
     """The replaying one-pass executor prunes exactly like separate partial passes per
     group, and its outputs equal a plain run of the pruned block."""

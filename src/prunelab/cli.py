@@ -343,11 +343,13 @@ def prune_sparsity_cmd(
         group: str = typer.Option("row", help="unstructured comparison group: row or layer"),
         targets: Optional[str] = typer.Option(None, help="glob patterns of linears to prune"),
         ignore: Optional[str] = typer.Option(None, help="glob patterns of linears to keep"),
-        propagate: str = typer.Option("modified", help="modified or dense block outputs"),
-        within_block: str = typer.Option("sequential", help="sequential (each sublayer "
-                                         "group calibrated after the earlier ones were "
-                                         "pruned, ~1 pass) or dense (whole block "
-                                         "calibrated dense, 2 passes)"),
+        propagate: Optional[str] = typer.Option(
+            None, help="modified or dense block outputs passed on (default: dense for "
+            "wanda, modified otherwise)"),
+        within_block: Optional[str] = typer.Option(
+            None, help="sequential (each sublayer group calibrated after the earlier ones "
+            "were pruned) or dense (the whole block calibrated dense); default: dense for "
+            "wanda, sequential otherwise"),
         scope: str = typer.Option("qk", help="qk-wanda: qk or block"),
         no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
         hessian_alpha: float = typer.Option(0.0, help="sparsegpt/rose: Taylor blend "
@@ -374,7 +376,8 @@ def prune_sparsity_cmd(
                           f"got {allocation!r}")
     kw = dict(sparsity=sparsity, pattern=pattern, allocation=allocs[allocation](),
               group=group, targets=_patterns(targets), ignore=_patterns(ignore),
-              propagate=propagate, within_block=within_block)
+              **{k: v for k, v in (("propagate", propagate), ("within_block", within_block))
+                 if v is not None})
     if method in ("sparsegpt", "rose"):
         kw["hessian_alpha"] = hessian_alpha
     if method == "rose":

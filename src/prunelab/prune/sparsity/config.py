@@ -117,8 +117,16 @@ class Magnitude(SparsityConfig):
 
 @dataclass(frozen=True)
 class Wanda(SparsityConfig):
-    """Wanda (Sun et al. 2024): |W| * ||X_j||, per output row; no weight update."""
+    """Wanda (Sun et al. 2024): |W| * ||X_j||, per output row; no weight update.
 
+    Defaults to ``within_block="dense"`` and ``propagate="dense"``: every block's norms
+    come from one dense pass, which also feeds the next block. Measured on SmolLM2-135M
+    (64 x 512 calibration tokens, benchmarks/sparsity_vs_llmcompressor.py) this is both
+    the fastest order and the best: test ppl 35.29 at 50 % (sequential order with pruned
+    propagation: 36.46) and 140.4 at 2:4 (146.7)."""
+
+    within_block: str = "dense"
+    propagate: str = "dense"
     method: str = "wanda"
 
 
