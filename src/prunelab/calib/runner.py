@@ -211,6 +211,19 @@ class BlockRunner:
             return _to(args, self.device), _to(kwargs, self.device)
         return args, kwargs
 
+    def _call(self, blk: nn.Module, index: int, batch: int,
+              hidden: torch.Tensor) -> torch.Tensor | None:
+        """One block call on one batch with the arguments recorded for ``index``: the
+        output on ``store_device``, or ``None`` when a hook stopped the block early."""
+        args, kwargs = self.call_args(index, batch)
+        self.block_evals += 1
+        try:
+            out = blk(hidden.to(self.device), *args, **kwargs)
+        except _StopBlock:
+            return None
+        out = out[0] if isinstance(out, tuple) else out
+        return out.to(self.store_device)
+
     @torch.no_grad()
     def run_block(self, index: int, hidden: Sequence[torch.Tensor],
                   block: nn.Module | None = None, args_from: int | None = None,
@@ -226,11 +239,7 @@ class BlockRunner:
         outs = []
         with self._on_device(blk):
             for b, h in enumerate(hidden):
-                args, kwargs = self.call_args(src, b)
-                out = blk(h.to(self.device), *args, **kwargs)
-                out = out[0] if isinstance(out, tuple) else out
-                outs.append(out.to(self.store_device))
-                self.block_evals += 1
+                outs.append(self._call(blk, src, b, h))
         return outs
 
     def _on_device(self, blk: nn.Module):
@@ -283,15 +292,9 @@ class BlockRunner:
             with self._on_device(blk):
                 for b, h in enumerate(hidden):
                     fired.clear()
-                    args, kwargs = self.call_args(index, b)
-                    try:
-                        out = blk(h.to(self.device), *args, **kwargs)
-                        if outputs is not None:
-                            out = out[0] if isinstance(out, tuple) else out
-                            outputs.append(out.to(self.store_device))
-                    except _StopBlock:
-                        pass
-                    self.block_evals += 1
+                    out = self._call(blk, index, b, h)
+                    if outputs is not None and out is not None:
+                        outputs.append(out)
         finally:
             for handle in handles:
                 handle.remove()
@@ -426,14 +429,9 @@ class BlockRunner:
                     state["batch"] = b
                     fired.clear()
                     needed = set(leaders.values())
-                    args, kwargs = self.call_args(index, b)
-                    try:
-                        out = blk(h.to(self.device), *args, **kwargs)
-                        out = out[0] if isinstance(out, tuple) else out
-                        result["outs"].append(out.to(self.store_device))
-                    except _StopBlock:
-                        pass
-                    self.block_evals += 1
+                    out = self._call(blk, index, b, h)
+                    if out is not None:
+                        result["outs"].append(out)
             finally:
                 for handle in handles:
                     handle.remove()
