@@ -96,6 +96,38 @@ def test_collect_feeds_linear_inputs_and_stops_early():
     assert not q._forward_pre_hooks and not down._forward_pre_hooks
 
 
+class _Counting(SumSquares):
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def update(self, x):
+        self.log.append(id(self))
+        super().update(x)
+
+
+def test_collect_share_updates_one_set_per_shared_input():
+    model = tiny_model("llama")
+    ad = get_adapter(model)
+    runner = BlockRunner(model, tiny_tokens(4, 12), batch_size=2)
+    runner.capture()
+    targets = ad.linears(1)
+    log: list[int] = []
+    shared = runner.collect(1, runner.inputs, targets, lambda n: [_Counting(log)],
+                            share=True, stop_early=False)
+    alone = runner.collect(1, runner.inputs, targets, lambda n: [SumSquares()])
+    attn, mlp = ad.spec.attn_proj, ad.spec.mlp_proj
+    # q/k/v read one tensor, gate/up another: 4 distinct inputs, each updated once a batch
+    assert shared[attn["q"]][0] is shared[attn["k"]][0] is shared[attn["v"]][0]
+    assert shared[mlp["gate"]][0] is shared[mlp["up"]][0]
+    assert shared[attn["o"]][0] is not shared[attn["q"]][0]
+    assert len({id(a[0]) for a in shared.values()}) == 4 and len(log) == 4 * 2
+    assert shared[attn["q"]] is not shared[attn["k"]]  # each name owns its list
+    for name in targets:
+        torch.testing.assert_close(shared[name][0].sum_sq, alone[name][0].sum_sq,
+                                   rtol=0, atol=0)
+
+
 def test_hooks_removed_when_accumulator_fails():
     model = tiny_model("llama")
     runner = BlockRunner(model, tiny_tokens(2, 8), batch_size=2)

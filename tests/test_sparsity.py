@@ -14,6 +14,7 @@ from prunelab.calib.runner import BlockRunner
 from prunelab.calib.stats import SumSquares
 from prunelab.data import TokenBatches
 from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
 from prunelab.prune.sparsity.config import from_dict, to_dict
@@ -268,3 +269,44 @@ def test_dense_order_with_dense_propagation_takes_one_pass_and_matches_two():
     for (i, path), w in block_weights(lm).items():
         torch.testing.assert_close(w, weight_out_in(ref.adapter.linears(i)[path]), rtol=0,
                                    atol=0)
+
+
+@pytest.mark.parametrize("cfg", [SparseGPT(sparsity=0.5), SparseGPT(pattern="2:4"),
+                                 SparseGPT(sparsity=0.5, group="layer")],
+                         ids=["row", "2:4", "layer"])
+def test_linears_sharing_a_gram_pruned_jointly_equal_separate_runs(cfg, monkeypatch):
+    """q/k/v (and gate/up) share one Gram; SparseGPT prunes them as one row-stacked
+    matrix. Every decision is per row, so the result equals pruning each linear on its own
+    (up to float rounding; masks identical). ``group="layer"`` (not per row) keeps
+    separate runs, with SparseGPT's joint choice over each column block."""
+    from prunelab.calib.stats import Gram
+    from prunelab.prune.sparsity.methods import prune_linear, prune_linears
+
+    model = tiny_model("llama")
+    ad = get_adapter(model)
+    runner = BlockRunner(model, IDS, batch_size=3)
+    runner.capture()
+    targets = ad.linears(0)
+    accs = runner.collect(0, runner.inputs, targets, lambda n: [Gram(torch.float32)],
+                          stop_early=False, share=True)
+    attn = ad.spec.attn_proj
+    assert accs[attn["q"]][0] is accs[attn["v"]][0]
+    alone = {p: torch.nn.Linear(m.in_features, m.out_features, bias=False)
+             for p, m in targets.items()}
+    for p, m in targets.items():
+        alone[p].weight.data.copy_(m.weight.data)
+        prune_linear(alone[p], accs[p], cfg, 0.5)
+    from prunelab.prune.sparsity import methods
+
+    sweeps = []
+    real = methods.sparsegpt_prune
+    monkeypatch.setattr(methods, "sparsegpt_prune",
+                        lambda w, *a, **k: sweeps.append(w.shape[0]) or real(w, *a, **k))
+    prune_linears(targets, accs, cfg, 0.5)
+    # one sweep per distinct input (q/k/v, o, gate/up, down) unless decided per layer
+    assert len(sweeps) == (len(targets) if cfg.group == "layer" else 4)
+    for p, m in targets.items():
+        assert torch.equal(m.weight == 0, alone[p].weight == 0), p
+        torch.testing.assert_close(m.weight, alone[p].weight, rtol=1e-5, atol=1e-6)
+        if cfg.group == "layer":  # the whole matrix at 50 %, rows may differ
+            assert (m.weight == 0).float().mean() == pytest.approx(0.5, abs=0.02)

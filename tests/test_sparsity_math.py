@@ -398,3 +398,18 @@ def test_sparsegpt_factor_cache_gives_the_same_result():
         assert torch.equal(a, b) and torch.equal(ma, mb)
         assert (b[:, 5] == 0).all()
     assert set(cache) == {"key", "dead", "U"}
+
+
+def test_pruned_lowest_k_down_matches_the_stable_sort_with_ties():
+    from prunelab.prune.sparsity.masks import prune_lowest_k, pruned_lowest_k_down
+
+    g = torch.Generator().manual_seed(0)
+    for m in (2, 4, 8, 17):
+        for scores in (torch.randint(0, 3, (m, 500), generator=g).float(),  # many ties
+                       torch.randn(m, 500, generator=g).half()):
+            for k in range(m + 1):
+                want = ~prune_lowest_k(scores.t(), k).t()
+                assert torch.equal(pruned_lowest_k_down(scores, k), want), (m, k)
+    # hand case: column (3, 1, 1, 0) with k=2 prunes 0 and the first 1 (index 1)
+    col = torch.tensor([[3.0], [1.0], [1.0], [0.0]])
+    assert pruned_lowest_k_down(col, 2).reshape(-1).tolist() == [False, True, False, True]

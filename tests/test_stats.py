@@ -30,6 +30,24 @@ def test_gram_hand_computed():
     assert acc.mean().tolist() == [[v / 4 for v in row] for row in expected]
 
 
+def test_gram_panels_equal_full_product_exactly():
+    # 300 channels takes the upper-triangle panel route; small integers keep every sum
+    # exact, so the mirrored result must equal x^T x bit for bit, and stay symmetric.
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(-3, 4, (2, 50, 300), generator=g).float() for _ in range(3)]
+    for dtype in (torch.float32, torch.float64):
+        acc = Gram(dtype)
+        acc.update(xs[0])
+        first = acc.xtx.clone()
+        for x in xs[1:]:
+            acc.update(x)  # an update after a read must not serve the stale matrix
+        full = torch.cat([x.reshape(-1, 300) for x in xs]).to(dtype)
+        assert torch.equal(first, xs[0].reshape(-1, 300).to(dtype).t()
+                           @ xs[0].reshape(-1, 300).to(dtype))
+        assert torch.equal(acc.xtx, full.t() @ full)
+        assert torch.equal(acc.xtx, acc.xtx.t()) and acc.tokens == 300
+
+
 def test_mean_var_hand_computed():
     acc = MeanVar()
     acc.update(torch.tensor([[1.0], [3.0]]))

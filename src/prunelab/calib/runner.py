@@ -261,8 +261,8 @@ class BlockRunner:
     def collect(self, index: int, hidden: Sequence[torch.Tensor],
                 targets: dict[str, nn.Module],
                 make: Callable[[str], Accumulator | Sequence[Accumulator]],
-                stop_early: bool = True, outputs: list | None = None
-                ) -> dict[str, list[Accumulator]]:
+                stop_early: bool = True, outputs: list | None = None,
+                share: bool = False) -> dict[str, list[Accumulator]]:
         """Feed the inputs of each target linear of block ``index`` to new accumulators.
 
         ``targets`` maps names to modules inside the block (e.g. from
@@ -270,18 +270,32 @@ class BlockRunner:
         ``stop_early`` the block stops as soon as every target has fired, so gathering
         the inputs of ``q/k/v`` costs far less than a full block pass. Without it, the
         block's outputs are appended to ``outputs`` when a list is given.
+
+        ``share=True`` (for a ``make`` that builds the same kind of accumulators for every
+        name): targets that receive the very same input tensor (q/k/v, gate/up) share the
+        first one's accumulators, updated once; each name still gets its own list.
         """
         self.ensure_captured()
         accs = {name: (lambda a: list(a) if isinstance(a, (list, tuple)) else [a])(make(name))
                 for name in targets}
-        fired: set[str] = set()
+        fired: dict[str, torch.Tensor] = {}
+        leaders: dict[str, str] = {}
 
         def hook_for(name):
             def hook(_module, inputs):
-                x = inputs[0].detach()
-                for acc in accs[name]:
-                    acc.update(x)
-                fired.add(name)
+                x = inputs[0]
+                leader = name
+                if share:
+                    if name not in leaders:  # first call: who got this very tensor first
+                        leaders[name] = next((n for n, t in fired.items()
+                                              if t is x and leaders.get(n) == n), name)
+                    leader = leaders[name]
+                    if leader != name and fired.get(leader) is not x:
+                        raise RuntimeError(f"{name} no longer shares its input with {leader}")
+                if leader == name:
+                    for acc in accs[name]:
+                        acc.update(x.detach())
+                fired[name] = x
                 if stop_early and len(fired) == len(targets):
                     raise _StopBlock
             return hook
@@ -298,7 +312,8 @@ class BlockRunner:
         finally:
             for handle in handles:
                 handle.remove()
-        return accs
+            fired.clear()
+        return {n: list(accs[leaders.get(n, n)]) for n in targets}
 
     @torch.no_grad()
     def sequential(self, index: int, hidden: Sequence[torch.Tensor],

@@ -8,7 +8,8 @@ stops once its group's inputs were seen, and the outputs of pruned linears and o
 attention / MLP branches are recorded once and replayed, so nothing is computed twice that
 cannot have changed. The pruned block's outputs (a by-product of the last stage) are the
 next block's inputs (``propagate="dense"`` passes on the dense outputs instead: one extra
-pass). Linears that receive the same tensor (q, k, v) share one set of statistics.
+pass). Linears that receive the same tensor (q, k, v; gate, up) share one set of
+statistics, and SparseGPT prunes them as one row-stacked matrix (one column sweep).
 OWL and PALS need every block's statistics before choosing per-block sparsities: one
 extra dense statistics pass. Linears are selected through the adapter (never the LM head
 or the embeddings); Wanda norms are float64, SparseGPT Hessians and masks float32.
@@ -29,7 +30,7 @@ from prunelab.models.size import model_size
 from prunelab.prune.sparsity import allocation as alloc
 from prunelab.prune.sparsity import masks, scores
 from prunelab.prune.sparsity.config import Owl, Pals, QKWanda, Ramp, SparsityConfig, to_dict
-from prunelab.prune.sparsity.methods import prune_linear
+from prunelab.prune.sparsity.methods import prune_linears
 
 ROLE_ORDER = (("q", "k", "v", "qkv"), ("o",), ("gate", "up"), ("down",))
 
@@ -67,7 +68,9 @@ def role_groups(lm, index: int, chosen: dict) -> list[dict[str, torch.nn.Module]
 def _accumulators(cfg: SparsityConfig):
     if cfg.method == "magnitude":
         return None
-    if cfg.method in ("sparsegpt", "rose"):
+    if cfg.method == "sparsegpt":
+        return lambda name: [Gram(torch.float32)]
+    if cfg.method == "rose":
         return lambda name: [SumSquares(), Gram(torch.float32)]
     return lambda name: [SumSquares()]
 
@@ -149,12 +152,11 @@ def prune_block(lm, runner, index, inputs, cfg: SparsityConfig, sparsity: float,
                 group = {}
         if not group:
             continue
-        accs = runner.collect(index, inputs, group, make) if make else {}
+        accs = runner.collect(index, inputs, group, make, share=True) if make else {}
         if taylor:
             for path in group:
                 accs[path].append(taylor[f"{index}:{path}"])
-        for path, module in group.items():
-            prune_linear(module, accs.get(path), cfg, sparsity)
+        prune_linears(group, accs, cfg, sparsity)
     for path, module in chosen.items():
         achieved[path] = masks.achieved_sparsity(weight_out_in(module))
     return achieved
@@ -196,8 +198,7 @@ def prune_block_sequential(lm, runner, index, inputs, cfg: SparsityConfig, spars
         if taylor:
             for path in group:
                 accs[path].append(taylor[f"{index}:{path}"])
-        for path, module in group.items():
-            prune_linear(module, accs.get(path), cfg, sparsity)
+        prune_linears(group, accs, cfg, sparsity)
 
     outs = runner.sequential(index, inputs, groups, _accumulators(cfg), on_group,
                              containers=branch_containers(lm, index))
@@ -213,14 +214,14 @@ def prune_block_on_dense_pass(lm, runner, index, inputs, cfg: SparsityConfig,
     chosen = selected_linears(lm, index, cfg)
     make = _accumulators(cfg)
     outs: list[torch.Tensor] = []
-    accs = runner.collect(index, inputs, chosen, make, stop_early=False, outputs=outs) \
-        if make else {}
+    accs = runner.collect(index, inputs, chosen, make, stop_early=False, outputs=outs,
+                          share=True) if make else {}
     if not make:
         outs = runner.run_block(index, inputs)
-    for path, module in chosen.items():
-        if taylor:
+    if taylor:
+        for path in chosen:
             accs[path].append(taylor[f"{index}:{path}"])
-        prune_linear(module, accs.get(path), cfg, sparsity)
+    prune_linears(chosen, accs, cfg, sparsity)
     achieved = {path: masks.achieved_sparsity(weight_out_in(m)) for path, m in chosen.items()}
     return achieved, outs
 

@@ -26,6 +26,7 @@ __all__ = [
     "parse_pattern",
     "prune_count",
     "prune_lowest_k",
+    "pruned_lowest_k_down",
     "unstructured_mask",
 ]
 
@@ -79,6 +80,24 @@ def prune_lowest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     order = torch.sort(scores.double(), dim=1, stable=True).indices
     keep.scatter_(1, order[:, :k], False)
     return keep
+
+
+def pruned_lowest_k_down(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """**Pruned** mask (``True`` = prune) of a 2-D ``scores`` ``[m, r]``: in every column
+    the ``k`` lowest of its ``m`` entries, ties to the lower index, as
+    :func:`prune_lowest_k` on ``scores.t()`` (returned un-transposed).
+
+    For the short columns of N:M groups the rank of each entry comes from pairwise
+    comparisons over contiguous rows rather than a sort (several times faster on a CPU):
+    ``rank_j = #{i < j: s_i <= s_j} + #{i > j: s_i < s_j}``, its position in a stable
+    ascending sort; prune where ``rank < k``. Comparisons are exact in any float dtype.
+    """
+    m = scores.shape[0]
+    if m > 16:
+        return ~prune_lowest_k(scores.t(), k).t()
+    a, b = scores.unsqueeze(0), scores.unsqueeze(1)  # a[0, j] = s_j, b[i, 0] = s_i
+    before = torch.ones((m, m), dtype=torch.bool, device=scores.device).triu(1)[:, :, None]
+    return torch.where(before, b <= a, b < a).sum(0) < k
 
 
 def unstructured_mask(scores: torch.Tensor, sparsity: float, group: str = "row") -> torch.Tensor:

@@ -15,7 +15,13 @@ from contextlib import contextmanager
 import torch
 
 from prunelab.errors import ConfigError
-from prunelab.prune.sparsity.masks import check_sparsity, parse_pattern, prune_count, prune_lowest_k
+from prunelab.prune.sparsity.masks import (
+    check_sparsity,
+    parse_pattern,
+    prune_count,
+    prune_lowest_k,
+    pruned_lowest_k_down,
+)
 
 __all__ = ["hessian_blend", "no_tf32", "sparsegpt_prune"]
 
@@ -182,23 +188,33 @@ def sparsegpt_prune(
             else:
                 mask1 = torch.zeros((rows, e - b), dtype=torch.bool, device=W.device)
             # Column-major work copy: column i of the block is the contiguous row T[i].
+            # Per column, two ops: err = w * (pruned / U_ii), then the rank-1 update of
+            # the later columns of the block (row i itself is zeroed where pruned at the
+            # end, and kept entries of row i are unchanged by its own update).
             T = Wf[:, b:e].t().contiguous()
             gone = mask1.t().contiguous()  # True = pruned
+            inv_d = d1.reciprocal()
+            scale = torch.empty_like(T)  # pruned / U_ii, per column
+            if nm is None:
+                torch.mul(gone, inv_d[:, None], out=scale)
             errs = torch.empty_like(T)
+            t_rows, e_rows, s_rows, u_rows = T.unbind(0), errs.unbind(0), scale.unbind(0), \
+                U1.unbind(0)
+            width = e - b
             with _threads(_column_threads(rows)):
-                for i in range(e - b):
-                    if nm is not None and i % m == 0:
-                        sal = T[i:i + m].t().square() / d1[i:i + m].square()[None, :]
-                        gone[i:i + m] = ~prune_lowest_k(sal, m - n).t()
-                    err = errs[i]
-                    torch.mul(T[i], gone[i], out=err)
-                    err.div_(U1[i, i])
-                    T[i:].sub_(U1[i, i:, None] * err[None, :])
+                for i in range(width):
+                    if nm is not None and i % m == 0:  # this group's mask, per row
+                        sal = T[i:i + m].square().div_(d1[i:i + m, None].square())
+                        gone[i:i + m] = pruned_lowest_k_down(sal, m - n)
+                        torch.mul(gone[i:i + m], inv_d[i:i + m, None], out=scale[i:i + m])
+                    torch.mul(t_rows[i], s_rows[i], out=e_rows[i])
+                    if i + 1 < width:
+                        T[i + 1:].addr_(u_rows[i][i + 1:], e_rows[i], alpha=-1.0)
             T.masked_fill_(gone, 0.0)
             Wf[:, b:e] = T.t()
             pruned[:, b:e] = gone.t()
             if e < cols:
-                Wf[:, e:] -= errs.t() @ U[b:e, e:]
+                Wf[:, e:].addmm_(errs.t(), U[b:e, e:], alpha=-1.0)
         if perm is not None:
             inv = torch.argsort(perm)
             Wf, pruned = Wf[:, inv], pruned[:, inv]
