@@ -126,6 +126,20 @@ def test_qk_wanda_shares_one_budget_and_refuses_fused_qkv():
         run("gpt2", QKWanda(sparsity=0.5))
 
 
+def test_qk_wanda_causal_variant_shares_the_budget_and_differs():
+    unmasked = block_weights(run("llama", QKWanda(sparsity=0.5))[0])
+    lm, rep = run("llama", QKWanda(sparsity=0.5, variant="causal"))
+    causal = block_weights(lm)
+    assert rep["config"]["variant"] == "causal"
+    for i in range(lm.adapter.num_blocks):
+        q, k = causal[(i, "self_attn.q_proj")], causal[(i, "self_attn.k_proj")]
+        assert int((q == 0).sum() + (k == 0).sum()) == int((q.numel() + k.numel()) * 0.5)
+    assert any(not torch.equal(causal[key] == 0, unmasked[key] == 0) for key in causal
+               if key[1] in ("self_attn.q_proj", "self_attn.k_proj"))
+    with pytest.raises(ConfigError, match="variant"):
+        QKWanda(variant="sliding")
+
+
 def test_moonshot_hessian_blend_runs_and_differs():
     a = block_weights(run("llama", SparseGPT(sparsity=0.5))[0])
     b = block_weights(run("llama", SparseGPT(sparsity=0.5, hessian_alpha=0.5))[0])

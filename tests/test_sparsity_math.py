@@ -413,3 +413,53 @@ def test_pruned_lowest_k_down_matches_the_stable_sort_with_ties():
     # hand case: column (3, 1, 1, 0) with k=2 prunes 0 and the first 1 (index 1)
     col = torch.tensor([[3.0], [1.0], [1.0], [0.0]])
     assert pruned_lowest_k_down(col, 2).reshape(-1).tolist() == [False, True, False, True]
+
+
+def _logit_change_cost(x, Wq, Wk, heads, kv_heads, hd, which, r, j, causal):
+    """Brute force: sum of squared changes of the attention logits q_t . k_s (per head,
+    within each sequence, s <= t when causal) when weight (r, j) of Wq / Wk is deleted."""
+    def logits(wq, wk):
+        q = (x @ wq.t()).reshape(*x.shape[:2], heads, hd)
+        k = (x @ wk.t()).reshape(*x.shape[:2], kv_heads, hd)
+        k = k.repeat_interleave(heads // kv_heads, dim=2)
+        return torch.einsum("bthc,bshc->bhts", q, k)
+
+    wq, wk = Wq.clone(), Wk.clone()
+    (wq if which == "q" else wk)[r, j] = 0.0
+    diff = logits(wq, wk) - logits(Wq, Wk)
+    if causal:
+        T = x.shape[1]
+        diff = diff * torch.ones(T, T, dtype=diff.dtype).tril()
+    return float(diff.square().sum())
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 1), (4, 2)])
+def test_qk_wanda_causal_scores_equal_brute_force_logit_changes(heads, kv_heads):
+    from prunelab.prune.sparsity.scores import qk_wanda_causal_scores, qk_wanda_causal_stats
+
+    g = torch.Generator().manual_seed(1)
+    hd, d = 2, 3
+    x = torch.randn(2, 5, d, generator=g, dtype=torch.float64)
+    Wq = torch.randn(heads * hd, d, generator=g, dtype=torch.float64)
+    Wk = torch.randn(kv_heads * hd, d, generator=g, dtype=torch.float64)
+    a_q = a_k = 0
+    for b in range(2):  # two batches of one sequence each: the stats add up
+        dq, dk = qk_wanda_causal_stats(x[b:b + 1], x[b:b + 1] @ Wq.t(), x[b:b + 1] @ Wk.t())
+        a_q, a_k = a_q + dq, a_k + dk
+    sq, sk = qk_wanda_causal_scores(Wq, Wk, a_q, a_k, heads, kv_heads, hd)
+    for which, scores in (("q", sq), ("k", sk)):
+        for r in range(scores.shape[0]):
+            for j in range(d):
+                want = _logit_change_cost(x, Wq, Wk, heads, kv_heads, hd, which, r, j, True)
+                assert scores[r, j].item() == pytest.approx(want, rel=1e-10), (which, r, j)
+    # one sequence: the unmasked scores are the same brute force without the mask
+    x1 = x[:1]
+    uq, uk = qk_wanda_scores(Wq, Wk, x1.square().reshape(-1, d).sum(0),
+                             (x1 @ Wk.t()).square().reshape(-1, kv_heads * hd).sum(0),
+                             (x1 @ Wq.t()).square().reshape(-1, heads * hd).sum(0),
+                             heads, kv_heads, hd)
+    for which, scores in (("q", uq), ("k", uk)):
+        for r in range(scores.shape[0]):
+            for j in range(d):
+                want = _logit_change_cost(x1, Wq, Wk, heads, kv_heads, hd, which, r, j, False)
+                assert scores[r, j].item() == pytest.approx(want, rel=1e-10), (which, r, j)

@@ -351,6 +351,8 @@ def prune_sparsity_cmd(
             "were pruned) or dense (the whole block calibrated dense); default: dense for "
             "wanda, sequential otherwise"),
         scope: str = typer.Option("qk", help="qk-wanda: qk or block"),
+        qk_variant: str = typer.Option("unmasked", help="qk-wanda: unmasked (every "
+                                       "query-key pair) or causal (pairs the mask keeps)"),
         no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
         hessian_alpha: float = typer.Option(0.0, help="sparsegpt/rose: Taylor blend "
                                             "(MOONSHOT)"),
@@ -384,6 +386,7 @@ def prune_sparsity_cmd(
         kw["reorder"] = not no_reorder
     if method == "qk-wanda":
         kw["scope"] = scope
+        kw["variant"] = qk_variant
     cfg = CLASSES[method](**kw)
     lm = _load(model, dtype, device, trust_remote_code)
     rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,

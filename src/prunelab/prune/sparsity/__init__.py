@@ -24,6 +24,8 @@ from prunelab.prune.sparsity.masks import (
 from prunelab.prune.sparsity.rose import rose_permutation, rose_prune
 from prunelab.prune.sparsity.scores import (
     magnitude_scores,
+    qk_wanda_causal_scores,
+    qk_wanda_causal_stats,
     qk_wanda_scores,
     shared_budget_masks,
     wanda_scores,
@@ -39,6 +41,8 @@ __all__ = [
     "owl",
     "pals",
     "parse_pattern",
+    "qk_wanda_causal_scores",
+    "qk_wanda_causal_stats",
     "qk_wanda_scores",
     "ramp",
     "rescale_to_target",

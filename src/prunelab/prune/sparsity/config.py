@@ -161,15 +161,20 @@ class Rose(SparseGPT):
 class QKWanda(SparsityConfig):
     """QK-Wanda (derived): query and key weights of a block share one budget, weighted by
     the key / query activation energy of their channel; ``scope="block"`` also prunes V, O
-    and the MLP by Wanda."""
+    and the MLP by Wanda. ``variant="unmasked"`` counts every query-key pair of a sequence;
+    ``"causal"`` only the pairs the causal mask keeps (key prefix sums, query suffix sums)."""
 
     scope: str = "qk"
+    variant: str = "unmasked"
     method: str = "qk-wanda"
 
     def __post_init__(self):
         super().__post_init__()
         if self.scope not in ("qk", "block"):
             raise ConfigError(f"scope must be qk or block, got {self.scope!r}")
+        if self.variant not in ("unmasked", "causal"):
+            raise ConfigError(f"qk-wanda variant must be unmasked or causal, got "
+                              f"{self.variant!r}")
 
 
 CLASSES = {"magnitude": Magnitude, "wanda": Wanda, "sparsegpt": SparseGPT, "rose": Rose,

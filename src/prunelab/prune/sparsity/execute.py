@@ -114,13 +114,22 @@ def _qk_group(lm, runner, index, inputs, group, cfg, sparsity) -> dict:
                                         f"{ad.family} fuses them")
     q, k = proj["q"], proj["k"]
     _, outs = runner.tap(index, inputs, {"q": q, "k": k})
-    ins = runner.collect(index, inputs, {"x": q}, lambda n: SumSquares())["x"][0]
     geo = ad.head_geometry(index)
-    q_act = sum(o.double().pow(2).reshape(-1, o.shape[-1]).sum(0) for o in outs["q"])
-    k_act = sum(o.double().pow(2).reshape(-1, o.shape[-1]).sum(0) for o in outs["k"])
     wq, wk = weight_out_in(q).detach(), weight_out_in(k).detach()
-    sq, sk = scores.qk_wanda_scores(wq, wk, ins.sum_sq, k_act, q_act, geo.num_heads,
-                                    geo.num_kv_heads, geo.head_dim)
+    if cfg.variant == "causal":
+        _, xs = runner.tap(index, inputs, {"x": q}, what="input")
+        a_q = a_k = 0
+        for x, qo, ko in zip(xs["x"], outs["q"], outs["k"], strict=True):
+            dq, dk = scores.qk_wanda_causal_stats(x, qo, ko)
+            a_q, a_k = a_q + dq, a_k + dk
+        sq, sk = scores.qk_wanda_causal_scores(wq, wk, a_q, a_k, geo.num_heads,
+                                               geo.num_kv_heads, geo.head_dim)
+    else:
+        ins = runner.collect(index, inputs, {"x": q}, lambda n: SumSquares())["x"][0]
+        q_act = sum(o.double().pow(2).reshape(-1, o.shape[-1]).sum(0) for o in outs["q"])
+        k_act = sum(o.double().pow(2).reshape(-1, o.shape[-1]).sum(0) for o in outs["k"])
+        sq, sk = scores.qk_wanda_scores(wq, wk, ins.sum_sq, k_act, q_act, geo.num_heads,
+                                        geo.num_kv_heads, geo.head_dim)
     mq, mk = scores.shared_budget_masks([sq, sk], sparsity)
     done = {}
     for path, module, mask in ((_path(ad, "q"), q, mq), (_path(ad, "k"), k, mk)):

@@ -3,7 +3,7 @@
 Weights are ``W: [d_out, d_in]``; calibration statistics arrive precomputed. Scores are
 "higher = keep". Sources: magnitude pruning (Han et al. 2015); Wanda (Sun et al. 2024);
 QK-Wanda (shared query/key budget with activation-weighted deletion costs; prunelab
-methods.md section 3, unmasked variant).
+methods.md section 3, unmasked and causal variants).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from prunelab.prune.sparsity.masks import check_sparsity, prune_count
 
 __all__ = [
     "magnitude_scores",
+    "qk_wanda_causal_scores",
+    "qk_wanda_causal_stats",
     "qk_wanda_scores",
     "shared_budget_masks",
     "wanda_scores",
@@ -65,7 +67,7 @@ def qk_wanda_scores(
     + c]``, and key row ``r = g * head_dim + c`` costs ``Sk[r, j] = Wk[r, j]^2 * xq_j *
     sum_{h : h // G = g} q_act[h * head_dim + c]``. Returns ``(Sq, Sk)`` in float64, on one
     scale, so :func:`shared_budget_masks` can prune them under one budget. Source: QK-Wanda
-    (prunelab methods.md section 3); causal prefix/suffix-sum variant not implemented here.
+    (prunelab methods.md section 3); the causal variant is :func:`qk_wanda_causal_scores`.
     """
     if num_heads < 1 or num_kv_heads < 1 or head_dim < 1 or num_heads % num_kv_heads:
         raise ConfigError(
@@ -95,6 +97,73 @@ def qk_wanda_scores(
     wk = Wk.detach().to(dev, torch.float64)
     sq = wq.square() * x[None, :] * k_for_q[:, None]
     sk = wk.square() * x[None, :] * q_for_k[:, None]
+    return sq, sk
+
+
+def qk_wanda_causal_stats(x: torch.Tensor, q_act: torch.Tensor,
+                          k_act: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's statistics for :func:`qk_wanda_causal_scores`, to be summed over batches.
+
+    ``x [B, T, d_in]``: the input of q/k_proj; ``q_act [B, T, Cq]``, ``k_act [B, T, Ck]``: the
+    query / key projections (``Cq = num_heads * head_dim``, ``Ck = num_kv_heads *
+    head_dim``). Under the causal mask query ``t`` sees keys ``s <= t`` of its own sequence,
+    so deleting a query weight ``(r, j)`` moves the logits ``(t, s <= t)`` by ``-W x_t[j]
+    k_s[c]`` and a key weight the logits ``(t >= s, s)`` by ``-W q_t[c] x_s[j]``. Returns
+    ``(A_q [d_in, Ck], A_k [d_in, Cq])`` in float64: ``A_q[j, c] = sum_t x_t[j]^2 *
+    sum_{s <= t} k_s[c]^2`` (key prefix sums) and ``A_k[j, c] = sum_s x_s[j]^2 *
+    sum_{t >= s} q_t[c]^2`` (query suffix sums), sequences summed separately.
+    """
+    if x.dim() != 3 or q_act.shape[:2] != x.shape[:2] or k_act.shape[:2] != x.shape[:2]:
+        raise ConfigError(f"qk_wanda_causal_stats: x {tuple(x.shape)}, q {tuple(q_act.shape)}, "
+                          f"k {tuple(k_act.shape)} must share [batch, tokens]")
+    x2 = x.detach().to(torch.float64).square().flatten(0, 1)
+    k_prefix = k_act.detach().to(torch.float64).square().cumsum(1).flatten(0, 1)
+    q_suffix = q_act.detach().to(torch.float64).square().flip(1).cumsum(1).flip(1).flatten(0, 1)
+    return x2.t() @ k_prefix, x2.t() @ q_suffix
+
+
+def qk_wanda_causal_scores(
+    Wq: torch.Tensor,
+    Wk: torch.Tensor,
+    a_q: torch.Tensor,
+    a_k: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QK-Wanda deletion costs, causal variant (float64, one scale for a shared budget).
+
+    ``a_q [d_in, num_kv_heads * head_dim]`` and ``a_k [d_in, num_heads * head_dim]`` from
+    :func:`qk_wanda_causal_stats` (summed over batches). Query row ``r = h * head_dim + c``:
+    ``Sq[r, j] = Wq[r, j]^2 * a_q[j, (h // G) * head_dim + c]``, the squared change of every
+    causal logit of its head; key row ``r = g * head_dim + c``: ``Sk[r, j] = Wk[r, j]^2 *
+    sum_{h : h // G = g} a_k[j, h * head_dim + c]``. Without the mask (every pair of a
+    sequence) this reduces to :func:`qk_wanda_scores`. Source: QK-Wanda, causal variant
+    (key prefix sums / query suffix sums; prunelab methods.md section 3).
+    """
+    if num_heads < 1 or num_kv_heads < 1 or head_dim < 1 or num_heads % num_kv_heads:
+        raise ConfigError(
+            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+        )
+    d_in = Wq.shape[1]
+    expected = {
+        "Wq": (Wq.shape, (num_heads * head_dim, d_in)),
+        "Wk": (Wk.shape, (num_kv_heads * head_dim, d_in)),
+        "a_q": (a_q.shape, (d_in, num_kv_heads * head_dim)),
+        "a_k": (a_k.shape, (d_in, num_heads * head_dim)),
+    }
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ConfigError(f"qk_wanda_causal_scores: {name} has shape {tuple(got)}, "
+                              f"expected {want}")
+    dev = Wq.device
+    group = num_heads // num_kv_heads
+    aq = a_q.detach().to(dev, torch.float64).reshape(d_in, num_kv_heads, head_dim)
+    ak = a_k.detach().to(dev, torch.float64).reshape(d_in, num_kv_heads, group, head_dim)
+    k_for_q = aq.repeat_interleave(group, dim=1).reshape(d_in, -1)  # [d_in, Cq]
+    q_for_k = ak.sum(dim=2).reshape(d_in, -1)  # [d_in, Ck]
+    sq = Wq.detach().to(dev, torch.float64).square() * k_for_q.t()
+    sk = Wk.detach().to(dev, torch.float64).square() * q_for_k.t()
     return sq, sk
 
 
