@@ -127,8 +127,8 @@ def embed_zero_fraction(lm) -> tuple[float, float, bool]:
             emb is head)
 
 
-def job_prunelab(setting: str, workdir: Path, within_block: str = "sequential",
-                 propagate: str = "modified") -> dict:
+def job_prunelab(setting: str, workdir: Path, within_block: str = "default",
+                 propagate: str = "default") -> dict:
     import torch
 
     import prunelab
@@ -137,7 +137,8 @@ def job_prunelab(setting: str, workdir: Path, within_block: str = "sequential",
     _quiet()
     method, sparsity, pattern = parse_setting(setting)
     cls = prunelab.Wanda if method == "wanda" else prunelab.SparseGPT
-    kw = dict(within_block=within_block, propagate=propagate)
+    kw = {k: v for k, v in (("within_block", within_block), ("propagate", propagate))
+          if v != "default"}  # "default": the method's own (Wanda dense/dense, ...)
     cfg = cls(pattern=pattern, **kw) if pattern else cls(sparsity=sparsity, **kw)
     lm = prunelab.load(MODEL)
     calib = torch.load(workdir / "calib.batches", weights_only=False)
@@ -339,10 +340,13 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--test-samples", type=int, default=32, help="test windows")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--skip-llmc", action="store_true", help="run prunelab alone")
-    ap.add_argument("--within-block", default="sequential", choices=("sequential", "dense"),
-                    help="prunelab's order inside a block (see prune sparsity --within-block)")
-    ap.add_argument("--propagate", default="modified", choices=("modified", "dense"),
-                    help="prunelab: pass on the pruned (default) or the dense block outputs")
+    ap.add_argument("--within-block", default="default",
+                    choices=("default", "sequential", "dense"),
+                    help="prunelab's order inside a block (see prune sparsity --within-block); "
+                    "default: each method's own (Wanda dense, SparseGPT sequential)")
+    ap.add_argument("--propagate", default="default", choices=("default", "modified", "dense"),
+                    help="prunelab: pass on the pruned or the dense block outputs; default: "
+                    "each method's own (Wanda dense, SparseGPT modified)")
     ap.add_argument("--venv", default=str(DEFAULT_VENV), help="llm-compressor venv")
     ap.add_argument("--llmc-batch-size", type=int, default=8,
                     help="oneshot batch_size (default 8, as prunelab's)")
