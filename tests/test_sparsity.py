@@ -119,6 +119,8 @@ def test_qk_wanda_shares_one_budget_and_refuses_fused_qkv():
     total_zero = int((q == 0).sum() + (k == 0).sum())
     assert total_zero == int((q.numel() + k.numel()) * 0.5)
     assert float((w[(0, "self_attn.v_proj")] == 0).float().mean()) == 0.0  # scope qk
+    assert rep["achieved_sparsity"] == pytest.approx(0.5, abs=1e-3)  # over q and k only
+    assert set(rep["layers"][0]["linears"]) == {"self_attn.q_proj", "self_attn.k_proj"}
     lm, rep = run("llama", QKWanda(sparsity=0.5, scope="block"))
     assert float((block_weights(lm)[(0, "mlp.down_proj")] == 0).float().mean()) == \
         pytest.approx(0.5, abs=0.02)

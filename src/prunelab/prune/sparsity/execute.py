@@ -41,10 +41,15 @@ def _blocks_prefix(lm) -> str:
 
 
 def selected_linears(lm, index: int, cfg: SparsityConfig) -> dict[str, torch.nn.Module]:
-    """The block's linears that ``targets`` / ``ignore`` select, by path in the block."""
+    """The block's linears that ``targets`` / ``ignore`` select, by path in the block
+    (QK-Wanda with ``scope="qk"`` prunes, and so selects, only q and k)."""
     prefix = f"{_blocks_prefix(lm)}.{index}."
     out = {}
+    qk_only = isinstance(cfg, QKWanda) and cfg.scope == "qk"
+    qk = {lm.adapter.spec.attn_proj.get(r) for r in ("q", "k")}
     for path, module in lm.adapter.linears(index).items():
+        if qk_only and path not in qk:
+            continue
         names = (path, prefix + path)
         if cfg.targets and not any(fnmatch.fnmatch(n, p) for n in names for p in cfg.targets):
             continue
