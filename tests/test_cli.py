@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import prunelab
 
@@ -115,9 +116,23 @@ def test_prune_commands(tiny_dir):
                               str(out)), "--overwrite")
     assert_one_line_error(cli(*base, "sparsity", *data, "--method", "wanda", "--pattern",
                               "5:4", "--out", str(tiny_dir / "x")), "5:4")
+    # --offload (weights stay on the CPU, blocks visit --device in turn; here the device
+    # is the CPU too): the same pruned weights as without it
+    off = tiny_dir / "sparse-offload"
+    res = cli(*base, "sparsity", *data, "--method", "sparsegpt", "--pattern", "2:4",
+              "--offload", "--out", str(off))
+    assert res.returncode == 0, res.stderr
+    a, b = prunelab.load(str(out)), prunelab.load(str(off))
+    for (na, ta), (nb, tb) in zip(a.model.state_dict().items(), b.model.state_dict().items(),
+                                  strict=True):
+        assert na == nb and torch.equal(ta, tb), na
+    lm = prunelab.load(str(tiny_dir / "model"), offload=True)  # Python: the same switch
+    runner = prunelab.BlockRunner(lm, torch.zeros(2, 4, dtype=torch.long))
+    assert lm.offload_to == torch.device("cpu") and runner.offload
+    assert runner.store_device == torch.device("cpu")
     depth = tiny_dir / "depth"
     res = cli(*base, "depth", *data, "--remove", "1", "--recovery", "foldable",
-              "--out", str(depth))
+              "--offload", "--out", str(depth))
     assert res.returncode == 0, res.stderr
     man = json.loads((depth / "manifest.json").read_text())
     assert len(man["report"]["removed_blocks"]) == 1 and man["num_blocks"] == 3

@@ -180,3 +180,39 @@ def test_disk_store_and_offload_give_same_states():
     finally:
         store.close()
     assert not store._dir.exists()
+
+
+def test_offload_moves_each_block_once_per_turn_even_when_on_block_collects():
+    """``run`` holds block i on the device while ``on_block`` works (its statistics
+    passes and the method's maths); nested ``collect`` / ``run_block`` do not send it back
+    to the CPU in between. Moves are counted on the CPU by wrapping ``Module.to``."""
+    model = tiny_model("llama")
+    ad = get_adapter(model)
+    runner = BlockRunner(model, tiny_tokens(4, 10), batch_size=2, offload=True, device="cpu")
+    runner.capture()
+    moves: list[tuple[int, str]] = []
+    for i in range(ad.num_blocks):
+        blk = ad.block(i)
+        real = blk.to
+
+        def to(*args, _i=i, _real=real, **kwargs):
+            moves.append((_i, "back" if isinstance(args[0], str) else "device"))
+            return _real(*args, **kwargs)
+
+        blk.to = to
+    seen = []
+
+    def on_block(i, inputs):
+        q = ad.attn_projections(i)["q"]
+        runner.collect(i, inputs, {"q": q}, lambda n: SumSquares())
+        runner.run_block(i, inputs)
+        seen.append(i in {j for j, _ in moves} and id(ad.block(i)) in runner._held)
+
+    runner.run(on_block=on_block)
+    assert all(seen) and not runner._held
+    for i in range(ad.num_blocks):
+        mine = [d for j, d in moves if j == i]
+        # on_block's turn (collect and run_block nested inside), then the run_block that
+        # propagates: every entry sends it to the device (a no-op for what is there), only
+        # the two outermost exits bring it back
+        assert mine == ["device", "device", "device", "back", "device", "back"], (i, mine)

@@ -23,11 +23,21 @@ from prunelab.models.size import model_size
 
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
-         trust_remote_code: bool = False) -> LoadedModel:
+         trust_remote_code: bool = False, offload: bool = False) -> LoadedModel:
     """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
     checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
-    (``.model``, ``.tokenizer``, ``.adapter``)."""
-    lm = _load(spec, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    (``.model``, ``.tokenizer``, ``.adapter``).
+
+    ``offload=True``: the weights are loaded on the CPU and stay there; calibration (every
+    probe's and pruner's block runner, and the pruning maths of the block in turn) moves
+    one block at a time to ``device``, so a model larger than the accelerator can be
+    probed and pruned. Whole-model evaluations then run on the CPU."""
+    from prunelab.models.loading import resolve_device
+
+    target = resolve_device(device) if offload else None
+    lm = _load(spec, dtype=dtype, device="cpu" if offload else device,
+               trust_remote_code=trust_remote_code)
+    lm.offload_to = target
     lm.size_before = model_size(lm.model)
     return lm
 

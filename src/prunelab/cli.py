@@ -28,6 +28,8 @@ ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
 DtypeOpt = typer.Option("auto", help="float32 (CPU default), bfloat16 (CUDA default), float16")
 DeviceOpt = typer.Option("cpu", help="cpu, cuda[:N] or auto")
 RemoteOpt = typer.Option(False, "--trust-remote-code", help="allow model code from the checkpoint")
+OffloadOpt = typer.Option(False, "--offload", help="keep the weights on the CPU; calibration "
+                          "moves one block at a time to --device")
 
 
 @app.callback()
@@ -46,10 +48,12 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def _load(model: str, dtype: str, device: str, trust_remote_code: bool):
+def _load(model: str, dtype: str, device: str, trust_remote_code: bool,
+          offload: bool = False):
     from prunelab import api
 
-    return api.load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    return api.load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                    offload=offload)
 
 
 @app.command()
@@ -204,7 +208,8 @@ def probe(model: str = ModelOpt,
           states: str = typer.Option("memory", help="boundary cache: memory or disk"),
           overwrite: bool = typer.Option(False, help="replace finished results in --out"),
           dtype: str = DtypeOpt, device: str = DeviceOpt,
-          trust_remote_code: bool = RemoteOpt):
+          trust_remote_code: bool = RemoteOpt,
+          offload: bool = OffloadOpt):
     """Measure layer redundancy under several protocols, side by side (0-based layers)."""
     from prunelab import api
     from prunelab.probes import probe_names as known
@@ -216,7 +221,7 @@ def probe(model: str = ModelOpt,
                           f"available: {', '.join(known())}")
     if states not in ("memory", "disk"):
         raise ConfigError(f"--states must be memory or disk, got {states!r}")
-    lm = _load(model, dtype, device, trust_remote_code)
+    lm = _load(model, dtype, device, trust_remote_code, offload)
     results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                         batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                         states=states, window=window, pairs=_parse_pairs(pairs), span=span,
@@ -277,7 +282,8 @@ def prune_depth_cmd(
         seed: int = typer.Option(0, help="window sampling / random strategy seed"),
         batch_size: int = typer.Option(8, help="windows per block call"),
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
-        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        offload: bool = OffloadOpt):
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
     from prunelab import api
     from prunelab.prune import Depth
@@ -289,7 +295,7 @@ def prune_depth_cmd(
                 recovery=recovery, rank=rank, token_aware=token_aware, blocks=_blocks(blocks),
                 window=window, blend_probe=blend_probe, beam_width=beam_width,
                 beam_seeds=beam_seeds, beam_score=beam_score, seed=seed)
-    lm = _load(model, dtype, device, trust_remote_code)
+    lm = _load(model, dtype, device, trust_remote_code, offload)
     rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
                     batch_size=batch_size)
     api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
@@ -361,7 +367,8 @@ def prune_sparsity_cmd(
         seed: int = typer.Option(0, help="window sampling seed"),
         batch_size: int = typer.Option(8, help="windows per block call"),
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
-        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        offload: bool = OffloadOpt):
     """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude)."""
     from prunelab import api
     from prunelab.prune.sparsity.config import CLASSES, Owl, Pals, Ramp, Uniform
@@ -388,7 +395,7 @@ def prune_sparsity_cmd(
         kw["scope"] = scope
         kw["variant"] = qk_variant
     cfg = CLASSES[method](**kw)
-    lm = _load(model, dtype, device, trust_remote_code)
+    lm = _load(model, dtype, device, trust_remote_code, offload)
     rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
                     batch_size=batch_size)
     api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
@@ -437,7 +444,8 @@ def prune_width_cmd(
         seed: int = typer.Option(0, help="window sampling seed"),
         batch_size: int = typer.Option(8, help="windows per block call"),
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
-        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        offload: bool = OffloadOpt):
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks)."""
     from prunelab import api
@@ -449,7 +457,7 @@ def prune_width_cmd(
                 allocation=allocation, heads=heads, compensate=compensate,
                 bias_compensation=not no_bias_compensation, round_to=round_to, damp=damp,
                 ablation_samples=ablation_samples, channel_group=channel_group)
-    lm = _load(model, dtype, device, trust_remote_code)
+    lm = _load(model, dtype, device, trust_remote_code, offload)
     rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
                     batch_size=batch_size)
     api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
@@ -503,13 +511,14 @@ def sweep_depth_cmd(
         test_seqlen: int = typer.Option(512, help="test window length"),
         seed: int = typer.Option(0, help="window sampling / random baseline seed"),
         batch_size: int = typer.Option(8, help="windows per block call"),
-        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        offload: bool = OffloadOpt):
     """Test perplexity and KL to dense against blocks removed, per probe x recovery."""
     from prunelab import api
     from prunelab.prune.sweep import parse_range, sweep_depth
 
     removes = parse_range(remove)
-    lm = _load(model, dtype, device, trust_remote_code)
+    lm = _load(model, dtype, device, trust_remote_code, offload)
     calib = api.tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
     test_b = api.tokens_for(lm, test, seqlen=test_seqlen, samples=test_samples, mode="test")
     points = sweep_depth(lm, [p.strip() for p in probes.split(",") if p.strip()], removes,

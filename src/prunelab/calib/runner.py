@@ -142,9 +142,13 @@ class BlockRunner:
         self.model = model.model if hasattr(model, "adapter") else model
         self.adapter: Adapter = model.adapter if hasattr(model, "adapter") \
             else get_adapter(self.model)
+        target = getattr(model, "offload_to", None)  # a LoadedModel loaded with offload
+        if target is not None and device is None:
+            device, offload = target, True
         param = next(self.model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.offload = offload
+        self._held: set[int] = set()  # blocks moved to the device by an outer _on_device
         self.store_device = torch.device("cpu") if offload else self.device
         self.batches = list(torch.as_tensor(input_ids).split(batch_size))
         self.block_evals = 0  # block x batch evaluations spent
@@ -243,15 +247,25 @@ class BlockRunner:
         return outs
 
     def _on_device(self, blk: nn.Module):
+        """With ``offload``: ``blk`` on the device inside, back on the CPU after. Nested
+        uses (``run`` holds the block for ``on_block``, which calls ``collect``) bring it
+        back to the CPU only at the outermost exit; every entry moves the block (a no-op
+        for what is there already, so parts attached meanwhile follow)."""
         runner = self
 
         class _Ctx:
+            moved = False
+
             def __enter__(self):
                 if runner.offload:
                     blk.to(runner.device)
+                    if id(blk) not in runner._held:
+                        runner._held.add(id(blk))
+                        self.moved = True
 
             def __exit__(self, *exc):
-                if runner.offload:
+                if self.moved:
+                    runner._held.discard(id(blk))
                     blk.to("cpu")
                 return False
 
@@ -514,7 +528,10 @@ class BlockRunner:
             states.put(0, hidden)
         for i in progress(range(n), total=n, desc=desc):
             dense = self.run_block(i, hidden) if propagate == "dense" else None
-            result = on_block(i, hidden) if on_block is not None else None
+            result = None
+            if on_block is not None:
+                with self._on_device(self.adapter.block(i)):  # the method's maths too
+                    result = on_block(i, hidden)
             if dense is not None:
                 hidden = dense
             elif isinstance(result, list):  # on_block already ran the changed block

@@ -43,6 +43,9 @@ class LoadedModel:
     device: torch.device
     adapter: Adapter = field(init=False)
     history: list[dict] = field(default_factory=list)
+    # Set (e.g. by ``load(..., offload=True)``): the weights stay where they are (the CPU)
+    # and every BlockRunner built on this model computes block by block on this device.
+    offload_to: torch.device | None = None
 
     def __post_init__(self) -> None:
         self.adapter = get_adapter(self.model)

@@ -198,6 +198,7 @@ def iterative(lm, cfg: Depth, ctx: ProbeContext, n: int) -> list[int]:
     from prunelab.models.loading import wrap
 
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
+    work.offload_to = getattr(lm, "offload_to", None)  # the copy calibrates alike
     alive = list(range(lm.adapter.num_blocks))
     removed = []
     for step in range(n):

@@ -116,6 +116,7 @@ def _run_point(lm, ctx, name, rec, n, result, strategy, window, seed, test_ids, 
                 strategy=name if is_base else strategy, window=window, seed=seed)
     removed, how = select(lm, cfg, ctx, n, result=result)
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
+    work.offload_to = getattr(lm, "offload_to", None)  # the copy calibrates alike
     try:
         report = prune_depth(work, cfg, ctx.input_ids, batch_size=batch_size, ctx=ctx,
                              removed=removed)
