@@ -53,6 +53,7 @@ class _Recorder(nn.Module):
 
 
 _MISSING = object()
+_PLACEHOLDER = object()  # where a container returned its linear's placeholder
 
 
 def _clone(obj):
@@ -433,7 +434,11 @@ class BlockRunner:
             def container_hook(_module, _args, output):
                 ph = state["placeholders"].pop(id(sub[1]), None)
                 first = output[0] if isinstance(output, tuple) else output
-                result["sub_outs"].append(output if ph is not None and first is ph else None)
+                if ph is None or first is not ph:
+                    result["sub_outs"].append(None)
+                else:  # keep the structure, not the placeholder's zeros
+                    result["sub_outs"].append((_PLACEHOLDER, *output[1:])
+                                              if isinstance(output, tuple) else _PLACEHOLDER)
                 raise _StopBlock
 
             saved = {}
@@ -484,7 +489,9 @@ class BlockRunner:
                 return
             container, linear = sub
             values = []
-            for out, x in zip(outs, xs, strict=True):
+            for b in range(len(xs)):
+                out, x = outs[b], xs[b]
+                xs[b] = outs[b] = None  # each saved input is freed once used
                 y = linear(x)
                 values.append((y, *_clone(out[1:])) if isinstance(out, tuple) else y)
             records[id(container)] = values
@@ -503,6 +510,7 @@ class BlockRunner:
                 on_group(g, accs)
                 if result is not None:
                     substitute(result)
+                    result = None  # its saved inputs must not outlive the stage
             return stage(len(groups), {}, None)["outs"]
 
     def run(self, on_block: Callable[[int, list[torch.Tensor]], None] | None = None,
