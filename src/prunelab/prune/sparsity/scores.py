@@ -45,6 +45,21 @@ def wanda_scores(W: torch.Tensor, col_sq_norm: torch.Tensor) -> torch.Tensor:
     return W.detach().float().abs() * norm.sqrt()[None, :]
 
 
+def _check_qk_shapes(fn: str, Wq, Wk, num_heads: int, num_kv_heads: int, head_dim: int,
+                     more: dict) -> None:
+    """ConfigError unless the head counts are consistent and every shape is as expected."""
+    if num_heads < 1 or num_kv_heads < 1 or head_dim < 1 or num_heads % num_kv_heads:
+        raise ConfigError(
+            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+        )
+    d_in = Wq.shape[1]
+    expected = {"Wq": (Wq.shape, (num_heads * head_dim, d_in)),
+                "Wk": (Wk.shape, (num_kv_heads * head_dim, d_in)), **more}
+    for name, (got, want) in expected.items():
+        if tuple(got) != want:
+            raise ConfigError(f"{fn}: {name} has shape {tuple(got)}, expected {want}")
+
+
 def qk_wanda_scores(
     Wq: torch.Tensor,
     Wk: torch.Tensor,
@@ -69,21 +84,11 @@ def qk_wanda_scores(
     scale, so :func:`shared_budget_masks` can prune them under one budget. Source: QK-Wanda
     (prunelab methods.md section 3); the causal variant is :func:`qk_wanda_causal_scores`.
     """
-    if num_heads < 1 or num_kv_heads < 1 or head_dim < 1 or num_heads % num_kv_heads:
-        raise ConfigError(
-            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
-        )
     d_in = Wq.shape[1]
-    expected = {
-        "Wq": (Wq.shape, (num_heads * head_dim, d_in)),
-        "Wk": (Wk.shape, (num_kv_heads * head_dim, d_in)),
+    _check_qk_shapes("qk_wanda_scores", Wq, Wk, num_heads, num_kv_heads, head_dim, {
         "xq_sq_norm": (xq_sq_norm.shape, (d_in,)),
         "k_act_sq_norm": (k_act_sq_norm.shape, (num_kv_heads * head_dim,)),
-        "q_act_sq_norm": (q_act_sq_norm.shape, (num_heads * head_dim,)),
-    }
-    for name, (got, want) in expected.items():
-        if tuple(got) != want:
-            raise ConfigError(f"qk_wanda_scores: {name} has shape {tuple(got)}, expected {want}")
+        "q_act_sq_norm": (q_act_sq_norm.shape, (num_heads * head_dim,))})
     dev = Wq.device
     group = num_heads // num_kv_heads
     x = xq_sq_norm.detach().to(dev, torch.float64)
@@ -141,21 +146,10 @@ def qk_wanda_causal_scores(
     sequence) this reduces to :func:`qk_wanda_scores`. Source: QK-Wanda, causal variant
     (key prefix sums / query suffix sums; prunelab methods.md section 3).
     """
-    if num_heads < 1 or num_kv_heads < 1 or head_dim < 1 or num_heads % num_kv_heads:
-        raise ConfigError(
-            f"num_heads={num_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
-        )
     d_in = Wq.shape[1]
-    expected = {
-        "Wq": (Wq.shape, (num_heads * head_dim, d_in)),
-        "Wk": (Wk.shape, (num_kv_heads * head_dim, d_in)),
+    _check_qk_shapes("qk_wanda_causal_scores", Wq, Wk, num_heads, num_kv_heads, head_dim, {
         "a_q": (a_q.shape, (d_in, num_kv_heads * head_dim)),
-        "a_k": (a_k.shape, (d_in, num_heads * head_dim)),
-    }
-    for name, (got, want) in expected.items():
-        if tuple(got) != want:
-            raise ConfigError(f"qk_wanda_causal_scores: {name} has shape {tuple(got)}, "
-                              f"expected {want}")
+        "a_k": (a_k.shape, (d_in, num_heads * head_dim))})
     dev = Wq.device
     group = num_heads // num_kv_heads
     aq = a_q.detach().to(dev, torch.float64).reshape(d_in, num_kv_heads, head_dim)
