@@ -119,16 +119,23 @@ def _plan_scored(lm, cfg, input_ids, batch_size, stats, budget, plans) -> None:
     P.plan_from_counts(lm, cfg, steps, counts, kind, plans)
 
 
+def _kv_group_units(ad, i_blocks):
+    """``(block, group, o_proj, o's input columns of the group)`` for every KV group of the
+    given blocks: the units Putri and CoCurve ablate."""
+    for i in i_blocks:
+        geo = ad.head_geometry(i)
+        o = ad.attn_projections(i)["o"]
+        for g, cols in enumerate(S.head_units(geo.num_heads, geo.num_kv_heads, geo.head_dim)):
+            yield i, g, o, cols
+
+
 def _plan_putri_heads(lm, cfg, input_ids, budget, plans) -> dict:
     """Putri heads: KV groups removed round by round by masked perplexity on one window."""
     ad = lm.adapter
     units, where = [], []
-    for i in range(ad.num_blocks):
-        geo = ad.head_geometry(i)
-        o = ad.attn_projections(i)["o"]
-        for g, cols in enumerate(S.head_units(geo.num_heads, geo.num_kv_heads, geo.head_dim)):
-            units.append((o, cols))
-            where.append((i, g, P.group_cost(ad, i)))
+    for i, g, o, cols in _kv_group_units(ad, i_blocks=range(ad.num_blocks)):
+        units.append((o, cols))
+        where.append((i, g, P.group_cost(ad, i)))
     if cfg.allocation == "uniform":
         per_block = P.uniform_counts(lm, cfg, "heads", budget)
         n_remove = sum(per_block)
@@ -160,9 +167,7 @@ def _plan_cocurve(lm, cfg, input_ids, batch_size, stats, budget, plans) -> dict:
     ad = lm.adapter
     units, meta = [], []
     for i in range(ad.num_blocks):
-        geo = ad.head_geometry(i)
-        o = ad.attn_projections(i)["o"]
-        for g, cols in enumerate(S.head_units(geo.num_heads, geo.num_kv_heads, geo.head_dim)):
+        for _, g, o, cols in _kv_group_units(ad, i_blocks=(i,)):
             units.append((o, cols))
             meta.append(("heads", i, g, P.group_cost(ad, i), len(cols)))
         down = ad.mlp_projections(i)["down"]
