@@ -42,9 +42,9 @@ from prunelab.eval.embedding import sentence_batch
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext
 from prunelab.probes.base import REGISTRY, make_config
-from prunelab.prune import Depth
-from prunelab.prune.depth import select
-from prunelab.prune.surgery import prune_depth
+from prunelab.pruning import Depth
+from prunelab.pruning.depth import select
+from prunelab.pruning.surgery import prune_depth
 
 MODELS = ("smollm2-135m", "gemma3-270m", "minilm-l6")
 

@@ -29,9 +29,9 @@ from prunelab.data import make_batches
 from prunelab.eval.speed import measure_speed
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext
-from prunelab.prune import Depth
-from prunelab.prune.depth import select
-from prunelab.prune.surgery import prune_depth
+from prunelab.pruning import Depth
+from prunelab.pruning.depth import select
+from prunelab.pruning.surgery import prune_depth
 
 
 def speed(lm, args) -> dict:

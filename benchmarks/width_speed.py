@@ -28,8 +28,8 @@ import prunelab
 from prunelab.eval.speed import measure_speed
 from prunelab.models.loading import wrap
 from prunelab.models.size import model_size
-from prunelab.prune.width.config import Width
-from prunelab.prune.width.execute import prune_width
+from prunelab.pruning.width.config import Width
+from prunelab.pruning.width.execute import prune_width
 
 
 def best(runs: list[dict]) -> dict:

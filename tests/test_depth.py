@@ -15,11 +15,11 @@ import prunelab
 from prunelab.data import TokenBatches
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.loading import wrap
-from prunelab.prune import Depth
-from prunelab.prune import selection as sel
-from prunelab.prune.bridges import LinearBridge, fit_bridge
-from prunelab.prune.lstsq import NormalEquations
-from prunelab.prune.sweep import parse_range, sweep_depth
+from prunelab.pruning import Depth
+from prunelab.pruning import selection as sel
+from prunelab.pruning.bridges import LinearBridge, fit_bridge
+from prunelab.pruning.lstsq import NormalEquations
+from prunelab.pruning.sweep import parse_range, sweep_depth
 
 from tiny_models import char_tokenizer, tiny_config, tiny_model, tiny_tokens
 
@@ -248,7 +248,7 @@ def test_sweep_is_resumable(tmp_path, monkeypatch):
 
     import sys
 
-    monkeypatch.setattr(sys.modules["prunelab.prune.sweep"], "_run_point", boom)
+    monkeypatch.setattr(sys.modules["prunelab.pruning.sweep"], "_run_point", boom)
     again = sweep_depth(lm, ["block-influence", "last-n"], [1, 2], ["none", "ghost"], IDS,
                         test_ids, tmp_path, batch_size=2)
     assert again == points

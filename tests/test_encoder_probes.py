@@ -14,7 +14,7 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
 from prunelab.models.loading import wrap
 from prunelab.probes import run_probes
-from prunelab.prune import Depth, Wanda
+from prunelab.pruning import Depth, Wanda
 
 from tiny_models import SAMPLE_TEXT, char_tokenizer, save_tiny_checkpoint, tiny_model, tiny_tokens
 
@@ -85,7 +85,7 @@ def test_sparsity_on_bert_keeps_embeddings():
 
 
 def test_sweep_refuses_encoders_clearly():
-    from prunelab.prune.sweep import sweep_depth
+    from prunelab.pruning.sweep import sweep_depth
 
     with pytest.raises(ConfigError, match="encoder"):
         sweep_depth(wrap(tiny_model("bert")), ["block-influence"], [1], ["none"], IDS, IDS,

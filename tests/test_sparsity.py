@@ -17,14 +17,14 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
-from prunelab.prune.sparsity.config import from_dict, to_dict
-from prunelab.prune.sparsity.execute import (
+from prunelab.pruning.sparsity.config import from_dict, to_dict
+from prunelab.pruning.sparsity.execute import (
     branch_containers,
     prune_block,
     prune_block_sequential,
     role_groups,
 )
-from prunelab.prune.sparsity.masks import unstructured_mask
+from prunelab.pruning.sparsity.masks import unstructured_mask
 
 from tiny_models import ARCHS, char_tokenizer, tiny_model, tiny_tokens
 
@@ -296,7 +296,7 @@ def test_linears_sharing_a_gram_pruned_jointly_equal_separate_runs(cfg, monkeypa
     (up to float rounding; masks identical). ``group="layer"`` (not per row) keeps
     separate runs, with SparseGPT's joint choice over each column block."""
     from prunelab.calib.stats import Gram
-    from prunelab.prune.sparsity.methods import prune_linear, prune_linears
+    from prunelab.pruning.sparsity.methods import prune_linear, prune_linears
 
     model = tiny_model("llama")
     ad = get_adapter(model)
@@ -312,7 +312,7 @@ def test_linears_sharing_a_gram_pruned_jointly_equal_separate_runs(cfg, monkeypa
     for p, m in targets.items():
         alone[p].weight.data.copy_(m.weight.data)
         prune_linear(alone[p], accs[p], cfg, 0.5)
-    from prunelab.prune.sparsity import methods
+    from prunelab.pruning.sparsity import methods
 
     sweeps = []
     real = methods.sparsegpt_prune

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prunelab.errors import ConfigError
-from prunelab.prune.sparsity import (
+from prunelab.pruning.sparsity import (
     achieved_sparsity,
     hessian_blend,
     magnitude_scores,
@@ -401,7 +401,7 @@ def test_sparsegpt_factor_cache_gives_the_same_result():
 
 
 def test_pruned_lowest_k_down_matches_the_stable_sort_with_ties():
-    from prunelab.prune.sparsity.masks import prune_lowest_k, pruned_lowest_k_down
+    from prunelab.pruning.sparsity.masks import prune_lowest_k, pruned_lowest_k_down
 
     g = torch.Generator().manual_seed(0)
     for m in (2, 4, 8, 17):
@@ -435,7 +435,7 @@ def _logit_change_cost(x, Wq, Wk, heads, kv_heads, hd, which, r, j, causal):
 
 @pytest.mark.parametrize("heads,kv_heads", [(2, 1), (4, 2)])
 def test_qk_wanda_causal_scores_equal_brute_force_logit_changes(heads, kv_heads):
-    from prunelab.prune.sparsity.scores import qk_wanda_causal_scores, qk_wanda_causal_stats
+    from prunelab.pruning.sparsity.scores import qk_wanda_causal_scores, qk_wanda_causal_stats
 
     g = torch.Generator().manual_seed(1)
     hd, d = 2, 3

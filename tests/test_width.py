@@ -16,8 +16,8 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
-from prunelab.prune.width import from_dict, to_dict
-from prunelab.prune.width import scores as S
+from prunelab.pruning.width import from_dict, to_dict
+from prunelab.pruning.width import scores as S
 
 from tiny_models import char_tokenizer, tiny_config, tiny_model, tiny_tokens
 

@@ -6,9 +6,7 @@ Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`prune`, :func:`e
 
 __version__ = "0.1.0"
 
-# The subpackage prunelab.prune must be imported before the verb prune below, so that the
-# function (not the subpackage) is what ``prunelab.prune`` names.
-from prunelab.prune import (  # noqa: E402
+from prunelab.pruning import (  # noqa: E402
     Depth,
     Magnitude,
     Owl,

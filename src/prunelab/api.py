@@ -196,7 +196,7 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
     Returns the method's report (removed units, sizes before/after, calibration KL before
     and after recovery...); it is also recorded in the model's history for the manifest.
     """
-    from prunelab.prune import handler_for
+    from prunelab.pruning import handler_for
 
     lm = _as_loaded(model, tokenizer)
     handler = handler_for(config)

@@ -286,7 +286,7 @@ def prune_depth_cmd(
         offload: bool = OffloadOpt):
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
     from prunelab import api
-    from prunelab.prune import Depth
+    from prunelab.pruning import Depth
 
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} exists; pass --overwrite to replace it")
@@ -371,7 +371,7 @@ def prune_sparsity_cmd(
         offload: bool = OffloadOpt):
     """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude)."""
     from prunelab import api
-    from prunelab.prune.sparsity.config import CLASSES, Owl, Pals, Ramp, Uniform
+    from prunelab.pruning.sparsity.config import CLASSES, Owl, Pals, Ramp, Uniform
 
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} exists; pass --overwrite to replace it")
@@ -449,7 +449,7 @@ def prune_width_cmd(
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks)."""
     from prunelab import api
-    from prunelab.prune import Width
+    from prunelab.pruning import Width
 
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"{out_dir} exists; pass --overwrite to replace it")
@@ -515,7 +515,7 @@ def sweep_depth_cmd(
         offload: bool = OffloadOpt):
     """Test perplexity and KL to dense against blocks removed, per probe x recovery."""
     from prunelab import api
-    from prunelab.prune.sweep import parse_range, sweep_depth
+    from prunelab.pruning.sweep import parse_range, sweep_depth
 
     removes = parse_range(remove)
     lm = _load(model, dtype, device, trust_remote_code, offload)

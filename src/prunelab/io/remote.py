@@ -19,7 +19,7 @@ from pathlib import Path
 
 from torch import nn
 
-from prunelab.prune import bridges
+from prunelab.pruning import bridges
 
 PREFIX = "prunelab_bridged_"
 MODELING_FILE = "modeling_prunelab.py"

@@ -3,7 +3,7 @@
 ``prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.2, compensate=True),
 data)``; the config validates at construction and round-trips through :func:`to_dict` /
 :func:`from_dict`. Formulas: ``methods.md`` section 4; each score cites its paper in
-:mod:`prunelab.prune.width.scores`.
+:mod:`prunelab.pruning.width.scores`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from prunelab.errors import ConfigError
-from prunelab.prune.sparsity.masks import (
+from prunelab.pruning.sparsity.masks import (
     check_sparsity,
     nm_mask,
     parse_pattern,
@@ -22,8 +22,8 @@ from prunelab.prune.sparsity.masks import (
     prune_lowest_k,
     unstructured_mask,
 )
-from prunelab.prune.sparsity.scores import wanda_scores
-from prunelab.prune.sparsity.sparsegpt import sparsegpt_prune
+from prunelab.pruning.sparsity.scores import wanda_scores
+from prunelab.pruning.sparsity.sparsegpt import sparsegpt_prune
 
 __all__ = ["rose_permutation", "rose_prune"]
 

@@ -7,7 +7,7 @@ precomputed. See prunelab methods.md section 3 for the formulas.
 
 from __future__ import annotations
 
-from prunelab.prune.sparsity.allocation import (
+from prunelab.pruning.sparsity.allocation import (
     outlier_ratio,
     owl,
     pals,
@@ -15,14 +15,14 @@ from prunelab.prune.sparsity.allocation import (
     rescale_to_target,
     uniform,
 )
-from prunelab.prune.sparsity.masks import (
+from prunelab.pruning.sparsity.masks import (
     achieved_sparsity,
     nm_mask,
     parse_pattern,
     unstructured_mask,
 )
-from prunelab.prune.sparsity.rose import rose_permutation, rose_prune
-from prunelab.prune.sparsity.scores import (
+from prunelab.pruning.sparsity.rose import rose_permutation, rose_prune
+from prunelab.pruning.sparsity.scores import (
     magnitude_scores,
     qk_wanda_causal_scores,
     qk_wanda_causal_stats,
@@ -30,7 +30,7 @@ from prunelab.prune.sparsity.scores import (
     shared_budget_masks,
     wanda_scores,
 )
-from prunelab.prune.sparsity.sparsegpt import hessian_blend, sparsegpt_prune
+from prunelab.pruning.sparsity.sparsegpt import hessian_blend, sparsegpt_prune
 
 __all__ = [
     "achieved_sparsity",

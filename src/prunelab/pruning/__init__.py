@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prunelab.prune.depth import Depth
-from prunelab.prune.width.config import Width
+from prunelab.pruning.depth import Depth
+from prunelab.pruning.width.config import Width
 
 PRUNERS: dict[type, Callable] = {}
 
 
 def _register_defaults() -> None:
-    from prunelab.prune.sparsity.config import SparsityConfig
-    from prunelab.prune.sparsity.execute import prune_sparsity
-    from prunelab.prune.surgery import prune_depth
-    from prunelab.prune.width.execute import prune_width
+    from prunelab.pruning.sparsity.config import SparsityConfig
+    from prunelab.pruning.sparsity.execute import prune_sparsity
+    from prunelab.pruning.surgery import prune_depth
+    from prunelab.pruning.width.execute import prune_width
 
     PRUNERS[Depth] = prune_depth
     PRUNERS[SparsityConfig] = prune_sparsity
@@ -36,7 +36,7 @@ def handler_for(config) -> Callable | None:
 
 _register_defaults()
 
-from prunelab.prune.sparsity.config import (  # noqa: E402
+from prunelab.pruning.sparsity.config import (  # noqa: E402
     Magnitude,
     Owl,
     Pals,

@@ -1,6 +1,6 @@
 """Depth pruning: remove whole blocks chosen by any probe, then recover in closed form.
 
-Selection strategies are in :mod:`prunelab.prune.selection` (plus ``iterative``: re-probe
+Selection strategies are in :mod:`prunelab.pruning.selection` (plus ``iterative``: re-probe
 after each removal, and ``beam``: width ``beam_width``, seeded with the ``beam_seeds`` most
 removable blocks, candidate sets scored by calibration KL or perplexity of the model
 without them; "No Free Swap" uses width 3 and 12 seeds).
@@ -8,8 +8,8 @@ without them; "No Free Swap" uses width 3 and 12 seeds).
 Recovery (fitted on calibration windows, float64 solves, targets = the dense model's hidden
 state after each removed span; cuts are repaired in order, each seeing the repaired model's
 actual state at the cut): ``none``; ``foldable`` and ``boundary``
-(:mod:`prunelab.prune.recovery`: vanilla checkpoints, no extra parameters); ``ghost`` and
-``lra`` (:mod:`prunelab.prune.bridges`: one small linear module per contiguous removed span;
+(:mod:`prunelab.pruning.recovery`: vanilla checkpoints, no extra parameters); ``ghost`` and
+``lra`` (:mod:`prunelab.pruning.bridges`: one small linear module per contiguous removed span;
 checkpoints carry a modeling file and load with ``trust_remote_code=True``).
 """
 
@@ -24,7 +24,7 @@ from prunelab.log import progress
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext, ProbeResult
 from prunelab.probes.base import REGISTRY, check_range, make_config
-from prunelab.prune import selection as sel
+from prunelab.pruning import selection as sel
 
 STRATEGIES = ("one-shot", "no-adjacent", "span", "iterative", "beam", "blend", "last-n",
               "random")

@@ -23,8 +23,8 @@ from prunelab.log import info
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext, ProbeResult
 from prunelab.probes.base import REGISTRY
-from prunelab.prune.depth import Depth, run_probe, select
-from prunelab.prune.surgery import prune_depth
+from prunelab.pruning.depth import Depth, run_probe, select
+from prunelab.pruning.surgery import prune_depth
 
 BASELINES = ("last-n", "random")
 N_DEPENDENT = ("span-angular", "interval")  # re-probed for every n

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from prunelab.errors import ConfigError
-from prunelab.prune.sparsity.masks import check_sparsity, prune_count
+from prunelab.pruning.sparsity.masks import check_sparsity, prune_count
 
 __all__ = [
     "magnitude_scores",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prunelab.prune.lstsq import NormalEquations, ridge_solve
+from prunelab.pruning.lstsq import NormalEquations, ridge_solve
 
 BRIDGE_ATTR = "prunelab_bridge"
 

@@ -2,6 +2,6 @@
 physically, scored by wanda-sp, magnitude profile, FLAP, ablation KL, Putri or jointly by
 CoCurve, with least-squares compensation of the consumer projections."""
 
-from prunelab.prune.width.config import Width, from_dict, to_dict
+from prunelab.pruning.width.config import Width, from_dict, to_dict
 
 __all__ = ["Width", "from_dict", "to_dict"]

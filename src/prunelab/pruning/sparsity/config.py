@@ -86,7 +86,7 @@ class SparsityConfig:
     method: str = "wanda"
 
     def __post_init__(self):
-        from prunelab.prune.sparsity.masks import parse_pattern
+        from prunelab.pruning.sparsity.masks import parse_pattern
 
         nm = parse_pattern(self.pattern) if self.pattern else None
         if nm is not None:

@@ -22,10 +22,10 @@ from prunelab.calib.stats import Gram, MeanVar
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.models.size import model_size
-from prunelab.prune.width import plan as P
-from prunelab.prune.width import scores as S
-from prunelab.prune.width.ablation import loss_deltas, putri_rounds
-from prunelab.prune.width.config import Width, to_dict
+from prunelab.pruning.width import plan as P
+from prunelab.pruning.width import scores as S
+from prunelab.pruning.width.ablation import loss_deltas, putri_rounds
+from prunelab.pruning.width.config import Width, to_dict
 
 
 def check_width(lm, cfg: Width) -> None:

@@ -10,10 +10,10 @@ from prunelab.calib.runner import BlockRunner
 from prunelab.log import info
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext
-from prunelab.prune.bridges import LinearBridge, attach_bridge, fit_bridge
-from prunelab.prune.depth import Depth, blocks_to_remove, select
-from prunelab.prune.recovery import check_additive, fit_boundary, fit_foldable
-from prunelab.prune.selection import contiguous_spans
+from prunelab.pruning.bridges import LinearBridge, attach_bridge, fit_bridge
+from prunelab.pruning.depth import Depth, blocks_to_remove, select
+from prunelab.pruning.recovery import check_additive, fit_boundary, fit_foldable
+from prunelab.pruning.selection import contiguous_spans
 
 
 def _first_masks(hidden):

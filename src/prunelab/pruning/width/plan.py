@@ -1,6 +1,6 @@
 """Scoring and allocation of width units: which heads / channels each block keeps.
 
-A block's units are scored (see :mod:`prunelab.prune.width.scores`), turned into an
+A block's units are scored (see :mod:`prunelab.pruning.width.scores`), turned into an
 ordered list of removal *steps* (one KV group / head, one query head in every group, or
 one FFN channel) with a score and a parameter cost, and the steps are taken either
 uniformly (the same count in every block) or globally (cheapest score first across blocks
@@ -17,9 +17,9 @@ from prunelab.calib.runner import BlockRunner
 from prunelab.calib.stats import Gram, MeanVar, SumSquares
 from prunelab.errors import ConfigError
 from prunelab.models.linear import in_out_features, weight_out_in
-from prunelab.prune.width import scores as S
-from prunelab.prune.width.ablation import ablation_kl
-from prunelab.prune.width.config import Width
+from prunelab.pruning.width import scores as S
+from prunelab.pruning.width.ablation import ablation_kl
+from prunelab.pruning.width.config import Width
 
 
 @dataclass

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from prunelab.errors import ConfigError
-from prunelab.prune.sparsity.masks import (
+from prunelab.pruning.sparsity.masks import (
     check_sparsity,
     parse_pattern,
     prune_count,

@@ -27,10 +27,10 @@ from prunelab.calib.stats import AbsQuantile, Gram, SumSquares
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.models.size import model_size
-from prunelab.prune.sparsity import allocation as alloc
-from prunelab.prune.sparsity import masks, scores
-from prunelab.prune.sparsity.config import Owl, Pals, QKWanda, Ramp, SparsityConfig, to_dict
-from prunelab.prune.sparsity.methods import prune_linears
+from prunelab.pruning.sparsity import allocation as alloc
+from prunelab.pruning.sparsity import masks, scores
+from prunelab.pruning.sparsity.config import Owl, Pals, QKWanda, Ramp, SparsityConfig, to_dict
+from prunelab.pruning.sparsity.methods import prune_linears
 
 ROLE_ORDER = (("q", "k", "v", "qkv"), ("o",), ("gate", "up"), ("down",))
 

@@ -20,7 +20,7 @@ import torch
 
 from prunelab.errors import UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
-from prunelab.prune.lstsq import NormalEquations
+from prunelab.pruning.lstsq import NormalEquations
 
 POST_NORMS = ("post_feedforward_layernorm",)
 

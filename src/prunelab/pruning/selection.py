@@ -11,7 +11,7 @@ list of ``n`` distinct blocks (or raises when that is impossible).
 * ``blend``: rank average of two probes (e.g. rho and block influence), then lowest ``n``.
 * ``last-n``: the deepest ``n`` blocks excluding the final one (a baseline).
 * ``random``: seeded uniform choice (a baseline).
-* ``iterative`` and ``beam`` need the model and live in :mod:`prunelab.prune.depth`.
+* ``iterative`` and ``beam`` need the model and live in :mod:`prunelab.pruning.depth`.
 """
 
 from __future__ import annotations

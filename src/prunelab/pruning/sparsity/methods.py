@@ -6,9 +6,9 @@ import torch
 
 from prunelab.calib.stats import Gram, SumSquares
 from prunelab.models.linear import set_weight_out_in, weight_out_in
-from prunelab.prune.sparsity import masks, scores
-from prunelab.prune.sparsity.rose import rose_prune
-from prunelab.prune.sparsity.sparsegpt import sparsegpt_prune
+from prunelab.pruning.sparsity import masks, scores
+from prunelab.pruning.sparsity.rose import rose_prune
+from prunelab.pruning.sparsity.sparsegpt import sparsegpt_prune
 
 
 def _mask(score: torch.Tensor, cfg, sparsity: float) -> torch.Tensor:
@@ -61,7 +61,7 @@ def prune_linear(module, accs, cfg, sparsity: float) -> None:
         cache = None
         taylor = _taylor(accs)
         if getattr(cfg, "hessian_alpha", 0.0) > 0:
-            from prunelab.prune.sparsity.sparsegpt import hessian_blend
+            from prunelab.pruning.sparsity.sparsegpt import hessian_blend
 
             h = hessian_blend(h, taylor, cfg.hessian_alpha)
         elif method == "sparsegpt":  # linears sharing an input (q/k/v) share one factor
