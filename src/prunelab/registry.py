@@ -17,10 +17,26 @@ Registration is open: a user registers a new piece from outside the package, e.g
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prunelab.errors import ConfigError
+
+
+def check_range(name: str, value, low=None, high=None, integer: bool = False) -> None:
+    """Raise :class:`ConfigError` naming the field, its value and the accepted range when
+    ``value`` is outside ``[low, high]``, not a number, nan or infinite (``integer``: must
+    be an ``int``, not a ``bool``)."""
+    if integer and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    lo = "-inf" if low is None else low
+    hi = "inf" if high is None else high
+    if not math.isfinite(value) or (low is not None and value < low) \
+            or (high is not None and value > high):
+        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
 
 
 def _fields(cls) -> list[str]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab.errors import ConfigError
+from prunelab.registry import check_range  # noqa: F401  (re-exported)
 
 REGISTRY: dict[str, tuple[type, Callable]] = {}
 
@@ -47,16 +48,6 @@ def make_config(name: str, **options) -> Any:
 
 def config_dict(config) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(config), default=list))
-
-
-def check_range(name: str, value, low=None, high=None, integer: bool = False) -> None:
-    """``ValueError``-style check that names the field, its value and the accepted range."""
-    if integer and (not isinstance(value, int) or isinstance(value, bool)):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        lo = "-inf" if low is None else low
-        hi = "inf" if high is None else high
-        raise ConfigError(f"{name} must be in [{lo}, {hi}], got {value!r}")
 
 
 @dataclass

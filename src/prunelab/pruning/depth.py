@@ -23,7 +23,8 @@ from prunelab.errors import ConfigError
 from prunelab.log import progress
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext, ProbeResult
-from prunelab.probes.base import REGISTRY, check_range, make_config
+from prunelab.probes.base import REGISTRY, make_config
+from prunelab.registry import check_range
 from prunelab.pruning import selection as sel
 
 STRATEGIES = ("one-shot", "no-adjacent", "span", "iterative", "beam", "blend", "last-n",

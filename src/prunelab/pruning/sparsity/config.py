@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
-from prunelab.probes.base import check_range
+from prunelab.registry import check_range
 
 
 @dataclass(frozen=True)

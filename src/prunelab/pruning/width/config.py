@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from prunelab.errors import ConfigError
-from prunelab.probes.base import check_range
+from prunelab.registry import check_range
 
 UNITS = ("heads", "ffn", "joint")
 HEAD_SCORES = ("wanda-sp", "magnitude-profile", "flap", "ablation-kl", "putri")
