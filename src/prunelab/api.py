@@ -1,4 +1,5 @@
-"""Public verbs: ``load``, ``info``, ``evaluate``, ``save``.
+"""Public verbs: ``load``, ``info``, ``tokens_for``, ``evaluate``, ``probe``, ``prune``,
+``save``.
 
 The CLI is a thin face over these functions; everything it does can be done from Python.
 """
@@ -189,25 +190,36 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
 
 
 def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
-          samples: int | None = 32, seed: int = 0, batch_size: int = 8, tokenizer=None) -> dict:
+          samples: int | None = 32, seed: int = 0, batch_size: int = 8,
+          tokenizer=None):
     """Prune ``model`` in place with a method config, e.g.
     ``prunelab.prune(lm, Depth(remove=6, recovery="foldable"), "wiki-vital:calib")``.
 
-    Returns the method's report (removed units, sizes before/after, calibration KL before
-    and after recovery...); it is also recorded in the model's history for the manifest.
+    Returns a :class:`~prunelab.pruning.base.PruneReport` (a read-only mapping: the
+    method's own fields -- removed units, calibration KL before and after recovery... --
+    plus ``operation``, ``method``, ``config``, ``data``, ``size_before``, ``size_after``,
+    ``seconds``); the operation is also recorded in the model's history for the manifest.
     """
-    from prunelab.pruning import handler_for
+    import time
+
+    from prunelab.pruning import pruner_for
+    from prunelab.pruning.base import PruneReport, config_dict, method_name
 
     lm = _as_loaded(model, tokenizer)
-    handler = handler_for(config)
-    if handler is None:
-        raise ConfigError(f"no pruning method for {type(config).__name__}")
-    precheck = getattr(handler, "precheck", None)
-    if precheck is not None:  # user errors before any tokenisation or calibration
-        precheck(lm, config)
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    pruner = pruner_for(config)
+    pruner.precheck(lm, config)  # user errors before any tokenisation or calibration
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
-    report = handler(lm, config, batches.input_ids, data_info=batches.to_dict(),
-                     batch_size=batch_size)
+    start = time.perf_counter()
+    before = model_size(lm.model)
+    details = pruner.run(lm, config, batches.input_ids, batch_size=batch_size)
+    report = PruneReport(operation=pruner.operation, method=method_name(config),
+                         config=config_dict(config), data=batches.to_dict(),
+                         size_before=before, size_after=model_size(lm.model),
+                         seconds=time.perf_counter() - start, details=details)
+    lm.history.append({"operation": pruner.operation, "method": report.method,
+                       "config": report.config, **details.history()})
     lm.last_report = report
     return report
 

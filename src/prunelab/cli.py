@@ -301,7 +301,7 @@ def prune_depth_cmd(
     api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
              metrics={k: rep[k] for k in ("calib_kl_before_recovery",
                                           "calib_kl_after_recovery")},
-             extra={"report": rep})
+             extra={"report": rep.to_dict()})
     t = Table(title=f"depth pruning of {model}", show_header=False)
     div = "1 - cos (pooled)" if lm.is_encoder else "KL"
     b, a = rep["size_before"], rep["size_after"]
@@ -399,7 +399,7 @@ def prune_sparsity_cmd(
     rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
                     batch_size=batch_size)
     api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
-             metrics={"achieved_sparsity": rep["achieved_sparsity"]}, extra={"report": rep})
+             metrics={"achieved_sparsity": rep["achieved_sparsity"]}, extra={"report": rep.to_dict()})
     t = Table(title=f"{method} sparsity of {model} (blocks 0-based)")
     for col in ("block", "target", "achieved (mean over linears)"):
         t.add_column(col)
@@ -461,7 +461,7 @@ def prune_width_cmd(
     rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
                     batch_size=batch_size)
     api.save(lm, out_dir, overwrite=overwrite, data=rep["data"], before=rep["size_before"],
-             metrics={"removed_params": rep["removed_params"]}, extra={"report": rep})
+             metrics={"removed_params": rep["removed_params"]}, extra={"report": rep.to_dict()})
     t = Table(title=f"width pruning of {model}: {unit} by {score}, {allocation} "
                     "(blocks 0-based)")
     for col in ("block", "heads (q/kv)", "ffn", "removed"):

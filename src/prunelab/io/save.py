@@ -95,6 +95,8 @@ def write_json(path: str | Path, obj: Any, overwrite: bool = False) -> Path:
 
 
 def _json_default(obj):
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
     if hasattr(obj, "item"):
         return obj.item()
     if isinstance(obj, (set, tuple)):

@@ -1,42 +1,25 @@
 """Pruning methods: one verb, dispatched on a typed config.
 
 ``prunelab.prune(model, Depth(remove=6, probe="block-influence", recovery="foldable"),
-data)``. Each method is a frozen dataclass config plus a handler registered in
-:data:`PRUNERS`.
+data)``. Each method is a frozen dataclass config registered in :data:`METHODS` plus a
+:class:`~prunelab.pruning.base.Pruner` registered for its type (see
+:mod:`prunelab.pruning.base`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from prunelab.pruning.base import (
+    METHODS,
+    DictReport,
+    MethodReport,
+    Pruner,
+    PruneReport,
+    config_from_dict,
+    pruner_for,
+    register_pruner,
+)
 from prunelab.pruning.depth import Depth
-from prunelab.pruning.width.config import Width
-
-PRUNERS: dict[type, Callable] = {}
-
-
-def _register_defaults() -> None:
-    from prunelab.pruning.sparsity.config import SparsityConfig
-    from prunelab.pruning.sparsity.execute import prune_sparsity
-    from prunelab.pruning.surgery import prune_depth
-    from prunelab.pruning.width.execute import prune_width
-
-    PRUNERS[Depth] = prune_depth
-    PRUNERS[SparsityConfig] = prune_sparsity
-    PRUNERS[Width] = prune_width
-
-
-def handler_for(config) -> Callable | None:
-    """The handler registered for ``type(config)`` or its nearest base class."""
-    for cls in type(config).__mro__:
-        if cls in PRUNERS:
-            return PRUNERS[cls]
-    return None
-
-
-_register_defaults()
-
-from prunelab.pruning.sparsity.config import (  # noqa: E402
+from prunelab.pruning.sparsity.config import (
     Magnitude,
     Owl,
     Pals,
@@ -44,9 +27,57 @@ from prunelab.pruning.sparsity.config import (  # noqa: E402
     Ramp,
     Rose,
     SparseGPT,
+    SparsityConfig,
     Uniform,
     Wanda,
 )
+from prunelab.pruning.width.config import Width
 
-__all__ = ["PRUNERS", "Depth", "Magnitude", "Owl", "Pals", "QKWanda", "Ramp", "Rose",
-           "SparseGPT", "Uniform", "Wanda", "Width", "handler_for"]
+for _name, _cls in (("depth", Depth), ("width", Width), ("magnitude", Magnitude),
+                    ("wanda", Wanda), ("sparsegpt", SparseGPT), ("rose", Rose),
+                    ("qk-wanda", QKWanda)):
+    if _name not in METHODS:
+        METHODS.register(_name)(_cls)
+
+
+@register_pruner(Depth)
+class _DepthPruner(Pruner):
+    operation = "prune-depth"
+
+    def run(self, lm, config, input_ids, *, batch_size):
+        from prunelab.pruning.surgery import prune_depth
+
+        rep = prune_depth(lm, config, input_ids, batch_size=batch_size)
+        return DictReport(rep, history_keys=("removed_blocks", "recovery"))
+
+
+@register_pruner(SparsityConfig)
+class _SparsityPruner(Pruner):
+    operation = "prune-sparsity"
+
+    def run(self, lm, config, input_ids, *, batch_size):
+        from prunelab.pruning.sparsity.execute import prune_sparsity
+
+        rep = prune_sparsity(lm, config, input_ids, batch_size=batch_size)
+        return DictReport(rep, history_keys=("achieved_sparsity",))
+
+
+@register_pruner(Width)
+class _WidthPruner(Pruner):
+    operation = "prune-width"
+
+    def precheck(self, lm, config):
+        from prunelab.pruning.width.execute import check_width
+
+        check_width(lm, config)
+
+    def run(self, lm, config, input_ids, *, batch_size):
+        from prunelab.pruning.width.execute import prune_width
+
+        rep = prune_width(lm, config, input_ids, batch_size=batch_size)
+        return DictReport(rep, history_keys=("removed_params",))
+
+
+__all__ = ["METHODS", "Depth", "DictReport", "Magnitude", "MethodReport", "Owl", "Pals",
+           "PruneReport", "Pruner", "QKWanda", "Ramp", "Rose", "SparseGPT", "Uniform",
+           "Wanda", "Width", "config_from_dict", "pruner_for", "register_pruner"]

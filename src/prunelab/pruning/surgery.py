@@ -137,13 +137,4 @@ def prune_depth(lm, cfg: Depth, input_ids, data_info: dict | None = None,
         "block_evaluations": ctx.block_evaluations - evals0, "seconds": time.perf_counter() - start,
         "data": data_info or {},
     }
-    lm.history.append({"operation": "prune-depth", "config": _cfg_dict(cfg),
-                       "removed_blocks": removed, "recovery": cfg.recovery})
     return report
-
-
-def _cfg_dict(cfg: Depth) -> dict:
-    import dataclasses
-
-    return {k: (list(v) if isinstance(v, tuple) else v)
-            for k, v in dataclasses.asdict(cfg).items()}

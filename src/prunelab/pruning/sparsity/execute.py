@@ -291,6 +291,4 @@ def prune_sparsity(lm, cfg: SparsityConfig, input_ids, data_info: dict | None = 
               "block_evaluations": runner.block_evals / max(len(runner.batches), 1),
               "allocation_block_evaluations": evals_alloc,
               "seconds": time.perf_counter() - start}
-    lm.history.append({"operation": "prune-sparsity", "config": to_dict(cfg),
-                       "achieved_sparsity": report["achieved_sparsity"]})
     return report

@@ -92,8 +92,6 @@ def prune_width(lm, cfg: Width, input_ids, data_info: dict | None = None,
         "vanilla_problems": ad.vanilla_problems(), "data": data_info or {},
         "block_evaluations": runner.block_evals / max(len(runner.batches), 1),
         "seconds": time.perf_counter() - start, **extra}
-    lm.history.append({"operation": "prune-width", "config": to_dict(cfg),
-                       "removed_params": report["removed_params"]})
     return report
 
 
@@ -312,4 +310,3 @@ def _block_report(ad, plans, before) -> list[dict]:
     return rows
 
 
-prune_width.precheck = check_width
