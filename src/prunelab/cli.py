@@ -6,7 +6,6 @@ shows the traceback. Layer indices are 0-based everywhere.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -33,8 +32,9 @@ OffloadOpt = typer.Option(False, "--offload", help="keep the weights on the CPU;
 
 
 @app.callback()
-def main(quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or status"),
-         verbose: bool = typer.Option(False, "--verbose", "-v", help="tracebacks on errors")):
+def _global_options(
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or status"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="tracebacks on errors")):
     """prunelab: probes, pruning and evaluation of transformers (0-based layer indices)."""
     log.set_quiet(quiet)
     _opts["verbose"] = verbose
@@ -531,30 +531,68 @@ def sweep_depth_cmd(
              f"{len(points)} points")
 
 
-def run() -> None:
-    """Console entry point: one-line errors, exit code 2, traceback only with --verbose."""
+def run(argv: list[str] | None = None) -> None:
+    """Console entry point: exit 0 on success, 2 with one ``error:`` line for every user
+    error (bad option, bad value, missing file...; the traceback only with --verbose),
+    130 with one line on Ctrl-C, 1 with a traceback for a bug."""
+    sys.exit(cli_main(argv))
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    args = list(sys.argv[1:] if argv is None else argv)
+    verbose = any(a in ("--verbose", "-v") for a in args[: _first_command(args)])
+    _opts.update(verbose=verbose, on_interrupt=None)
+    usage, abort = _click_exceptions()
     try:
-        app(standalone_mode=False)
+        rv = app(args=args, prog_name="prunelab", standalone_mode=False)
     except PrunelabError as exc:
-        if _opts["verbose"]:
-            raise
-        log.console.print(f"error: {exc}", markup=False, soft_wrap=True)
-        sys.exit(exc.exit_code)
+        return _fail(str(exc), exc.exit_code, exc)
+    except KeyboardInterrupt:
+        return _interrupted()
     except (typer.Exit, SystemExit) as exc:
         code = getattr(exc, "exit_code", getattr(exc, "code", 0))
-        sys.exit(code)
-    except Exception as exc:  # click usage errors and friends
-        usage, abort = _click_exceptions()
-        if isinstance(exc, usage):
+        return code if isinstance(code, int) else 0
+    except usage as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help, exit 0
             exc.show()
-            sys.exit(2)
-        if isinstance(exc, abort):
-            sys.exit(130)
-        raise
+            return 0
+        hint = ""
+        ctx = getattr(exc, "ctx", None)
+        if ctx is not None:
+            hint = f" (see '{ctx.command_path} --help')"
+        return _fail(exc.format_message().replace("\n", " ") + hint, 2, exc)
+    except abort:
+        return _interrupted()
+    if rv == 130:  # typer turns a Ctrl-C inside a command into a return value
+        return _interrupted()
+    return rv if isinstance(rv, int) else 0
+
+
+def _first_command(args: list[str]) -> int:
+    """Position of the first non-option word (the global options stand before it)."""
+    return next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))
+
+
+def _fail(message: str, code: int, exc: BaseException) -> int:
+    if _opts["verbose"]:
+        import traceback
+
+        traceback.print_exception(exc)
+    text = " ".join(message.split()) or type(exc).__name__
+    log.console.print(f"error: {text}", markup=False, soft_wrap=True)
+    return code
+
+
+def _interrupted() -> int:
+    saved = _opts.get("on_interrupt")
+    log.console.print(f"interrupted: {saved or 'nothing was written'}", markup=False,
+                      soft_wrap=True)
+    return 130
 
 
 def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -572,10 +610,6 @@ def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
         if hasattr(vendored, "Abort"):
             abort.append(vendored.Abort)
     return tuple(usage), tuple(abort)
-
-
-def dump(obj) -> str:
-    return json.dumps(obj, indent=2)
 
 
 if __name__ == "__main__":
