@@ -137,28 +137,35 @@ def differences(old: Any, new: dict) -> list[tuple[str, str]]:
     """``[(part, detail)]`` for every compared part where ``old`` and ``new`` differ;
     ``[]`` when they match. ``old`` may be anything read from a file."""
     if not isinstance(old, dict) or old.get("format") != FORMAT:
-        return [("fingerprint", "none recorded: an older prunelab or not prunelab")]
+        return [("fingerprint", "none recorded: made by an older prunelab or not by "
+                                "prunelab")]
     out: list[tuple[str, str]] = []
     for part in PARTS:
         a, b = old.get(part), new.get(part)
         if part == "model":
             a = a if isinstance(a, dict) else {}
-            if any(a.get(k) != b.get(k) for k in MODEL_KEYS):
-                what = [k.split("_")[0] for k in MODEL_KEYS if a.get(k) != b.get(k)]
-                out.append(("model", f"{' and '.join(what)}: {a.get('spec')!r} vs "
-                                     f"{b.get('spec')!r}"))
+            keys = [k for k in MODEL_KEYS if a.get(k) != b.get(k)]
+            if old.get("dtype") != new.get("dtype") and keys == ["weights_blake2b"]:
+                continue  # the dtype alone changes the bytes: reported as dtype
+            if keys:
+                what = " and ".join(k.split("_")[0] for k in keys)
+                who = (f"of {b.get('spec')!r} differ" if a.get("spec") == b.get("spec")
+                       else f"differ: {a.get('spec')!r} vs {b.get('spec')!r}")
+                out.append(("model", f"model {what} {who}"))
         elif part in ("data", "test_data"):
             a = a if isinstance(a, dict) else {}
             b = b or {}
             if a.get("sha256") != b.get("sha256"):
                 detail = _keys_diff(a, b, DATA_DESCRIPTORS) or "other tokens"
-                out.append((part.replace("_", " "), detail))
+                label = part.replace("_", " ")
+                out.append((label, f"{label}: {detail}"))
         elif part == "options":
             a = a if isinstance(a, dict) else {}
             if a != b:
-                out.append(("options", _keys_diff(a, b, sorted(set(a) | set(b)))))
+                out.append(("options", "options: " + _keys_diff(a, b, sorted(set(a) | set(b)))))
         elif a != b:
-            out.append((part if part != "prunelab" else "prunelab version", f"{a} vs {b}"))
+            label = part if part != "prunelab" else "prunelab version"
+            out.append((label, f"{label} {a} vs {b}"))
     return out
 
 
