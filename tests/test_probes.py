@@ -189,7 +189,9 @@ def test_outputs_resume_and_overwrite(tmp_path):
     # resume: a partial file with one pair done (marked by a sentinel value) is reused
     cfg = full["interchange"].config
     sentinel = {"layers": [0, 1], "value": 123.0, "value_all_positions": 1.0, "class": "x"}
-    partial = {"config": cfg, "data_sha256": "", "scores": [sentinel]}
+    # (the partial carries the run's fingerprint, which the finished result records)
+    partial = {"config": cfg, "fingerprint": full["interchange"].meta["fingerprint"],
+               "scores": [sentinel]}
     (out / "interchange.partial.json").write_text(json.dumps(partial))
     again = run_probes(lm, ["interchange"], ids, batch_size=2, out_dir=out, window=1,
                        overwrite=True)["interchange"]

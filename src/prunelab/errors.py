@@ -35,3 +35,7 @@ class OutputExistsError(PrunelabError):
 
 class UnsupportedOperationError(PrunelabError):
     """An operation cannot be applied to this model (e.g. a shape a vanilla config cannot hold)."""
+
+
+class ResumeMismatchError(PrunelabError):
+    """A resumable output in the target was made from another model, dtype, data or options."""

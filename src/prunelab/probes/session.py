@@ -4,7 +4,18 @@ All probes share one :class:`~prunelab.probes.context.ProbeContext` (one dense p
 every block boundary). With ``out_dir`` each probe writes ``NAME.json``, ``NAME.csv`` and
 ``NAME.png``; replacement and interchange together also give ``swap_heatmaps.png``; and
 ``summary.md`` compares the protocols. Long probes save ``NAME.partial.json`` after every
-measured unit and resume from it when run again with the same config and data.
+measured unit and resume from it when run again with the same fingerprint
+(:mod:`prunelab.io.fingerprint`: model config and weights, dtype, token windows, probe
+config, prunelab version); a partial of another fingerprint is refused in one line, or
+deleted with ``overwrite=True``. Every finished ``NAME.json`` records its fingerprint.
+
+The folder rule: prunelab never replaces a file it did not write without ``overwrite``.
+``NAME.json``, ``NAME.csv`` and ``NAME.png`` of a probe being run are refused when any
+exists (a finished result, or files of someone else). ``summary.md`` and
+``swap_heatmaps.png`` are updated only in a folder that is prunelab's, i.e. holds a probe
+result (``NAME.json`` with its probe name) or a ``NAME.partial.json`` that prunelab wrote;
+in any other folder an existing one is refused. The summary compares only the finished
+results of the same model, dtype and data as this run.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import time
 from pathlib import Path
 
 from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.io.fingerprint import check_match, make_fingerprint, model_part, same_source
 from prunelab.io.save import write_json
 from prunelab.log import info
 from prunelab.probes.base import REGISTRY, ProbeResult, config_dict, make_config
@@ -27,7 +39,10 @@ def _partial_path(out: Path, name: str) -> Path:
     return out / f"{name}.partial.json"
 
 
-def _load_resume(out: Path | None, name: str, cfg: dict, data_sha: str) -> dict | None:
+def _load_resume(out: Path | None, name: str, fingerprint: dict,
+                 overwrite: bool) -> dict | None:
+    """The partial result of ``name`` when its fingerprint matches; a mismatch raises
+    :class:`~prunelab.errors.ResumeMismatchError`, or with ``overwrite`` deletes it."""
     if out is None:
         return None
     path = _partial_path(out, name)
@@ -35,22 +50,51 @@ def _load_resume(out: Path | None, name: str, cfg: dict, data_sha: str) -> dict 
         return None
     try:
         partial = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
-    if partial.get("config") != cfg or partial.get("data_sha256") != data_sha:
-        info(f"prunelab: ignoring {path.name} (different config or data)")
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        partial = None
+    stored = partial.get("fingerprint") if isinstance(partial, dict) else None
+    if not check_match(path, stored, fingerprint, overwrite) or \
+            not isinstance(partial.get("scores"), list):
+        info(f"prunelab: deleting {path.name} (made with other settings; --overwrite)")
+        path.unlink(missing_ok=True)
         return None
     info(f"prunelab: resuming {name} from {path.name} ({len(partial['scores'])} done)")
     return partial
 
 
+def _is_prunelab_folder(out: Path) -> bool:
+    """Whether ``out`` holds a probe result or partial that prunelab wrote."""
+    for path in out.glob("*.json"):
+        name = path.name[:-len(".partial.json")] if path.name.endswith(".partial.json") \
+            else path.stem
+        if name not in REGISTRY:
+            continue
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(d, dict) and (d.get("probe") == name or "fingerprint" in d):
+            return True
+    return False
+
+
 def check_outputs(out: Path | None, names: list[str], overwrite: bool) -> None:
-    """Refuse to start when a finished result would be overwritten."""
-    if out is None or overwrite:
+    """Refuse to start when a file would be replaced that must not be (the folder rule in
+    the module docstring): a probe's ``NAME.json`` / ``.csv`` / ``.png``, or
+    ``summary.md`` / ``swap_heatmaps.png`` in a folder that is not prunelab's."""
+    if out is None or overwrite or not out.exists():
         return
     for name in names:
-        if (out / f"{name}.json").exists():
-            raise OutputExistsError(f"{out / (name + '.json')} exists; pass --overwrite")
+        for suffix in (".json", ".csv", ".png"):
+            if (out / f"{name}{suffix}").exists():
+                raise OutputExistsError(f"{out / (name + suffix)} exists; pass --overwrite")
+    shared = ["summary.md"]
+    if "replacement" in names and "interchange" in names:
+        shared.append("swap_heatmaps.png")
+    present = [f for f in shared if (out / f).exists()]
+    if present and not _is_prunelab_folder(out):
+        raise OutputExistsError(f"{out / present[0]} exists and {out} holds no probe result "
+                                "of prunelab; pass --overwrite to replace it")
 
 
 def run_probes(lm, names: list[str], input_ids, *, data_info: dict | None = None,
@@ -64,34 +108,48 @@ def run_probes(lm, names: list[str], input_ids, *, data_info: dict | None = None
     configs = {name: make_config(name, **options) for name in names}
     out = Path(out_dir) if out_dir is not None else None
     check_outputs(out, names, overwrite)
+    data_info = data_info or {}
+    fingerprints, resumes = _fingerprints(lm, input_ids, data_info, configs, out, overwrite)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    data_info = data_info or {}
     ctx = ProbeContext(lm, input_ids, batch_size=batch_size, states=states,
                        data_info=data_info, lazy=True)
     results: dict[str, ProbeResult] = {}
     try:
         for name in names:
-            results[name] = _run_one(name, configs[name], ctx, out, data_info)
+            results[name] = _run_one(name, configs[name], ctx, out, data_info,
+                                     fingerprints.get(name), resumes.get(name))
         if out is not None:
-            _write_reports(results, out, lm, data_info, max_remove)
+            _write_reports(results, out, lm, data_info, max_remove,
+                           fingerprints.get(names[0]))
     finally:
         ctx.close()
     return results
 
 
-def _run_one(name, cfg, ctx, out, data_info) -> ProbeResult:
+def _fingerprints(lm, input_ids, data_info: dict, configs: dict, out: Path | None,
+                  overwrite: bool) -> tuple[dict, dict]:
+    """Each probe's fingerprint and its matching partial (checked before any work)."""
+    if out is None:
+        return {}, {}
+    model = model_part(lm)  # hashes the weights once (~1 s per GB)
+    fps = {name: make_fingerprint(lm, input_ids, data_info, options=config_dict(cfg),
+                                  model=model) for name, cfg in configs.items()}
+    resumes = {name: _load_resume(out, name, fp, overwrite) for name, fp in fps.items()}
+    return fps, resumes
+
+
+def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None) -> ProbeResult:
     handler = REGISTRY[name][1]
     cfgd = config_dict(cfg)
-    sha = data_info.get("sha256", "")
     kwargs = {}
     params = inspect.signature(handler).parameters
     if "resume" in params:
-        kwargs["resume"] = _load_resume(out, name, cfgd, sha)
+        kwargs["resume"] = resume
     if "on_progress" in params and out is not None:
         def save_partial(scores, _name=name):
-            write_json(_partial_path(out, _name),
-                       {"config": cfgd, "data_sha256": sha, "scores": scores}, overwrite=True)
+            write_json(_partial_path(out, _name), {"probe": _name, "config": cfgd,
+                       "fingerprint": fingerprint, "scores": scores}, overwrite=True)
         kwargs["on_progress"] = save_partial
     if name not in FORWARD_FREE:
         ctx.ensure_cached()
@@ -105,6 +163,8 @@ def _run_one(name, cfg, ctx, out, data_info) -> ProbeResult:
         else 0.0,
         "value_protocol": _protocol(name, ctx),
     })
+    if fingerprint is not None:
+        result.meta["fingerprint"] = fingerprint
     if out is not None:
         _write_result(result, out)
         _partial_path(out, name).unlink(missing_ok=True)
@@ -131,21 +191,28 @@ def _write_result(result: ProbeResult, out: Path) -> None:
     plot_result(result, out / f"{result.probe}.png")
 
 
-def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int) -> None:
+def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int,
+                   fingerprint: dict | None = None) -> None:
     from prunelab.probes.summary import write_summary
     from prunelab.report.plots import plot_swap_pair
 
     if "replacement" in results and "interchange" in results:
         plot_swap_pair(results["replacement"], results["interchange"],
                        out / "swap_heatmaps.png")
-    # the summary compares every finished probe in the directory, not only this run's
+    # the summary compares every finished probe in the directory of the same model,
+    # dtype and data as this run's, not only this run's
     everything = dict(results)
     for path in sorted(out.glob("*.json")):
         if path.stem not in everything and path.stem in REGISTRY:
             try:
-                everything[path.stem] = ProbeResult.load(path)
-            except (KeyError, json.JSONDecodeError):
+                res = ProbeResult.load(path)
+            except (KeyError, TypeError, json.JSONDecodeError):
                 continue
+            if fingerprint is None or same_source(res.meta.get("fingerprint"), fingerprint):
+                everything[path.stem] = res
+            else:
+                info(f"prunelab: summary.md leaves out {path.name} (another model, dtype "
+                     "or data)")
     text = write_summary(everything, max_remove=max_remove, model=lm.spec,
                          data=data_info.get("spec", ""))
     tmp = out / ".summary.md.tmp"

@@ -8,6 +8,20 @@ windows against the dense model (whose test outputs are computed once). ``last-n
 
 Resumable: ``DIR/points.json`` gains one entry per finished point (written atomically) and
 finished points are never redone; probe results are kept in ``DIR/probes/``.
+
+``DIR/sweep.json`` holds the sweep's fingerprint (:mod:`prunelab.io.fingerprint`): model
+config and weights, dtype, calibration and test token windows (with their spec, samples,
+seqlen, seed), the options that change a point (strategy, window, seed) and the prunelab
+version. A rerun reuses the points only when its fingerprint matches; otherwise it refuses
+in one line, or with ``overwrite=True`` deletes prunelab's sweep files and starts afresh.
+The grid (probes, removes, recoveries) is not part of it: a point depends only on its own
+(probe, recovery, n), so a matching rerun may add points to the curve. ``batch_size``
+does not change results and is left out.
+
+The folder rule: a folder is a sweep of prunelab's when it holds ``sweep.json``; prunelab
+then updates its own files there (``points.json``, ``dense.json``, ``curve.*``,
+``probes/``). A folder without ``sweep.json`` that holds any of those files (someone's
+curve, or a sweep of an older prunelab) is refused unless ``overwrite=True``.
 """
 
 from __future__ import annotations
@@ -16,8 +30,9 @@ import copy
 import json
 from pathlib import Path
 
-from prunelab.errors import ConfigError
+from prunelab.errors import ConfigError, OutputExistsError
 from prunelab.eval.perplexity import score_windows
+from prunelab.io.fingerprint import check_match, data_part, make_fingerprint
 from prunelab.io.save import write_json
 from prunelab.log import info
 from prunelab.models.loading import wrap
@@ -28,6 +43,9 @@ from prunelab.pruning.surgery import prune_depth
 
 BASELINES = ("last-n", "random")
 N_DEPENDENT = ("span-angular", "interval")  # re-probed for every n
+MARKER = "sweep.json"
+SWEEP_FORMAT = "prunelab-sweep/1"
+OWN_FILES = ("points.json", "dense.json", "curve.csv", "curve.md", "curve.png")
 
 
 def parse_range(text: str) -> list[int]:
@@ -60,11 +78,49 @@ def _probe_result(name, ctx, out: Path, window, seed) -> ProbeResult:
     return res
 
 
+def _own_paths(out: Path) -> list[Path]:
+    """prunelab's sweep files present in ``out`` (``sweep.json`` aside)."""
+    paths = [out / f for f in OWN_FILES if (out / f).exists()]
+    probes = out / "probes"
+    if probes.is_dir():
+        paths += sorted(p for p in probes.glob("*.json") if p.stem in REGISTRY)
+    return paths
+
+
+def open_sweep(out: Path, fingerprint: dict, overwrite: bool) -> list[dict]:
+    """The points to reuse in ``out`` (``[]`` for a fresh sweep, after writing its
+    ``sweep.json``). Refuses a sweep of another fingerprint
+    (:class:`~prunelab.errors.ResumeMismatchError`) and a folder holding sweep files but
+    no ``sweep.json`` (:class:`~prunelab.errors.OutputExistsError`) unless ``overwrite``,
+    which deletes prunelab's sweep files and starts afresh."""
+    marker = out / MARKER
+    if marker.is_file():
+        try:
+            stored = json.loads(marker.read_text()).get("fingerprint")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            stored = None
+        if check_match(marker, stored, fingerprint, overwrite):
+            path = out / "points.json"
+            return json.loads(path.read_text()) if path.is_file() else []
+    elif not overwrite and _own_paths(out):
+        raise OutputExistsError(f"{_own_paths(out)[0]} exists and {out} holds no sweep of "
+                                f"prunelab ({MARKER}); pass --overwrite to replace it")
+    for path in _own_paths(out):
+        path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(marker, {"format": SWEEP_FORMAT, "fingerprint": fingerprint}, overwrite=True)
+    return []
+
+
 def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str],
                 calib_ids, test_ids, out_dir, *, batch_size: int = 8, window: int | None = 1,
-                seed: int = 0, strategy: str | None = None, data_info: dict | None = None
-                ) -> list[dict]:
-    """Run every (probe, recovery, n) point not yet in ``out_dir``; returns all points."""
+                seed: int = 0, strategy: str | None = None, data_info: dict | None = None,
+                test_info: dict | None = None, overwrite: bool = False) -> list[dict]:
+    """Run every (probe, recovery, n) point not yet in ``out_dir``; returns all points.
+
+    ``data_info`` / ``test_info``: the batches' ``to_dict()`` (recorded to explain a
+    fingerprint mismatch). ``overwrite``: replace a sweep of another fingerprint, or
+    files of a folder that holds no sweep of prunelab, instead of refusing."""
     if lm.adapter.is_encoder:
         raise ConfigError("sweep depth scores test perplexity, which an encoder does not "
                           "have; use prune depth and eval --reference per point")
@@ -78,9 +134,12 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
     if max(removes) >= nb:
         raise ConfigError(f"cannot remove {max(removes)} of {nb} blocks")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    fingerprint = make_fingerprint(
+        lm, calib_ids, data_info, options={"strategy": strategy, "window": window,
+                                           "seed": seed},
+        test_data=data_part(test_ids, test_info))
+    points = open_sweep(out, fingerprint, overwrite)
     points_path = out / "points.json"
-    points = json.loads(points_path.read_text()) if points_path.is_file() else []
     done = {_point_key(p) for p in points}
     ctx = ProbeContext(lm, calib_ids, batch_size=batch_size, lazy=True)
     ref_cache: dict = {}
