@@ -10,10 +10,17 @@ import pytest
 import torch
 
 from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64, token_nll
 from prunelab.models.adapters import get_adapter
 from prunelab.models.loading import wrap
-from prunelab.probes import ProbeContext, ProbeResult, make_config, probe_names, run_probes
-from prunelab.probes.context import kl_last_position
+from prunelab.probes import (
+    ProbeContext,
+    ProbeResult,
+    make_config,
+    options_for,
+    probe_names,
+    run_probes,
+)
 from prunelab.probes.contraction import contraction_ratio
 from prunelab.probes.interval import best_interval_pairs
 from prunelab.probes.similarity import block_influence, linear_cka
@@ -42,12 +49,44 @@ def test_cka_identity_rotation_and_scale_invariance():
     assert linear_cka(x, 0.5 * y @ q) == pytest.approx(base, abs=1e-12)
 
 
-def test_kl_last_position_hand_computed():
+def test_kl_float64_hand_computed():
     ref = torch.log(torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64))
     other = torch.log(torch.tensor([[0.25, 0.75, 0.0]], dtype=torch.float64))
     expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
-    assert kl_last_position(ref, other).item() == pytest.approx(expected, rel=1e-12)
-    assert kl_last_position(ref, ref).item() == 0.0
+    assert kl_from_logits_float64(ref, other).item() == pytest.approx(expected, rel=1e-12)
+    assert kl_from_logits_float64(ref, ref).item() == 0.0
+
+
+def test_float64_kl_agrees_with_float32_and_clamps_zero_probabilities():
+    g = torch.Generator().manual_seed(0)
+    ref, other = torch.randn(2, 5, 7, generator=g), torch.randn(2, 5, 7, generator=g)
+    kl64 = kl_from_logits_float64(ref, other)
+    assert kl64.dtype == torch.float64 and kl64.shape == (2, 5)
+    assert torch.allclose(kl64, kl_from_logits(ref, other).double(), rtol=1e-5, atol=1e-7)
+    # q = 0 where p > 0: clamped to 1e-40 instead of an infinite KL
+    p0 = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
+    q0 = torch.tensor([[0.0, float("-inf")]], dtype=torch.float64)
+    assert kl_from_logits_float64(p0, q0).item() == pytest.approx(
+        0.5 * math.log(0.5 / 1.0) + 0.5 * math.log(0.5 / 1e-40), rel=1e-12)
+
+
+def test_context_nll_and_divergence_use_the_shared_measures(llama_ctx):
+    lm, ctx = llama_ctx
+    ids = ctx.input_ids
+    with torch.no_grad():
+        dense = lm.model(input_ids=ids, use_cache=False).logits
+    full = ctx.run_stack(0, range(ctx.num_blocks))
+    assert ctx.nll(full) == pytest.approx(token_nll(dense, ids).double().mean().item(),
+                                          rel=1e-6)
+    without_1 = copy.deepcopy(lm.model)
+    get_adapter(without_1).delete_blocks([1])
+    with torch.no_grad():
+        logits = without_1(input_ids=ids, use_cache=False).logits
+    last, allpos = ctx.divergence(ctx.run_stack(1, range(2, ctx.num_blocks)))
+    assert last == pytest.approx(kl_from_logits_float64(dense[:, -1], logits[:, -1]).mean()
+                                 .item(), rel=1e-4, abs=1e-9)
+    assert allpos == pytest.approx(kl_from_logits(dense, logits).mean().item(), rel=1e-4,
+                                   abs=1e-9)
 
 
 def test_contraction_ratio_hand_computed():
@@ -101,7 +140,7 @@ def test_swap_of_a_block_with_itself_is_zero(llama_ctx):
 def manual_last_kl(model, ids, dense_logits):
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits
-    return kl_last_position(dense_logits[:, -1], logits[:, -1]).mean().item()
+    return kl_from_logits_float64(dense_logits[:, -1], logits[:, -1]).mean().item()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
@@ -168,8 +207,13 @@ def test_configs_validate():
         make_config("contraction", scale=-1.0)
     with pytest.raises(ConfigError, match="unknown probe"):
         make_config("nope")
-    cfg = make_config("interchange", window=2, span=3)  # options of other probes ignored
-    assert cfg.window == 2
+    with pytest.raises(ConfigError, match=r"'windw'; valid options: window, pairs"):
+        make_config("interchange", windw=1)  # once silently all pairs
+    with pytest.raises(ConfigError, match="'span'"):
+        make_config("interchange", window=2, span=3)
+    # routing (depth pruning's fixed options) keeps only what the probe takes
+    assert options_for("interchange", window=2, span=3, seed=None) == {"window": 2}
+    assert make_config("contraction", **options_for("contraction", window=1, seed=4)).seed == 4
 
 
 def test_outputs_resume_and_overwrite(tmp_path):

@@ -170,23 +170,27 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
           overwrite: bool = False, states: str = "memory", tokenizer=None, **options):
     """Run redundancy probes (see :mod:`prunelab.probes`) on calibration windows.
 
-    ``probes``: one name (returns a :class:`~prunelab.probes.ProbeResult`) or a list /
-    comma-separated names (returns ``{name: ProbeResult}``). Options such as ``window``,
-    ``pairs``, ``span``, ``max_length`` go to the probes that take them. Example:
-    ``prunelab.probe(lm, "interchange", "wiki-vital:calib", window=1)``.
+    ``probes``: a registered name or a typed config (returns a
+    :class:`~prunelab.probes.ProbeResult`), or a list mixing both / comma-separated names
+    (returns ``{name: ProbeResult}``). Options such as ``window``, ``pairs``, ``span``,
+    ``max_length`` go to the probes given by name that take them; an option that none of
+    them takes is a :class:`ConfigError`. ``seed`` samples the windows and seeds the probes
+    that take a seed. Examples: ``prunelab.probe(lm, Interchange(window=1), data)``,
+    ``prunelab.probe(lm, "interchange,cka", data, window=1)``.
     """
     from prunelab.probes import run_probes
 
     lm = _as_loaded(model, tokenizer)
-    names = probes.split(",") if isinstance(probes, str) else list(probes)
-    names = [n.strip() for n in names if n.strip()]
+    single = not isinstance(probes, (str, list, tuple)) or (
+        isinstance(probes, str) and "," not in probes)
+    items = probes.split(",") if isinstance(probes, str) else [probes] if single else probes
+    items = [p.strip() if isinstance(p, str) else p for p in items]
+    items = [p for p in items if p != ""]
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
-    results = run_probes(lm, names, batches.input_ids, data_info=batches.to_dict(),
+    results = run_probes(lm, items, batches.input_ids, data_info=batches.to_dict(),
                          batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                          states=states, seed=seed, **options)
-    if isinstance(probes, str) and "," not in probes:
-        return results[names[0]]
-    return results
+    return next(iter(results.values())) if single else results
 
 
 def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,

@@ -198,8 +198,10 @@ def probe(model: str = ModelOpt,
           window: Optional[int] = typer.Option(None, help="swap probes: pairs with |i-j| <= W "
                                                "(default: all pairs)"),
           pairs: Optional[str] = typer.Option(None, help="swap probes: explicit pairs i-j,..."),
-          span: int = typer.Option(1, help="span-angular: span length n"),
-          max_length: int = typer.Option(4, help="interval: longest interval measured"),
+          span: Optional[int] = typer.Option(None, help="span-angular: span length n "
+                                             "(default 1)"),
+          max_length: Optional[int] = typer.Option(None, help="interval: longest interval "
+                                                   "measured (default 4)"),
           max_remove: int = typer.Option(5, help="summary: removal sets for n = 1..N"),
           samples: int = typer.Option(16, help="calibration windows"),
           seqlen: int = typer.Option(256, help="window length in tokens"),
@@ -224,7 +226,8 @@ def probe(model: str = ModelOpt,
     lm = _load(model, dtype, device, trust_remote_code, offload)
     results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                         batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
-                        states=states, window=window, pairs=_parse_pairs(pairs), span=span,
+                        states=states, window=window, pairs=_parse_pairs(pairs) or None,
+                        span=span,
                         max_length=max_length, max_remove=max_remove)
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
     for col in ("probe", "most removable", "block evals", "seconds"):

@@ -1,12 +1,32 @@
 """Redundancy probes: one number per block, span or block pair, under several protocols.
 
-Importing this package registers every probe (see :func:`probe_names`).
+Importing this package registers every probe in :data:`PROBES` (name -> typed config);
+``prunelab.probe(lm, Interchange(window=1), data)`` and ``prunelab.probe(lm, "interchange",
+data, window=1)`` are the same run.
 """
 
-from prunelab.probes import ablation, contraction, interval, similarity, swap, weights  # noqa: F401
-from prunelab.probes.base import ProbeResult, make_config, probe_names, register
+from prunelab.probes.ablation import LeaveOneOut, SublayerAblation
+from prunelab.probes.base import (
+    PROBES,
+    ProbeResult,
+    ProbeSpec,
+    make_config,
+    options_for,
+    probe_names,
+    probe_spec,
+    register,
+    route_options,
+)
 from prunelab.probes.context import ProbeContext
+from prunelab.probes.contraction import Contraction
+from prunelab.probes.interval import Interval
 from prunelab.probes.session import run_probes
+from prunelab.probes.similarity import CKA, BlockInfluence, SpanAngular
+from prunelab.probes.swap import Interchange, Replacement
+from prunelab.probes.weights import WeightRedundancy
 
-__all__ = ["ProbeContext", "ProbeResult", "make_config", "probe_names", "register",
+__all__ = ["CKA", "PROBES", "BlockInfluence", "Contraction", "Interchange", "Interval",
+           "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
+           "SpanAngular", "SublayerAblation", "WeightRedundancy", "make_config",
+           "options_for", "probe_names", "probe_spec", "register", "route_options",
            "run_probes"]

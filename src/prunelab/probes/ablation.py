@@ -20,10 +20,10 @@ from prunelab.probes.base import ProbeResult, config_dict, register
 
 @dataclass(frozen=True)
 class LeaveOneOut:
-    """KL of the model with one block removed."""
+    """Divergence to dense with one block removed (KL; 1 - cos for encoders)."""
 
 
-@register("leave-one-out", LeaveOneOut)
+@register("leave-one-out", LeaveOneOut, resumable=True)
 def run_leave_one_out(cfg: LeaveOneOut, ctx, resume=None, on_progress=None) -> ProbeResult:
     n = ctx.num_blocks
     done = {s["layers"][0]: s for s in (resume or {}).get("scores", [])}
@@ -39,10 +39,10 @@ def run_leave_one_out(cfg: LeaveOneOut, ctx, resume=None, on_progress=None) -> P
 
 @dataclass(frozen=True)
 class SublayerAblation:
-    """KL with one block's attention or MLP residual contribution zeroed."""
+    """Divergence to dense with one block's attention or MLP residual branch zeroed."""
 
 
-@register("sublayer-ablation", SublayerAblation)
+@register("sublayer-ablation", SublayerAblation, resumable=True)
 def run_sublayer_ablation(cfg: SublayerAblation, ctx, resume=None,
                           on_progress=None) -> ProbeResult:
     n = ctx.num_blocks

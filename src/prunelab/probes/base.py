@@ -1,11 +1,20 @@
-"""Probe configs, the registry, and :class:`ProbeResult`.
+"""Probe configs, the registry :data:`PROBES`, option routing, and :class:`ProbeResult`.
 
 A probe is a frozen dataclass config (validated at construction) plus a handler
-``handler(config, context) -> ProbeResult`` registered under the probe's name. Every
-result lists ``scores``: dicts with ``layers`` (0-based: ``[i]`` for a block, ``[i, j]`` for
-a pair, ``[start, end]`` for a half-open span/interval) and ``value``; the result says
-whether a low value means "removable" and, for pair probes, derives per-layer
-removability ``r(l) = min(d(l, l-1), d(l, l+1))``.
+``handler(config, context) -> ProbeResult``, registered together under the probe's name
+with :func:`register`, which also declares whether the probe needs the dense forward pass
+(``forward``) and whether its handler resumes from partial results (``resumable``: it then
+takes ``resume`` and ``on_progress`` keywords). Every result lists ``scores``: dicts with
+``layers`` (0-based: ``[i]`` for a block, ``[i, j]`` for a pair, ``[start, end]`` for a
+half-open span/interval) and ``value``; the result says whether a low value means
+"removable" and, for pair probes, derives per-layer removability
+``r(l) = min(d(l, l-1), d(l, l+1))``.
+
+Options: :func:`make_config` is strict (an option the probe does not take is a
+:class:`ConfigError` naming it and the valid ones). Several probes sharing one set of
+options go through :func:`route_options`: each option goes to the probes that take it, and
+one that no requested probe takes is an error. :func:`options_for` is the routing filter
+for internal callers that pass a fixed set of options to any probe (depth pruning).
 """
 
 from __future__ import annotations
@@ -14,40 +23,115 @@ import csv
 import dataclasses
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prunelab.errors import ConfigError
-from prunelab.registry import check_range  # noqa: F401  (re-exported)
+from prunelab.registry import Registry, check_range, strict_kwargs, to_dict  # noqa: F401
 
-REGISTRY: dict[str, tuple[type, Callable]] = {}
+PROBES = Registry("probe")
+REGISTRY = PROBES  # former name (``name in REGISTRY``, iteration) kept for old callers
 
 
-def register(name: str, config_cls: type):
-    """Decorator registering ``handler(config, context)`` as probe ``name``."""
-    def wrap(handler):
-        REGISTRY[name] = (config_cls, handler)
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What a registered probe declares besides its config: its ``handler``, whether it
+    needs the dense pass that caches block boundaries (``forward``), and whether the
+    handler takes ``resume`` / ``on_progress`` (``resumable``)."""
+
+    handler: Callable
+    forward: bool = True
+    resumable: bool = False
+
+
+def register(name: str, config_cls: type, *, forward: bool = True,
+             resumable: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator registering ``handler(config, context)`` as probe ``name`` with its config
+    class ``config_cls`` (a dataclass) in :data:`PROBES`; see :class:`ProbeSpec`."""
+    def wrap(handler: Callable) -> Callable:
+        spec = ProbeSpec(handler, forward=forward, resumable=resumable)
+        PROBES.register(name, spec=spec)(config_cls)
         return handler
     return wrap
 
 
+def probe_spec(probe: Any) -> ProbeSpec:
+    """The :class:`ProbeSpec` of a probe name or config."""
+    name = probe if isinstance(probe, str) else PROBES.name_of(probe)
+    return PROBES.meta(name)["spec"]
+
+
 def probe_names() -> list[str]:
-    return sorted(REGISTRY)
+    """Registered probe names, sorted."""
+    return sorted(PROBES.names())
 
 
-def make_config(name: str, **options) -> Any:
-    """Build probe ``name``'s config from ``options``, ignoring options it does not take."""
-    if name not in REGISTRY:
-        raise ConfigError(f"unknown probe {name!r}; available: {', '.join(probe_names())}")
-    cls = REGISTRY[name][0]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in options.items() if k in fields and v is not None})
+def _option_names(name: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(PROBES.get(name))
+            if f.init and not f.name.startswith("_")]
+
+
+def make_config(probe: Any, **options) -> Any:
+    """Probe ``probe``'s config (a name, or a config returned unchanged) from ``options``.
+
+    Strict: an option the probe does not take is a :class:`ConfigError` naming it and the
+    valid ones. A ``None`` value means "the default"."""
+    if not isinstance(probe, str):
+        return PROBES.make(probe, **{k: v for k, v in options.items() if v is not None})
+    cls = PROBES.get(probe)
+    strict_kwargs(cls, options, f"probe {probe!r}")
+    return cls(**{k: v for k, v in options.items() if v is not None})
+
+
+def options_for(name: str, **options) -> dict:
+    """Routing, not validation: the subset of ``options`` (``None`` values dropped) that
+    probe ``name``'s config takes. For callers that hand one fixed set of options to
+    whichever probe they run (depth pruning passes ``window``, ``span``, ``max_length``,
+    ``seed``); user options go through :func:`make_config` or :func:`route_options`."""
+    valid = set(_option_names(name))
+    return {k: v for k, v in options.items() if k in valid and v is not None}
+
+
+def route_options(probes: Sequence[Any], options: dict) -> list[Any]:
+    """One config per entry of ``probes`` (names or ready configs): each probe given by name
+    gets the ``options`` its config takes; ready configs are used as they are. ``None``
+    values mean "not given". An option that no probe given by name takes is a
+    :class:`ConfigError` naming it."""
+    given = {k: v for k, v in options.items() if v is not None}
+    used: set[str] = set()
+    configs = []
+    for p in probes:
+        if isinstance(p, str):
+            own = options_for(p, **given)
+            used.update(own)
+            configs.append(make_config(p, **own))
+        else:
+            configs.append(make_config(p))
+    for key in given:
+        if key not in used:
+            raise ConfigError(_unused_message(key, probes))
+    return configs
+
+
+def _unused_message(key: str, probes: Sequence[Any]) -> str:
+    ready = [p for p in probes if not isinstance(p, str)]
+    for cfg in ready:
+        if key in _option_names(PROBES.name_of(cfg)):
+            return (f"option {key!r} given with a ready {PROBES.name_of(cfg)} config; "
+                    "set it on the config")
+    names = [p if isinstance(p, str) else PROBES.name_of(p) for p in probes]
+    valid = "; ".join(f"{n}: {', '.join(_option_names(n)) or '(none)'}" for n in names)
+    return f"no requested probe takes option {key!r} ({valid})"
 
 
 def config_dict(config) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(config), default=list))
+    """A probe config's fields, JSON-ready (:func:`prunelab.registry.to_dict` without the
+    name)."""
+    d = to_dict(config)
+    d.pop("name", None)
+    return d
 
 
 @dataclass
@@ -119,6 +203,10 @@ class ProbeResult:
         return cls(probe=d["probe"], config=d["config"], scores=d["scores"], kind=d["kind"],
                    lower_is_removable=d["lower_is_removable"], num_blocks=d["num_blocks"],
                    meta={k: v for k, v in d.items() if k not in known})
+
+    def probe_config(self) -> Any:
+        """The typed config that produced this result (rebuilt through :data:`PROBES`)."""
+        return PROBES.from_dict({"name": self.probe, **self.config})
 
     @classmethod
     def load(cls, path: str | Path) -> ProbeResult:

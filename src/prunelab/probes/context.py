@@ -7,7 +7,8 @@ arguments the model gives it at its own depth (its own mask type), never a KV ca
 
 Divergence to the dense model: for causal LMs the KL of next-token distributions,
 ``KL(p_dense || p_modified)``, at the last position of each window (float64, q clamped
->= 1e-40: the "No Free Swap" protocol) and averaged over all positions (float32). For
+>= 1e-40: the "No Free Swap" protocol) and averaged over all positions (float32); both
+come from :mod:`prunelab.eval.divergence`, as does the token NLL. For
 encoders, which have no next-token distribution, ``1 - cos`` of the mean-pooled final
 hidden states per window (``value``) and of every token's final hidden state
 (``value_all_positions``).
@@ -21,14 +22,10 @@ from collections.abc import Sequence
 import torch
 
 from prunelab.calib.runner import BlockRunner, StateStore
+from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64, token_nll
 
+kl_last_position = kl_from_logits_float64  # the probes' name for the float64 KL
 
-def kl_last_position(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """``KL(p_ref || p)`` in float64 per row of ``[B, V]`` logits, q clamped >= 1e-40."""
-    p = torch.softmax(ref_logits.double(), dim=-1)
-    q = torch.softmax(logits.double(), dim=-1).clamp_min(1e-40)
-    logp = torch.log(p.clamp_min(1e-300))
-    return torch.where(p > 0, p * (logp - torch.log(q)), torch.zeros_like(p)).sum(-1)
 
 
 class ProbeContext:
@@ -118,8 +115,7 @@ class ProbeContext:
         for b, h in enumerate(final_raw):
             logits = self.adapter.logits(self._final(h.to(self.runner.device)))
             ids = self.runner.batches[b].to(logits.device)
-            logp = torch.log_softmax(logits[:, :-1].float(), -1)
-            total -= float(logp.gather(-1, ids[:, 1:, None]).double().sum())
+            total += float(token_nll(logits, ids).double().sum())
             count += ids[:, 1:].numel()
         return total / count
 
@@ -144,11 +140,9 @@ class ProbeContext:
                 all_sum += float((1 - tok).sum())
             else:
                 logits = adapter.logits(final)
-                last_sum += float(kl_last_position(ref[:, -1], logits[:, -1]).sum())
-                for r in range(h.shape[0]):
-                    lp_ref = torch.log_softmax(ref[r].float(), -1)
-                    lp = torch.log_softmax(logits[r].float(), -1)
-                    all_sum += float((lp_ref.exp() * (lp_ref - lp)).sum(-1).double().sum())
+                last_sum += float(kl_from_logits_float64(ref[:, -1], logits[:, -1]).sum())
+                for r in range(h.shape[0]):  # one window at a time: [T, V] float32
+                    all_sum += float(kl_from_logits(ref[r], logits[r]).double().sum())
             n_rows += h.shape[0]
             n_tok += h.shape[0] * h.shape[1]
         return last_sum / n_rows, all_sum / n_tok

@@ -34,7 +34,9 @@ def contraction_ratio(clean_out: torch.Tensor, pert_out: torch.Tensor,
 
 @dataclass(frozen=True)
 class Contraction:
-    """Relative noise ``scale`` (of each token's norm) and the noise ``seed``."""
+    """Contraction ratio: how much a block scales a small perturbation of its input.
+
+    Relative noise ``scale`` (of each token's norm) and the noise ``seed``."""
 
     scale: float = 1e-2
     seed: int = 0

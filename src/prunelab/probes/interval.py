@@ -37,7 +37,7 @@ def best_interval_pairs(costs: dict[tuple[int, int], float], max_total: int) -> 
 
 @dataclass(frozen=True)
 class Interval:
-    """Intervals up to ``max_length`` blocks long."""
+    """Divergence to dense with each interval of blocks removed, up to ``max_length`` long."""
 
     max_length: int = 4
 
@@ -45,7 +45,7 @@ class Interval:
         check_range("max_length", self.max_length, 1, None, integer=True)
 
 
-@register("interval", Interval)
+@register("interval", Interval, resumable=True)
 def run_interval(cfg: Interval, ctx, resume=None, on_progress=None) -> ProbeResult:
     n = ctx.num_blocks
     spans = [(s, s + k) for k in range(1, min(cfg.max_length, n - 1) + 1)

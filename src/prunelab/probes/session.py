@@ -20,7 +20,6 @@ results of the same model, dtype and data as this run.
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
 from pathlib import Path
@@ -29,10 +28,15 @@ from prunelab.errors import ConfigError, OutputExistsError
 from prunelab.io.fingerprint import check_match, make_fingerprint, model_part, same_source
 from prunelab.io.save import write_json
 from prunelab.log import info
-from prunelab.probes.base import REGISTRY, ProbeResult, config_dict, make_config
+from prunelab.probes.base import (
+    PROBES,
+    ProbeResult,
+    config_dict,
+    options_for,
+    probe_spec,
+    route_options,
+)
 from prunelab.probes.context import ProbeContext
-
-FORWARD_FREE = {"weight-redundancy"}
 
 
 def _partial_path(out: Path, name: str) -> Path:
@@ -67,7 +71,7 @@ def _is_prunelab_folder(out: Path) -> bool:
     for path in out.glob("*.json"):
         name = path.name[:-len(".partial.json")] if path.name.endswith(".partial.json") \
             else path.stem
-        if name not in REGISTRY:
+        if name not in PROBES:
             continue
         try:
             d = json.loads(path.read_text())
@@ -97,15 +101,21 @@ def check_outputs(out: Path | None, names: list[str], overwrite: bool) -> None:
                                 "of prunelab; pass --overwrite to replace it")
 
 
-def run_probes(lm, names: list[str], input_ids, *, data_info: dict | None = None,
+def run_probes(lm, names: list, input_ids, *, data_info: dict | None = None,
                batch_size: int = 8, out_dir: str | Path | None = None,
                overwrite: bool = False, states: str = "memory", max_remove: int = 5,
-               **options) -> dict[str, ProbeResult]:
-    """Run probes ``names`` on ``input_ids`` ``[N, T]``; options go to the matching configs
-    (``window``, ``pairs``, ``span``, ``max_length``, ``scale``, ``seed``, ``angular``...)."""
-    if not names:
-        raise ConfigError("no probe given")
-    configs = {name: make_config(name, **options) for name in names}
+               seed: int | None = None, **options) -> dict[str, ProbeResult]:
+    """Run probes ``names`` (registered names or typed configs such as
+    ``Interchange(window=1)``, mixed freely) on ``input_ids`` ``[N, T]``; returns
+    ``{name: ProbeResult}`` in the order given.
+
+    ``options`` (``window``, ``pairs``, ``span``, ``max_length``, ``scale``, ``angular``...)
+    are routed by :func:`~prunelab.probes.base.route_options`: each goes to the probes given
+    by name that take it, and one that none of them takes is a :class:`ConfigError`.
+    ``seed`` is the session's seed: it goes to the probes that take one (contraction's
+    noise) unless ``options`` set it, and is never an error."""
+    configs = _build_configs(names, options, seed)
+    names = list(configs)
     out = Path(out_dir) if out_dir is not None else None
     check_outputs(out, names, overwrite)
     data_info = data_info or {}
@@ -139,19 +149,37 @@ def _fingerprints(lm, input_ids, data_info: dict, configs: dict, out: Path | Non
     return fps, resumes
 
 
+def _build_configs(probes: list, options: dict, seed: int | None) -> dict:
+    """``{name: config}`` for ``probes`` (names or configs), options routed (see
+    :func:`run_probes`); a probe asked for twice is an error."""
+    if not probes:
+        raise ConfigError("no probe given")
+    shared = dict(options)
+    if seed is not None and shared.get("seed") is None and any(
+            isinstance(p, str) and options_for(p, seed=seed) for p in probes):
+        shared["seed"] = seed
+    configs: dict = {}
+    for cfg in route_options(probes, shared):
+        name = PROBES.name_of(cfg)
+        if name in configs:
+            raise ConfigError(f"probe {name!r} requested twice")
+        configs[name] = cfg
+    return configs
+
+
 def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None) -> ProbeResult:
-    handler = REGISTRY[name][1]
+    spec = probe_spec(name)
+    handler = spec.handler
     cfgd = config_dict(cfg)
     kwargs = {}
-    params = inspect.signature(handler).parameters
-    if "resume" in params:
+    if spec.resumable:  # the handler takes resume and on_progress (declared at registration)
         kwargs["resume"] = resume
-    if "on_progress" in params and out is not None:
+    if spec.resumable and out is not None:
         def save_partial(scores, _name=name):
             write_json(_partial_path(out, _name), {"probe": _name, "config": cfgd,
                        "fingerprint": fingerprint, "scores": scores}, overwrite=True)
         kwargs["on_progress"] = save_partial
-    if name not in FORWARD_FREE:
+    if spec.forward:
         ctx.ensure_cached()
     evals0, start = ctx.block_evaluations, time.perf_counter()
     result = handler(cfg, ctx, **kwargs)
@@ -159,8 +187,7 @@ def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None) -> P
         "model": ctx.lm.spec, "data": data_info,
         "seconds": time.perf_counter() - start,
         "block_evaluations": ctx.block_evaluations - evals0,
-        "cache_block_evaluations": ctx.cache_block_evaluations if name not in FORWARD_FREE
-        else 0.0,
+        "cache_block_evaluations": ctx.cache_block_evaluations if spec.forward else 0.0,
         "value_protocol": _protocol(name, ctx),
     })
     if fingerprint is not None:
@@ -203,7 +230,7 @@ def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int,
     # dtype and data as this run's, not only this run's
     everything = dict(results)
     for path in sorted(out.glob("*.json")):
-        if path.stem not in everything and path.stem in REGISTRY:
+        if path.stem not in everything and path.stem in PROBES:
             try:
                 res = ProbeResult.load(path)
             except (KeyError, TypeError, json.JSONDecodeError):

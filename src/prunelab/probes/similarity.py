@@ -48,7 +48,9 @@ def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
 
 @dataclass(frozen=True)
 class BlockInfluence:
-    """ShortGPT block influence; ``angular`` reports arccos(cos)/pi instead of 1 - cos."""
+    """ShortGPT block influence: mean 1 - cos between a block's input and output.
+
+    ``angular`` reports arccos(cos)/pi instead of 1 - cos as ``value``."""
 
     angular: bool = False
 

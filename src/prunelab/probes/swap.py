@@ -62,7 +62,9 @@ def replacement_order(n: int, i: int, j: int) -> list[int]:
 
 @dataclass(frozen=True)
 class SwapConfig:
-    """Pairs to probe: ``window`` (``|i - j| <= window``, default all pairs) or ``pairs``."""
+    """Pairs to probe: ``window`` (``|i - j| <= window``, default all pairs) or ``pairs``
+    (explicit 0-based ``(i, j)``); the options shared by :class:`Interchange` and
+    :class:`Replacement`."""
 
     window: int | None = None
     pairs: tuple = field(default_factory=tuple)
@@ -93,8 +95,18 @@ def _run_pairs(name: str, cfg: SwapConfig, ctx, measure, resume: dict | None,
     return ProbeResult(name, config_dict(cfg), scores, kind="pair", num_blocks=n)
 
 
-@register("interchange", SwapConfig)
-def run_interchange(cfg: SwapConfig, ctx, resume=None, on_progress=None) -> ProbeResult:
+@dataclass(frozen=True)
+class Interchange(SwapConfig):
+    """Divergence to dense with blocks i and j exchanged ("No Free Swap" interchange)."""
+
+
+@dataclass(frozen=True)
+class Replacement(SwapConfig):
+    """Divergence to dense with block i replaced by a copy of j, and j by i (the larger)."""
+
+
+@register("interchange", Interchange, resumable=True)
+def run_interchange(cfg: Interchange, ctx, resume=None, on_progress=None) -> ProbeResult:
     n = ctx.num_blocks
 
     def measure(i, j):
@@ -104,8 +116,8 @@ def run_interchange(cfg: SwapConfig, ctx, resume=None, on_progress=None) -> Prob
     return _run_pairs("interchange", cfg, ctx, measure, resume, on_progress)
 
 
-@register("replacement", SwapConfig)
-def run_replacement(cfg: SwapConfig, ctx, resume=None, on_progress=None) -> ProbeResult:
+@register("replacement", Replacement, resumable=True)
+def run_replacement(cfg: Replacement, ctx, resume=None, on_progress=None) -> ProbeResult:
     n = ctx.num_blocks
 
     def measure(i, j):

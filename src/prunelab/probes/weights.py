@@ -45,10 +45,12 @@ def weight_redundancy(o_weights: list[torch.Tensor], down_weights: list[torch.Te
 
 @dataclass(frozen=True)
 class WeightRedundancy:
-    """No options: the probe reads only the weights."""
+    """Forward-free weight redundancy: similarity and scale of W_O and W_down per block.
+
+    No options: the probe reads only the weights."""
 
 
-@register("weight-redundancy", WeightRedundancy)
+@register("weight-redundancy", WeightRedundancy, forward=False)
 def run_weight_redundancy(cfg: WeightRedundancy, ctx) -> ProbeResult:
     ad = ctx.adapter
     n = ad.num_blocks

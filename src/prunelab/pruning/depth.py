@@ -23,7 +23,7 @@ from prunelab.errors import ConfigError
 from prunelab.log import progress
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext, ProbeResult
-from prunelab.probes.base import REGISTRY, make_config
+from prunelab.probes.base import REGISTRY, make_config, options_for, probe_spec
 from prunelab.registry import check_range
 from prunelab.pruning import selection as sel
 
@@ -115,8 +115,10 @@ def default_strategy(result: ProbeResult | None) -> str:
 
 
 def run_probe(name: str, ctx, cfg: Depth, n: int) -> ProbeResult:
+    """Probe ``name`` on ``ctx``; depth's ``window``, ``span`` (= n), ``max_length`` and
+    ``seed`` are routed to the probe only where its config takes them."""
     opts = {"window": cfg.window, "span": n, "max_length": max(n, 1), "seed": cfg.seed}
-    return REGISTRY[name][1](make_config(name, **opts), ctx)
+    return probe_spec(name).handler(make_config(name, **options_for(name, **opts)), ctx)
 
 
 def _load_probe(path: str, num_blocks: int) -> ProbeResult:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from prunelab.probes.base import ProbeResult
+if TYPE_CHECKING:  # annotations only: plots never import the probes (no import cycle)
+    from prunelab.probes.base import ProbeResult
 
 DPI = 120
 CMAP = "viridis"
