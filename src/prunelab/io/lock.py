@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import re
 import shutil
@@ -214,12 +215,18 @@ def fsync_tree(root: Path) -> None:
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1
 
 
+@functools.cache
+def _renameat2_fn():
+    try:
+        return ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+
+
 def _renameat2(src: Path, dst: Path) -> bool:
     """Linux ``renameat2(RENAME_NOREPLACE)``; False when the system lacks it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
+    fn = _renameat2_fn()
+    if fn is None:
         return False
     rc = fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE)
     if rc == 0:

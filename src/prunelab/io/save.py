@@ -89,7 +89,10 @@ def _kind(path: Path) -> str:
     if path.is_dir():
         if any((path / m).is_file() for m in _CHECKPOINT_MARKERS):
             return "checkpoint"
-        return "dir" if any(path.iterdir()) else "empty-dir"
+        try:
+            return "dir" if any(path.iterdir()) else "empty-dir"
+        except OSError:  # unreadable: treat as holding something
+            return "dir"
     return "other"
 
 

@@ -141,7 +141,8 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     missing, unexpected = plain.load_state_dict(quant.state_dict(), strict=False)
     missing = [k for k in missing if k not in _tied_keys(plain)]
     if missing or unexpected:
-        raise ModelNotFoundError(f"GGUF conversion of {path.name} lost weights: {missing[:3]}")
+        raise CorruptCheckpointError(
+            f"GGUF conversion of {path.name} lost weights: {_names(missing + unexpected)}")
     plain.tie_weights()
 
     def write(tmp: Path) -> None:
@@ -335,7 +336,7 @@ def _load_weights(cls, source, spec: str, dt: torch.dtype, trust_remote_code: bo
             f"{_weights_name(source)} of {spec!r} was refused by torch's restricted "
             f"(weights-only) loader: it holds more than tensors or is corrupt "
             f"({_first_line(exc)[:80]})") from exc
-    except (SafetensorError, EOFError, RuntimeError, ValueError, KeyError) as exc:
+    except (SafetensorError, EOFError, RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"cannot read the weights of {spec!r} "
                                      f"({_weights_name(source)}): {_first_line(exc)}") from exc
 
