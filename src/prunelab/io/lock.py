@@ -1,6 +1,6 @@
 """One writer per output, and the file-system moves that keep outputs whole.
 
-**Lock.** 
+**Lock.**
 ``output_lock(path)`` takes ``fcntl.flock(LOCK_EX | LOCK_NB)`` on ``.NAME.lock`` in the
 target's parent directory, so a second prunelab process writing the same output is refused
 at once (in one line) instead of silently replacing the first one's result. The lock is
@@ -12,7 +12,9 @@ it holds the lock, that the file it locked is still the one at the path (same in
 retries otherwise -- the usual protocol that keeps "unlink on release" free of races.
 
 Within one process the lock is re-entrant: the CLI holds it for a whole command while
-:func:`prunelab.io.save.save` takes it again around its final move.
+:func:`prunelab.io.save.save` and :func:`~prunelab.io.save.write_json` take it again
+for their own write (temp output, checks, final move). A killed holder may leave the
+lock file behind; that is harmless (the kernel released its lock).
 
 **Temp names and leftovers.** A writer of ``NAME`` works in ``.NAME.tmp-<pid>-<random>``
 (and backs an old output up as ``.NAME.old-<pid>``); :func:`clean_leftovers` removes

@@ -422,7 +422,7 @@ def _names(keys: list[str], known: set[str] | None = None, whole: bool = False,
 def _ranges(ix: list[int]) -> str:
     """``[4, 5, 7]`` -> ``4-5,7``."""
     out, start = [], ix[0]
-    for a, b in zip(ix, ix[1:] + [None]):
+    for a, b in zip(ix, ix[1:] + [None], strict=True):
         if b != a + 1:
             out.append(str(start) if start == a else f"{start}-{a}")
             start = b
