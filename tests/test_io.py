@@ -40,7 +40,8 @@ def test_save_refuses_existing_and_overwrites_on_request(tmp_path):
     lm = wrap(tiny_model("gpt2"), char_tokenizer())
     target = tmp_path / "out"
     target.mkdir()
-    (target / "keep.txt").write_text("mine")
+    (target / "config.json").write_text("{}")  # an earlier checkpoint (overwrite replaces
+    (target / "keep.txt").write_text("mine")   # only a checkpoint with a checkpoint)
     with pytest.raises(OutputExistsError, match="--overwrite"):
         prunelab.save(lm, target)
     assert (target / "keep.txt").read_text() == "mine"

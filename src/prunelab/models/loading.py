@@ -11,7 +11,10 @@ loads are fast and the model saves like any other.
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -21,7 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from prunelab.errors import ConfigError, ModelNotFoundError, UnsupportedArchitectureError
+from prunelab.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    MissingWeightsError,
+    ModelNotFoundError,
+    PickleRefusedError,
+    UnsupportedArchitectureError,
+)
 from prunelab.log import info
 from prunelab.models.adapters import Adapter, get_adapter
 from prunelab.models.embedded import EMBEDDED, resolve_embedded, sha256_file
@@ -90,20 +100,40 @@ def _is_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not Path(spec).exists()
 
 
+_GGUF_ERRORS = (ValueError, OSError, KeyError, IndexError, EOFError, struct.error)
+
+
 def convert_gguf(path: Path, name: str | None = None) -> Path:
-    """De-quantize a GGUF file once into a normal checkpoint in the cache; return its dir."""
+    """De-quantize a GGUF file once into a normal checkpoint in the cache; return its dir.
+
+    The checkpoint is written to a temp folder and renamed into place; a complete copy
+    that appeared meanwhile (another process converting the same file) is kept and this
+    one discarded, so a reader never sees the cached checkpoint vanish. An unreadable
+    file (empty, garbage, unsupported) is a one-line CorruptCheckpointError.
+    """
     import transformers
 
-    key = name or f"gguf-{sha256_file(path)[:16]}"
+    try:
+        key = name or f"gguf-{sha256_file(path)[:16]}"
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read {path}: {_first_line(exc)}") from exc
     target = cache_dir() / "converted" / key
     if (target / "config.json").is_file():
         return target
     info(f"prunelab: converting {path.name} to a float checkpoint in {target} (once)")
     start = time.time()
     kw = dict(gguf_file=path.name)
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
-    quant = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, dtype=torch.float32, **kw)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+        quant, loading_info = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, dtype=torch.float32, output_loading_info=True, **kw)
+    except _GGUF_ERRORS as exc:
+        raise CorruptCheckpointError(
+            f"{path.name} is not a readable GGUF model: {_first_line(exc)}") from exc
+    lost = sorted(set(loading_info["missing_keys"]) - _tied_keys(quant))
+    if lost:
+        raise CorruptCheckpointError(
+            f"{path.name} lacks {len(lost)} weights its metadata declares ({_names(lost)})")
     cfg = quant.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
@@ -111,26 +141,40 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     missing, unexpected = plain.load_state_dict(quant.state_dict(), strict=False)
     missing = [k for k in missing if k not in _tied_keys(plain)]
     if missing or unexpected:
-        raise ModelNotFoundError(f"GGUF conversion of {path.name} lost weights: {missing[:3]}")
+        raise CorruptCheckpointError(
+            f"GGUF conversion of {path.name} lost weights: {_names(missing + unexpected)}")
     plain.tie_weights()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{key}-"))
-    try:
+
+    def write(tmp: Path) -> None:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    _publish_checkpoint(target, write)
     info(f"prunelab: converted in {time.time() - start:.1f} s")
     return target
 
 
+def _publish_checkpoint(target: Path, write) -> None:
+    """Run ``write(tmp)`` in a temp folder beside ``target``, then install it with
+    :func:`~prunelab.io.lock.publish_once` (a complete ``target`` is never replaced)."""
+    from prunelab.io.lock import clean_leftovers, publish_once, temp_prefix
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_leftovers(target)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=temp_prefix(target)))
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o755)
+        publish_once(tmp, target, lambda t: (t / "config.json").is_file())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _tied_keys(model: nn.Module) -> set[str]:
-    keys = getattr(model, "_tied_weights_keys", None) or {}
-    return set(keys) if not isinstance(keys, dict) else set(keys)
+    keys = set()
+    for attr in ("_tied_weights_keys", "all_tied_weights_keys"):
+        keys |= set(getattr(model, attr, None) or ())
+    return keys
 
 
 def resolve_source(spec: str) -> Path | str:
@@ -173,10 +217,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
-         trust_remote_code: bool = False) -> LoadedModel:
+         trust_remote_code: bool = False, allow_pickle: bool = False,
+         allow_missing_weights: bool = False) -> LoadedModel:
     """Load the model named by ``spec`` with its tokenizer and adapter (eval mode).
 
-    ``trust_remote_code`` stays off unless asked for.
+    ``trust_remote_code`` stays off unless asked for. Weights stored only as a pickle
+    (``pytorch_model.bin``) are refused unless ``allow_pickle`` (then torch's restricted
+    weights-only loader reads them). A checkpoint whose weights do not match its config
+    (missing, unexpected or mis-shaped tensors; tied weights excepted) is an error unless
+    ``allow_missing_weights``: transformers would fill the gaps with random values.
+    Unreadable files raise :class:`~prunelab.errors.CorruptCheckpointError` in one line.
     """
     import transformers
 
@@ -194,16 +244,189 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
             f"unsupported architecture {getattr(cfg, 'model_type', None)!r}; supported: "
             + ", ".join(supported_model_types())
         )
+    _check_blocks(cfg, source)
+    if isinstance(source, Path):
+        _check_weight_files(source, allow_pickle)
+    tok = _load_tokenizer(source, spec, trust_remote_code)
     cls = transformers.AutoModel if fam.encoder else transformers.AutoModelForCausalLM
-    try:
-        model = cls.from_pretrained(source, dtype=dt, trust_remote_code=trust_remote_code)
-        tok = transformers.AutoTokenizer.from_pretrained(
-            source, trust_remote_code=trust_remote_code)
-    except OSError as exc:
-        raise ModelNotFoundError(f"cannot load {spec!r}: {_first_line(exc)}") from exc
+    model, loading_info = _load_weights(cls, source, spec, dt, trust_remote_code, allow_pickle)
+    _check_loading_info(model, loading_info, spec, fam.encoder, allow_missing_weights)
     model.to(dev).eval()
     return LoadedModel(model=model, tokenizer=tok, spec=spec, source=str(source),
                        dtype=dt, device=dev)
+
+
+# ---------------------------------------------------------------- load boundary checks
+
+_PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+_PICKLE_WHY = ("a pickle can run code when it is loaded, so prunelab refuses it: convert it "
+               "to safetensors, or pass --allow-pickle (allow_pickle=True) to read it with "
+               "torch's restricted weights-only loader")
+
+
+def _check_blocks(cfg, source) -> None:
+    """A config that declares no blocks is refused."""
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(text, "num_hidden_layers", None)
+    if isinstance(n, int) and n < 1:
+        raise CorruptCheckpointError(
+            f"{_config_name(source)} declares {n} blocks (num_hidden_layers); a model needs "
+            "at least one")
+
+
+def _config_name(source) -> str:
+    return str(source / "config.json") if isinstance(source, Path) else f"{source}'s config"
+
+
+def _check_weight_files(path: Path, allow_pickle: bool) -> None:
+    """A local checkpoint has safetensors weights, or pickle weights and ``allow_pickle``."""
+    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
+        return
+    pickles = [n for n in _PICKLE_WEIGHTS if (path / n).is_file()]
+    if pickles and not allow_pickle:
+        raise PickleRefusedError(f"{path} stores its weights only as a pickle ({pickles[0]}): "
+                                 + _PICKLE_WHY)
+    if not pickles:
+        raise ModelNotFoundError(f"{path} holds no weights (no model.safetensors)")
+
+
+def _load_tokenizer(source, spec: str, trust_remote_code: bool):
+    """The tokenizer of ``source``; missing or unreadable files are one-line errors."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(
+            source, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        if type(exc) is not Exception and not isinstance(exc, _TOKENIZER_ERRORS):
+            raise
+        err = CorruptCheckpointError if isinstance(source, Path) else ModelNotFoundError
+        raise err(f"cannot load the tokenizer of {spec!r} (missing or corrupt tokenizer "
+                  f"files): {_first_line(exc)}") from exc
+
+
+_TOKENIZER_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError)
+
+
+def _load_weights(cls, source, spec: str, dt: torch.dtype, trust_remote_code: bool,
+                  allow_pickle: bool):
+    """``(model, loading_info)``; shape mismatches are reported, not raised, by
+    transformers here (``ignore_mismatched_sizes``) and judged by the caller."""
+    from safetensors import SafetensorError
+
+    kw = dict(dtype=dt, trust_remote_code=trust_remote_code, output_loading_info=True,
+              ignore_mismatched_sizes=True)
+    if not allow_pickle:
+        kw["use_safetensors"] = True  # never fall back to pytorch_model.bin
+    try:
+        return cls.from_pretrained(source, **kw)
+    except torch.OutOfMemoryError:
+        raise
+    except OSError as exc:
+        if not isinstance(source, Path):
+            if not allow_pickle and "safetensors" in str(exc):
+                raise PickleRefusedError(
+                    f"{spec!r} has no safetensors weights (only pickle weights?): "
+                    + _PICKLE_WHY) from exc
+            raise ModelNotFoundError(f"cannot load {spec!r}: {_first_line(exc)}") from exc
+        raise CorruptCheckpointError(f"cannot read the weights in {source}: "
+                                     f"{_first_line(exc)}") from exc
+    except pickle.UnpicklingError as exc:
+        raise CorruptCheckpointError(
+            f"{_weights_name(source)} of {spec!r} was refused by torch's restricted "
+            f"(weights-only) loader: it holds more than tensors or is corrupt "
+            f"({_first_line(exc)[:80]})") from exc
+    except (SafetensorError, EOFError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"cannot read the weights of {spec!r} "
+                                     f"({_weights_name(source)}): {_first_line(exc)}") from exc
+
+
+def _weights_name(source) -> str:
+    if isinstance(source, Path):
+        names = sorted(p.name for p in source.iterdir()
+                       if p.suffix in (".safetensors", ".bin") and p.is_file())
+        if len(names) == 1:
+            return names[0]
+        if names:
+            return f"{names[0]} (and {len(names) - 1} more weight files)"
+    return "the weight files"
+
+
+def _check_loading_info(model: nn.Module, loading_info: dict, spec: str, encoder: bool,
+                        allow: bool) -> None:
+    """Refuse missing, unexpected or mis-shaped weights (transformers would leave them
+    random), naming them; tied weights are not missing. For encoders loaded without a
+    task head, the checkpoint's heads (``cls.*``, ``classifier.*``) are not unexpected
+    and a missing pooler is only noted (prunelab mean-pools and never uses it)."""
+    if loading_info.get("error_msgs"):
+        raise CorruptCheckpointError(f"cannot load the weights of {spec!r}: "
+                                     f"{_first_line(Exception(loading_info['error_msgs'][0]))}")
+    missing = sorted(set(loading_info["missing_keys"]) - _tied_keys(model))
+    unexpected = sorted(loading_info["unexpected_keys"])
+    mismatched = sorted(loading_info["mismatched_keys"])
+    if encoder:
+        children = {name for name, _ in model.named_children()}
+        unexpected = [k for k in unexpected if k.split(".")[0] in children]
+        if any(k.startswith("pooler.") for k in missing):
+            info(f"prunelab: {spec} has no pooler weights; prunelab mean-pools and does not "
+                 "use the pooler (it stays random)")
+            missing = [k for k in missing if not k.startswith("pooler.")]
+    known = set(model.state_dict())
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing ({_names(missing, known, whole=True)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected ({_names(unexpected, known)})")
+    if mismatched:
+        shown = ", ".join(f"{k} is {list(a)} in the checkpoint but {list(b)} in the config"
+                          for k, a, b in mismatched[:2])
+        more = f" and {len(mismatched) - 2} more" if len(mismatched) > 2 else ""
+        problems.append(f"{len(mismatched)} of the wrong shape ({shown}{more})")
+    if not problems:
+        return
+    text = f"{spec}: the weights do not match the config: " + "; ".join(problems)
+    if allow:
+        info(f"prunelab: warning: {text}; they were initialised at random "
+             "(allow_missing_weights)")
+        return
+    raise MissingWeightsError(f"{text}; they would be random values: pass "
+                              "--allow-missing-weights (allow_missing_weights=True) to load anyway")
+
+
+def _names(keys: list[str], known: set[str] | None = None, whole: bool = False,
+           limit: int = 3) -> str:
+    """Name ``keys`` briefly: ``model.layers.4-5 (whole blocks)`` when ``whole`` and every
+    weight of those blocks is listed (or, for unexpected keys, none belongs to the model),
+    else the first ``limit`` names and a count of the rest."""
+    blocks: dict[tuple[str, int], list[str]] = {}
+    rest = []
+    for k in keys:
+        m = re.match(r"(.+?)\.(\d+)\.", k)
+        if m and known is not None:
+            blocks.setdefault((m.group(1), int(m.group(2))), []).append(k)
+        else:
+            rest.append(k)
+    entire: dict[str, list[int]] = {}
+    for (prefix, i), ks in blocks.items():
+        ours = {a for a in known if a.startswith(f"{prefix}.{i}.")}
+        if (ours <= set(ks)) if whole else not ours:
+            entire.setdefault(prefix, []).append(i)
+        else:
+            rest.extend(ks)
+    parts = [f"{p}.{_ranges(sorted(ix))} (whole blocks)" for p, ix in entire.items()]
+    parts += sorted(rest)
+    text = ", ".join(parts[:limit])
+    return text + (f" and {len(parts) - limit} more" if len(parts) > limit else "")
+
+
+def _ranges(ix: list[int]) -> str:
+    """``[4, 5, 7]`` -> ``4-5,7``."""
+    out, start = [], ix[0]
+    for a, b in zip(ix, ix[1:] + [None], strict=True):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
 
 
 def wrap(model: nn.Module, tokenizer: Any = None, spec: str | None = None) -> LoadedModel:
