@@ -1,0 +1,115 @@
+"""prunelab command line: a thin face over :mod:`prunelab.api`.
+
+Exit codes: 0 success; 2 a user error, printed as one line ``error: ...`` (``--verbose``
+adds the traceback); 130 Ctrl-C, printed as one line saying what was kept; 1 a bug
+(traceback). Layer indices are 0-based everywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from prunelab import log
+from prunelab.cli.common import state
+from prunelab.errors import PrunelabError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Measure where a transformer is redundant and remove it.")
+prune_app = typer.Typer(no_args_is_help=True, help="Prune a model and save a checkpoint.")
+sweep_app = typer.Typer(no_args_is_help=True, help="Pruning curves over several settings.")
+app.add_typer(prune_app, name="prune")
+app.add_typer(sweep_app, name="sweep")
+
+
+@app.callback()
+def _global_options(
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or status"),
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="tracebacks on errors")):
+    """prunelab: probes, pruning and evaluation of transformers (0-based layer indices)."""
+    log.set_quiet(quiet)
+    state["verbose"] = verbose
+
+
+from prunelab.cli import inspect_cmds, prune_cmds  # noqa: E402,F401  (register commands)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Console entry point (see the module docstring for the exit codes)."""
+    sys.exit(cli_main(argv))
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    args = list(sys.argv[1:] if argv is None else argv)
+    verbose = any(a in ("--verbose", "-v") for a in args[: _first_command(args)])
+    state.update(verbose=verbose, on_interrupt=None)
+    usage, abort = _click_exceptions()
+    try:
+        rv = app(args=args, prog_name="prunelab", standalone_mode=False)
+    except PrunelabError as exc:
+        return _fail(str(exc), exc.exit_code, exc)
+    except KeyboardInterrupt:
+        return _interrupted()
+    except (typer.Exit, SystemExit) as exc:
+        code = getattr(exc, "exit_code", getattr(exc, "code", 0))
+        return code if isinstance(code, int) else 0
+    except usage as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare group: its help, exit 0
+            exc.show()
+            return 0
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        return _fail(exc.format_message() + hint, 2, exc)
+    except abort:
+        return _interrupted()
+    if rv == 130:  # typer turns a Ctrl-C inside a command into a return value
+        return _interrupted()
+    return rv if isinstance(rv, int) else 0
+
+
+def _first_command(args: list[str]) -> int:
+    """Position of the first non-option word (the global options stand before it)."""
+    return next((i for i, a in enumerate(args) if not a.startswith("-")), len(args))
+
+
+def _fail(message: str, code: int, exc: BaseException) -> int:
+    if state["verbose"]:
+        import traceback
+
+        traceback.print_exception(exc)
+    text = " ".join(message.split()) or type(exc).__name__
+    log.console.print(f"error: {text}", markup=False, soft_wrap=True)
+    return code
+
+
+def _interrupted() -> int:
+    saved = state.get("on_interrupt") or "nothing was written"
+    log.console.print(f"interrupted: {saved}", markup=False, soft_wrap=True)
+    return 130
+
+
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """Usage-error and abort classes of click and of typer's vendored copy (typer >= 0.2x
+    raises its own ``typer._click`` classes, which are not click's)."""
+    import click
+
+    usage, abort = [click.exceptions.ClickException], [click.exceptions.Abort]
+    try:
+        from typer._click import exceptions as vendored
+    except ImportError:
+        vendored = None
+    if vendored is not None:
+        usage.append(vendored.ClickException)
+        if hasattr(vendored, "Abort"):
+            abort.append(vendored.Abort)
+    return tuple(usage), tuple(abort)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,157 @@
+"""What every command shares: the console, global flags, model-loading options, the
+output guard (path checks, one writer, the line printed on Ctrl-C) and small parsers."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from prunelab.errors import ConfigError
+
+out = Console(highlight=False)
+#: process-wide CLI state: --verbose, and what Ctrl-C reports as saved
+state: dict = {"verbose": False, "on_interrupt": None}
+
+ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
+                        help="smollm2-135m | minilm-l6 | gemma3-270m | DIR | FILE.gguf | hub id")
+DtypeOpt = typer.Option("auto", help="float32 (CPU default), bfloat16 (CUDA default), float16")
+DeviceOpt = typer.Option("cpu", help="cpu, cuda[:N] or auto")
+RemoteOpt = typer.Option(False, "--trust-remote-code",
+                         help="allow model code from the checkpoint (and the reference)")
+PickleOpt = typer.Option(False, "--allow-pickle", help="load weights stored only as a "
+                         "pickle (pytorch_model.bin; a pickle can run code)")
+MissingOpt = typer.Option(False, "--allow-missing-weights", help="load a checkpoint that "
+                          "lacks weights or holds unexpected / mis-shaped ones (they stay "
+                          "random)")
+OffloadOpt = typer.Option(False, "--offload", help="keep the weights on the CPU; calibration "
+                          "moves one block at a time to --device")
+BatchOpt = typer.Option(8, help="windows per block call")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadArgs:
+    """How to load ``model`` (the options every model-reading command takes)."""
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    allow_missing_weights: bool = False
+    offload: bool = False
+
+    def load(self):
+        from prunelab import api
+
+        return api.load(self.model, dtype=self.dtype, device=self.device,
+                        trust_remote_code=self.trust_remote_code, offload=self.offload,
+                        allow_pickle=self.allow_pickle,
+                        allow_missing_weights=self.allow_missing_weights)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@contextlib.contextmanager
+def writing(path: Path | None, kind: str | None, overwrite: bool,
+            on_interrupt: str | None = None) -> Iterator[None]:
+    """Guard a command that writes ``path``: refuse an unusable or existing path before any
+    work (``kind`` "file" / "checkpoint"; ``None`` for a resumable folder), hold the
+    one-writer lock for the whole command, and say on Ctrl-C what was kept."""
+    if path is None:
+        state["on_interrupt"] = "nothing was written"
+        yield
+        return
+    from prunelab.io.lock import output_lock
+    from prunelab.io.save import check_output_path
+
+    if kind is None:
+        check_output_path(path)
+    else:
+        check_output_path(path, kind=kind, overwrite=overwrite)
+    state["on_interrupt"] = on_interrupt or f"nothing was written ({path} unchanged)"
+    with output_lock(path):
+        yield
+
+
+def check_positive(name: str, value: int | None, low: int = 1) -> None:
+    from prunelab.registry import check_range
+
+    if value is not None:
+        check_range(name, value, low, None, integer=True)
+
+
+def parse_blocks(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ConfigError(f"--blocks takes 0-based indices like 3,5,9, got {text!r}") from exc
+
+
+def parse_list(text: str | None) -> tuple[str, ...]:
+    return tuple(p.strip() for p in (text or "").split(",") if p.strip())
+
+
+def parse_pairs(text: str | None) -> list[tuple[int, int]]:
+    if not text:
+        return []
+    pairs = []
+    for item in text.split(","):
+        parts = item.strip().split("-")
+        if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+            raise ConfigError(f"--pairs takes i-j,i-j,... (0-based), got {item.strip()!r}")
+        pairs.append((int(parts[0]), int(parts[1])))
+    return pairs
+
+
+def parse_settings(items: list[str] | None, cls: type) -> dict:
+    """``--set KEY=VALUE`` items as keyword arguments of the config class ``cls``: keys
+    must be its fields (else one error naming the valid ones); values are parsed as JSON
+    when they parse (numbers, true/false, null, lists), else kept as strings."""
+    from prunelab.registry import strict_kwargs
+
+    opts: dict = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            opts[key] = json.loads(value)
+        except json.JSONDecodeError:
+            opts[key] = value
+    strict_kwargs(cls, opts)
+    hints = typing.get_type_hints(cls)
+    for key, value in opts.items():
+        if isinstance(value, list):
+            opts[key] = tuple(value)
+        elif isinstance(value, int) and not isinstance(value, bool) and \
+                hints.get(key) in (float, float | None):
+            opts[key] = float(value)
+    return opts
+
+
+def field_help(cls: type) -> str:
+    """``name (default)`` of each field of ``cls`` with its help metadata, for --help."""
+    parts = []
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name.startswith("_"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else "..."
+        text = f.metadata.get("help", "")
+        parts.append(f"{f.name}={default!r}" + (f" ({text})" if text else ""))
+    return "; ".join(parts)

@@ -1,0 +1,222 @@
+"""The commands that read a model: ``info``, ``eval`` and ``probe``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from prunelab import log
+from prunelab.cli import app
+from prunelab.cli.common import (
+    BatchOpt,
+    DeviceOpt,
+    DtypeOpt,
+    LoadArgs,
+    MissingOpt,
+    ModelOpt,
+    OffloadOpt,
+    PickleOpt,
+    RemoteOpt,
+    check_positive,
+    fmt_bytes,
+    out,
+    parse_pairs,
+    writing,
+)
+
+
+@app.command()
+def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
+         trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
+         allow_missing_weights: bool = MissingOpt,
+         json_path: Optional[Path] = typer.Option(None, "--json", help="also write JSON here"),
+         overwrite: bool = typer.Option(False, help="replace an existing --json file")):
+    """Print the architecture: blocks, heads, KV groups, FFN width, sizes, projections."""
+    from prunelab import api
+    from prunelab.io.save import write_json
+
+    with writing(json_path, "file", overwrite):
+        lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                      allow_missing_weights).load()
+        d = api.info(lm)
+        _print_info(d)
+        if json_path is not None:
+            write_json(json_path, d, overwrite=overwrite)
+
+
+def _print_info(d: dict) -> None:
+    t = Table(title=f"{d['model']} ({d['model_type']}, family {d['family']})", show_header=False)
+    rows = [("blocks", d["blocks"]), ("hidden size", d["hidden_size"]),
+            ("query heads", d["heads"]), ("KV heads (GQA groups)", d["kv_heads"]),
+            ("query heads per group", d["gqa_group_size"]), ("head dim", d["head_dim"]),
+            ("FFN width", f"{d['ffn']} ({'gated' if d['gated_mlp'] else 'plain'})"),
+            ("vocabulary", d["vocab_size"]), ("tied embeddings", d["tied_embeddings"]),
+            ("encoder", d["encoder"]), ("parameters", f"{d['params']:,}"),
+            ("bytes", f"{d['bytes']:,} ({fmt_bytes(d['bytes'])}, {d['dtype']})")]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    out.print(t)
+    bt = Table(title="blocks (0-based): attention and MLP projections [d_out, d_in]")
+    for col in ("blocks", "type", "heads/kv", "attention", "mlp"):
+        bt.add_column(col, overflow="fold")
+    for first, last, b in _group_blocks(d["block_details"]):
+        att = " ".join(f"{k}{v}" for k, v in b["attention"].items()).replace(", ", "x")
+        mlp = " ".join(f"{k}{v}" for k, v in b["mlp"].items()).replace(", ", "x")
+        span = str(first) if first == last else f"{first}-{last}"
+        bt.add_row(span, b["attention_type"], f"{b['heads']}/{b['kv_heads']}", att, mlp)
+    out.print(bt)
+
+
+def _group_blocks(blocks: list[dict]):
+    """Consecutive blocks with identical shapes and type as ``(first, last, block)``."""
+    groups: list[tuple[int, int, dict]] = []
+    for b in blocks:
+        key = {k: v for k, v in b.items() if k != "index"}
+        if groups and {k: v for k, v in groups[-1][2].items() if k != "index"} == key:
+            groups[-1] = (groups[-1][0], b["index"], groups[-1][2])
+        else:
+            groups.append((b["index"], b["index"], b))
+    return groups
+
+
+@app.command("eval")
+def eval_cmd(model: str = ModelOpt,
+             data: str = typer.Option("wiki-vital:test", help="wiki-vital:test | wikitext2 | "
+                                      "c4 | text:PATH | jsonl:PATH[:field]"),
+             seqlen: int = typer.Option(512, help="window length in tokens"),
+             samples: Optional[int] = typer.Option(None, help="windows to score (default all); "
+                                                   "encoders: sentences (default 512)"),
+             batch_size: int = typer.Option(4, help="windows per forward pass"),
+             kl_reference: Optional[str] = typer.Option(
+                 None, "--kl-reference", "--reference",
+                 help="reference (dense) model spec: KL and top-1 agreement for causal LMs, "
+                 "embedding cosine and nearest-neighbour agreement for encoders"),
+             speed: bool = typer.Option(False, "--speed", help="also measure prefill/decode "
+                                        "tokens/s and peak memory"),
+             json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
+             overwrite: bool = typer.Option(False, help="replace an existing --json file"),
+             dtype: str = DtypeOpt, device: str = DeviceOpt,
+             trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
+             allow_missing_weights: bool = MissingOpt):
+    """Perplexity on held-out windows (plus KL to a reference and speed on request).
+
+    Encoders: mean-pooled embeddings of held-out sentences (--samples sentences, default
+    512, of at most --seqlen tokens): same-document nearest neighbour, and with --reference
+    mean cosine and nearest-neighbour agreement to the reference."""
+    from prunelab import api
+    from prunelab.io.save import write_json
+
+    check_positive("--batch-size", batch_size)
+    with writing(json_path, "file", overwrite):
+        lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                      allow_missing_weights).load()
+        res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
+                           batch_size=batch_size, reference=kl_reference, speed=speed,
+                           trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                           allow_missing_weights=allow_missing_weights)
+        t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
+        shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
+        for k, v in shown:
+            t.add_row(k, v)
+        out.print(t)
+        if json_path is not None:
+            write_json(json_path, res, overwrite=overwrite)
+            log.info(f"wrote {json_path}")
+
+
+def _decoder_rows(res: dict, speed: bool) -> list[tuple[str, str]]:
+    shown = [("perplexity", f"{res['perplexity']:.4f}"),
+             ("windows x seqlen", f"{res['samples']} x {res['seqlen']}"),
+             ("scored tokens", f"{res['tokens']:,}"),
+             ("parameters", f"{res['params']:,}"),
+             ("bytes", f"{res['bytes']:,} ({fmt_bytes(res['bytes'])})"),
+             ("eval tokens/s", f"{res['eval_tokens_per_s']:.0f}")]
+    if "kl_to_reference" in res:
+        shown += [("KL to reference", f"{res['kl_to_reference']:.5f}"),
+                  ("top-1 agreement", f"{res['top1_agreement']:.4f}")]
+    if speed:
+        shown += [("prefill tokens/s", f"{res['prefill_tokens_per_s']:.0f}"),
+                  ("decode tokens/s", f"{res['decode_tokens_per_s']:.1f}"),
+                  ("peak memory", fmt_bytes(res["peak_memory_bytes"]))]
+    return shown
+
+
+def _encoder_rows(res: dict) -> list[tuple[str, str]]:
+    shown = [("sentences (max tokens)", f"{res['sentences']} ({res['max_length']})"),
+             ("documents", str(res["data"]["documents"])),
+             ("same-document nearest neighbour", f"{res['same_document_nn']:.4f}"),
+             ("parameters", f"{res['params']:,}"),
+             ("bytes", f"{res['bytes']:,} ({fmt_bytes(res['bytes'])})"),
+             ("sentences/s", f"{res['sentences_per_s']:.0f}")]
+    if "mean_cosine_to_reference" in res:
+        shown += [("mean cosine to reference", f"{res['mean_cosine_to_reference']:.5f}"),
+                  ("nearest-neighbour agreement", f"{res['nn_agreement']:.4f}")]
+    return shown
+
+
+def _probe_help() -> str:
+    from prunelab.probes import PROBES
+
+    return "comma-separated: " + ", ".join(PROBES.names())
+
+
+@app.command()
+def probe(model: str = ModelOpt,
+          data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+          probe_names: str = typer.Option(..., "--probe", help=_probe_help()),
+          out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
+          window: Optional[int] = typer.Option(None, help="swap probes: pairs with |i-j| <= W "
+                                               "(default: all pairs)"),
+          pairs: Optional[str] = typer.Option(None, help="swap probes: explicit pairs i-j,..."),
+          span: Optional[int] = typer.Option(None, help="span-angular: span length n "
+                                             "(default 1)"),
+          max_length: Optional[int] = typer.Option(None, help="interval: longest interval "
+                                                   "measured (default 4)"),
+          max_remove: int = typer.Option(5, help="summary: removal sets for n = 1..N"),
+          samples: int = typer.Option(16, help="calibration windows"),
+          seqlen: int = typer.Option(256, help="window length in tokens"),
+          seed: int = typer.Option(0, help="window sampling and noise seed"),
+          batch_size: int = BatchOpt,
+          states: str = typer.Option("memory", help="boundary cache: memory or disk"),
+          overwrite: bool = typer.Option(False, help="replace finished results, a resume made "
+                                         "with other settings, or files prunelab did not "
+                                         "write"),
+          dtype: str = DtypeOpt, device: str = DeviceOpt,
+          trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
+          allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt):
+    """Measure layer redundancy under several protocols, side by side (0-based layers)."""
+    from prunelab import api
+    from prunelab.errors import ConfigError
+    from prunelab.probes import PROBES
+
+    names = [n.strip() for n in probe_names.split(",") if n.strip()]
+    if not names:
+        raise ConfigError(f"--probe names no probe; available: {', '.join(PROBES.names())}")
+    for name in names:
+        PROBES.get(name)
+    if states not in ("memory", "disk"):
+        raise ConfigError(f"--states must be memory or disk, got {states!r}")
+    check_positive("--batch-size", batch_size)
+    check_positive("--max-remove", max_remove)
+    with writing(out_dir, None, overwrite, on_interrupt=f"finished probes and partial "
+                 f"results (NAME.partial.json) are in {out_dir}/; rerun the same command to "
+                 "resume"):
+        lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                      allow_missing_weights, offload).load()
+        results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
+                            batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
+                            states=states, window=window, pairs=parse_pairs(pairs) or None,
+                            span=span, max_length=max_length, max_remove=max_remove)
+    t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
+    for col in ("probe", "most removable", "block evals", "seconds"):
+        t.add_column(col, overflow="fold")
+    for name, res in results.items():
+        rank = res.ranking()[:8]
+        t.add_row(name, ", ".join(map(str, rank)) if rank else "-",
+                  f"{res.meta.get('block_evaluations', 0):.0f}",
+                  f"{res.meta.get('seconds', 0):.1f}")
+    out.print(t)
+    log.info(f"wrote {out_dir}/ (NAME.json, NAME.csv, NAME.png, summary.md)")

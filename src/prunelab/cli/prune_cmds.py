@@ -1,0 +1,330 @@
+"""The commands that write a pruned model (``prune depth|sparsity|width``) and the depth
+sweep; one helper loads, prunes, saves and guards the output for every ``prune``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from prunelab import log
+from prunelab.cli import prune_app, sweep_app
+from prunelab.cli.common import (
+    BatchOpt,
+    DeviceOpt,
+    DtypeOpt,
+    LoadArgs,
+    MissingOpt,
+    ModelOpt,
+    OffloadOpt,
+    PickleOpt,
+    RemoteOpt,
+    check_positive,
+    fmt_bytes,
+    out,
+    parse_blocks,
+    parse_list,
+    writing,
+)
+from prunelab.errors import ConfigError
+
+
+def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data: str,
+                   seqlen: int, samples: int, seed: int, batch_size: int,
+                   metrics: tuple[str, ...]):
+    """Guard ``out_dir``, load, prune with ``cfg``, save the checkpoint with its manifest
+    (the report, and ``metrics`` of it as the manifest's metrics); returns ``(lm, report)``."""
+    from prunelab import api
+
+    check_positive("--batch-size", batch_size)
+    check_positive("--samples", samples)
+    with writing(out_dir, "checkpoint", overwrite):
+        lm = load.load()
+        rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
+                        batch_size=batch_size)
+        api.save(lm, out_dir, overwrite=overwrite, data=rep["data"],
+                 before=rep["size_before"], metrics={k: rep[k] for k in metrics},
+                 extra={"report": rep.to_dict()})
+    return lm, rep
+
+
+@prune_app.command("depth")
+def prune_depth_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        remove: Optional[int] = typer.Option(None, help="number of blocks to remove"),
+        target_params: Optional[float] = typer.Option(None, help="parameters to keep: a "
+                                                      "fraction (<= 1) or a count"),
+        probe_name: str = typer.Option("block-influence", "--probe", help="probe that ranks "
+                                       "blocks (run on the calibration data)"),
+        from_probe: Optional[Path] = typer.Option(None, help="a saved DIR/NAME.json instead"),
+        strategy: Optional[str] = typer.Option(None, help="one-shot | no-adjacent | span | "
+                                               "iterative | beam | blend | last-n | random "
+                                               "(default from the probe kind)"),
+        recovery: str = typer.Option("none", help="none | foldable | boundary | ghost | lra"),
+        rank: Optional[int] = typer.Option(None, help="lra: rank of the adapter"),
+        token_aware: bool = typer.Option(False, "--token-aware", help="ghost/lra: separate "
+                                         "map for the first position"),
+        blocks: Optional[str] = typer.Option(None, help="explicit 0-based blocks, e.g. 3,5"),
+        window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
+        blend_probe: str = typer.Option("contraction", help="blend: the second probe"),
+        beam_width: int = typer.Option(3, help="beam: width"),
+        beam_seeds: int = typer.Option(12, help="beam: candidate blocks"),
+        beam_score: str = typer.Option("kl", help="beam: kl or perplexity"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling / random strategy seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
+    from prunelab.pruning import Depth
+
+    cfg = Depth(remove=remove, target_params=target_params, probe=probe_name,
+                from_probe=str(from_probe) if from_probe else None, strategy=strategy,
+                recovery=recovery, rank=rank, token_aware=token_aware, blocks=parse_blocks(blocks),
+                window=window, blend_probe=blend_probe, beam_width=beam_width,
+                beam_seeds=beam_seeds, beam_score=beam_score, seed=seed)
+    load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                    allow_missing_weights, offload)
+    lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                             samples=samples, seed=seed, batch_size=batch_size,
+                             metrics=("calib_kl_before_recovery",
+                                      "calib_kl_after_recovery"))
+    t = Table(title=f"depth pruning of {model}", show_header=False)
+    div = "1 - cos (pooled)" if lm.is_encoder else "KL"
+    b, a = rep["size_before"], rep["size_after"]
+    rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
+            ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
+            ("selection", ", ".join(f"{k}={v}" for k, v in rep["selection"].items()
+                                    if v is not None and k != "beam")),
+            ("recovery", rep["recovery"]),
+            ("parameters", f"{b['params']:,} -> {a['params']:,} "
+                           f"({a['params'] / b['params']:.1%})"),
+            ("bytes", f"{fmt_bytes(b['bytes'])} -> {fmt_bytes(a['bytes'])}"),
+            (f"calibration {div} before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
+            (f"calibration {div} after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
+            ("checkpoint", str(out_dir))]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+    if rep["needs_remote_code"]:
+        from prunelab.io.remote import load_hint
+
+        out.print(f"note: {recovery} adds linear bridges: load the checkpoint with "
+                  f"{load_hint(lm.model)}")
+
+
+@prune_app.command("sparsity")
+def prune_sparsity_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        method: str = typer.Option("wanda", help="magnitude | wanda | sparsegpt | rose | "
+                                   "qk-wanda"),
+        sparsity: float = typer.Option(0.5, help="unstructured target (mean over layers)"),
+        pattern: Optional[str] = typer.Option(None, help="N:M pattern, e.g. 2:4"),
+        allocation: str = typer.Option("uniform", help="uniform | owl | pals | ramp"),
+        owl_m: float = typer.Option(5.0, help="owl: outlier threshold M"),
+        owl_lambda: float = typer.Option(0.08, help="owl: lambda"),
+        pals_delta: float = typer.Option(0.05, help="pals: delta"),
+        ramp_span: float = typer.Option(0.1, help="ramp: +- span around the target"),
+        ramp_down: bool = typer.Option(False, "--ramp-down", help="ramp: sparsity falls "
+                                       "with depth"),
+        group: str = typer.Option("row", help="unstructured comparison group: row or layer"),
+        targets: Optional[str] = typer.Option(None, help="glob patterns of linears to prune"),
+        ignore: Optional[str] = typer.Option(None, help="glob patterns of linears to keep"),
+        propagate: Optional[str] = typer.Option(
+            None, help="modified or dense block outputs passed on (default: dense for "
+            "wanda, modified otherwise)"),
+        within_block: Optional[str] = typer.Option(
+            None, help="sequential (each sublayer group calibrated after the earlier ones "
+            "were pruned) or dense (the whole block calibrated dense); default: dense for "
+            "wanda, sequential otherwise"),
+        scope: str = typer.Option("qk", help="qk-wanda: qk or block"),
+        qk_variant: str = typer.Option("unmasked", help="qk-wanda: unmasked (every "
+                                       "query-key pair) or causal (pairs the mask keeps)"),
+        no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
+        hessian_alpha: float = typer.Option(0.0, help="sparsegpt/rose: Taylor blend "
+                                            "(MOONSHOT)"),
+        samples: int = typer.Option(64, help="calibration windows"),
+        seqlen: int = typer.Option(512, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude)."""
+    from prunelab.pruning.sparsity.config import CLASSES, Owl, Pals, Ramp, Uniform
+
+    if method not in CLASSES:
+        raise ConfigError(f"--method must be one of {', '.join(CLASSES)}, got {method!r}")
+    allocs = {"uniform": lambda: Uniform(), "owl": lambda: Owl(m=owl_m, lam=owl_lambda),
+              "pals": lambda: Pals(delta=pals_delta),
+              "ramp": lambda: Ramp(span=ramp_span, increasing=not ramp_down)}
+    if allocation not in allocs:
+        raise ConfigError(f"--allocation must be one of {', '.join(allocs)}, "
+                          f"got {allocation!r}")
+    kw = dict(sparsity=sparsity, pattern=pattern, allocation=allocs[allocation](),
+              group=group, targets=parse_list(targets), ignore=parse_list(ignore),
+              **{k: v for k, v in (("propagate", propagate), ("within_block", within_block))
+                 if v is not None})
+    if method in ("sparsegpt", "rose"):
+        kw["hessian_alpha"] = hessian_alpha
+    if method == "rose":
+        kw["reorder"] = not no_reorder
+    if method == "qk-wanda":
+        kw["scope"] = scope
+        kw["variant"] = qk_variant
+    cfg = CLASSES[method](**kw)
+    load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                    allow_missing_weights, offload)
+    lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                             samples=samples, seed=seed, batch_size=batch_size,
+                             metrics=("achieved_sparsity",))
+    t = Table(title=f"{method} sparsity of {model} (blocks 0-based)")
+    for col in ("block", "target", "achieved (mean over linears)"):
+        t.add_column(col)
+    for layer in rep["layers"]:
+        vals = list(layer["linears"].values())
+        t.add_row(str(layer["block"]), f"{layer['target']:.4f}",
+                  f"{sum(vals) / max(len(vals), 1):.4f}")
+    out.print(t)
+    out.print(f"achieved sparsity over pruned linears: {rep['achieved_sparsity']:.4f}; "
+              f"{rep['seconds']:.1f} s; checkpoint {out_dir} (plain transformers)")
+
+
+@prune_app.command("width")
+def prune_width_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        unit: str = typer.Option("ffn", help="heads | ffn | joint"),
+        score: str = typer.Option("wanda-sp", help="heads: wanda-sp | magnitude-profile | flap "
+                                  "| ablation-kl | putri; ffn: wanda-sp | flap | putri | "
+                                  "ablation-kl | magnitude-profile; joint: cocurve"),
+        ratio: Optional[float] = typer.Option(None, help="fraction of the unit's parameters "
+                                              "removed"),
+        target_params: Optional[float] = typer.Option(None, help="parameters the model keeps: "
+                                                      "a fraction (<= 1) or a count"),
+        allocation: str = typer.Option("uniform", help="uniform (plain config) | global "
+                                       "(per-block widths, needs trust_remote_code)"),
+        heads: str = typer.Option("groups", help="groups (KV groups; heads without GQA) | "
+                                  "query (query heads inside every group)"),
+        compensate: bool = typer.Option(False, "--compensate", help="least-squares refit of "
+                                        "o_proj / down_proj, block by block"),
+        no_bias_compensation: bool = typer.Option(False, "--no-bias-compensation",
+                                                  help="no FLAP bias compensation"),
+        round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
+        damp: float = typer.Option(1.0, help="refit ridge (times mean diag of X^T X), "
+                                   "shrinking towards plain slicing"),
+        ablation_samples: int = typer.Option(4, help="windows for ablation-kl / putri / "
+                                             "cocurve"),
+        channel_group: int = typer.Option(64, help="FFN channels per ablation / cocurve unit"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """Structured width pruning: KV groups / heads / query heads and FFN channels removed
+    physically (0-based blocks)."""
+    from prunelab.pruning import Width
+
+    cfg = Width(unit=unit, score=score, ratio=ratio, target_params=target_params,
+                allocation=allocation, heads=heads, compensate=compensate,
+                bias_compensation=not no_bias_compensation, round_to=round_to, damp=damp,
+                ablation_samples=ablation_samples, channel_group=channel_group)
+    load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                    allow_missing_weights, offload)
+    lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                             samples=samples, seed=seed, batch_size=batch_size,
+                             metrics=("removed_params",))
+    t = Table(title=f"width pruning of {model}: {unit} by {score}, {allocation} "
+                    "(blocks 0-based)")
+    for col in ("block", "heads (q/kv)", "ffn", "removed"):
+        t.add_column(col, overflow="fold")
+    for b in rep["blocks"]:
+        gone = []
+        if b.get("removed_groups"):
+            gone.append("groups " + ",".join(map(str, b["removed_groups"])))
+        if "kept_query_heads" in b:
+            gone.append("kept q heads " + str(b["kept_query_heads"]))
+        if b.get("removed_channels") is not None:
+            gone.append(f"{len(b['removed_channels'])} channels")
+        t.add_row(str(b["block"]), f"{b['heads_before']}/{b['kv_heads_before']} -> "
+                  f"{b['heads_after']}/{b['kv_heads_after']}",
+                  f"{b['ffn_before']} -> {b['ffn_after']}", "; ".join(gone) or "-")
+    out.print(t)
+    bf, af = rep["size_before"], rep["size_after"]
+    out.print(f"parameters {bf['params']:,} -> {af['params']:,} "
+              f"({af['params'] / bf['params']:.1%}); bytes {fmt_bytes(bf['bytes'])} -> "
+              f"{fmt_bytes(af['bytes'])}; compensation: "
+              f"{len(rep['compensation']['least_squares'])} least-squares refits, "
+              f"{len(rep['compensation']['bias'])} bias updates; {rep['seconds']:.1f} s")
+    if rep["needs_remote_code"]:
+        from prunelab.io.remote import load_hint
+
+        out.print(f"note: per-block widths ({'; '.join(rep['vanilla_problems'])}): load "
+                  f"{out_dir} with {load_hint(lm.model)}")
+    else:
+        out.print(f"checkpoint {out_dir} (plain transformers)")
+
+
+@sweep_app.command("depth")
+def sweep_depth_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        test: str = typer.Option("wiki-vital:test", help="test data spec"),
+        probes: str = typer.Option("block-influence", help="comma-separated probes; "
+                                   "last-n and random are baselines"),
+        remove: str = typer.Option("1..4", help="N..M or a list N,M,..."),
+        recovery: str = typer.Option("none,foldable", help="comma-separated recoveries"),
+        out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
+        strategy: Optional[str] = typer.Option(None, help="override the per-probe default"),
+        window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="calibration window length"),
+        test_samples: int = typer.Option(16, help="test windows"),
+        test_seqlen: int = typer.Option(512, help="test window length"),
+        seed: int = typer.Option(0, help="window sampling / random baseline seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace a sweep made with other settings, "
+                                       "or files prunelab did not write"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """Test perplexity and KL to dense against blocks removed, per probe x recovery."""
+    from prunelab import api
+    from prunelab.pruning.sweep import parse_range, sweep_depth
+
+    removes = parse_range(remove)
+    for name, value in (("--batch-size", batch_size), ("--samples", samples),
+                        ("--test-samples", test_samples)):
+        check_positive(name, value)
+    with writing(out_dir, None, overwrite, on_interrupt=f"finished points are in "
+                 f"{out_dir}/points.json; rerun the same command to resume"):
+        lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                      allow_missing_weights, offload).load()
+        calib = api.tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed,
+                               mode="calib")
+        test_b = api.tokens_for(lm, test, seqlen=test_seqlen, samples=test_samples,
+                                mode="test")
+        points = sweep_depth(lm, list(parse_list(probes)), removes,
+                             list(parse_list(recovery)), calib.input_ids, test_b.input_ids,
+                             out_dir, batch_size=batch_size, window=window, seed=seed,
+                             strategy=strategy, data_info=calib.to_dict(),
+                             test_info=test_b.to_dict(), overwrite=overwrite)
+    print((out_dir / "curve.md").read_text())
+    log.info(f"wrote {out_dir}/ (curve.png, curve.csv, curve.md, points.json); "
+             f"{len(points)} points")
+
+
