@@ -321,3 +321,22 @@ def test_hub_unreachable_points_to_embedded(monkeypatch, datasets_cache):
             load_text_source(spec)
         msg = str(err.value)
         assert "\n" not in msg and "ConnectionError" in msg and f"--data {alt}" in msg
+
+
+def test_text_and_jsonl_split_documents_at_blank_lines(tmp_path):
+    """An ordinary text file gives one document per paragraph, so an encoder evaluation
+    finds its default 512 sentences there (at most 4 per document)."""
+    from prunelab.data.sources import load_text_source, split_paragraphs
+    from prunelab.eval.embedding import held_out_sentences
+
+    assert split_paragraphs("a b\nc\n\n \n\nd\n \t\ne\n") == ["a b\nc", "d", "e"]
+    para = "This sentence has enough words in it. And here is a second one too."
+    path = tmp_path / "notes.txt"
+    path.write_text("\n\n".join(f"{para} Number {i} is here now." for i in range(200)))
+    src = load_text_source(f"text:{path}")
+    assert len(src.documents) == 200
+    sentences, docs = held_out_sentences(src)
+    assert len(sentences) == 512 and docs[:4] == [0, 0, 0, 1]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text('{"text": "one two\\n\\nthree"}\n\n{"text": "four"}\n')
+    assert load_text_source(f"jsonl:{jl}").documents == ("one two", "three", "four")

@@ -96,6 +96,9 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
         return data
     if lm.tokenizer is None:
         raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if isinstance(seqlen, int) and isinstance(limit, int) and 0 < limit < seqlen:
+        raise ConfigError(f"--seqlen {seqlen} is beyond the {limit} positions of {lm.spec}")
     return make_batches(lm.tokenizer, data, seqlen=seqlen, samples=samples, seed=seed,
                         mode=mode)
 

@@ -26,12 +26,13 @@ Accepted specs (see :data:`SPEC_HELP`):
     ``DIR/en/`` or ``DIR/``.
 
 ``text:PATH``
-    A ``.txt`` file (one document) or a directory searched recursively for ``.txt`` files
-    (sorted by relative path; each file one document). Joined with ``"\\n\\n"``.
+    A ``.txt`` file or a directory searched recursively for ``.txt`` files (sorted by
+    relative path). Every file is split into documents at blank lines (a line holding only
+    white space ends a document); documents are joined with ``"\\n\\n"``.
 
 ``jsonl:PATH[:FIELD]``
-    One JSON object per line; the document is ``obj[FIELD]`` (default ``text``). Blank lines
-    are skipped. Joined with ``"\\n\\n"``.
+    One JSON object per line; ``obj[FIELD]`` (default ``text``) is split into documents at
+    blank lines like a text file. Blank JSON lines are skipped. Joined with ``"\\n\\n"``.
 
 The hub datasets are loaded through :mod:`datasets`, imported lazily; when they cannot be
 loaded (offline, missing cache, ...) a one-line :class:`~prunelab.errors.DataError` points to
@@ -46,6 +47,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,6 +275,7 @@ def _load_c4(split: str, local_dir: str | None) -> TextSource:
 
 
 # --------------------------------------------------------------------------- local files
+_BLANK_LINE = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
 def _read_text(path: Path) -> str:
@@ -293,15 +296,23 @@ def _load_text(path_str: str) -> TextSource:
             raise DataError(f"no .txt files under directory {path_str!r}")
     else:
         raise DataError(f"text file or directory {path_str!r} does not exist")
-    docs = tuple(_read_text(p) for p in files)
-    if not any(d.strip() for d in docs):
+    docs = tuple(d for p in files for d in split_paragraphs(_read_text(p)))
+    if not docs:
         raise DataError(f"text source {path_str!r} is empty")
+    n = len(files)
     return TextSource(
         name=f"text:{path_str}",
         documents=docs,
         joiner="\n\n",
-        description=f"local text {path_str} ({len(docs)} file{'s' if len(docs) != 1 else ''})",
+        description=f"local text {path_str} ({n} file{'s' if n != 1 else ''}, "
+                    f"{len(docs)} documents split at blank lines)",
     )
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """``text`` cut into documents at blank lines (lines of only white space), each
+    stripped; empty ones dropped."""
+    return [d.strip() for d in _BLANK_LINE.split(text) if d.strip()]
 
 
 def _split_jsonl(rest: str) -> tuple[str, str]:
@@ -332,8 +343,8 @@ def _load_jsonl(rest: str) -> TextSource:
         value = obj[field]
         if not isinstance(value, str):
             raise DataError(f"{path_str} line {lineno}: field {field!r} is not a string")
-        docs.append(value)
-    if not any(d.strip() for d in docs):
+        docs.extend(split_paragraphs(value))
+    if not docs:
         raise DataError(f"jsonl source {path_str!r} has no text")
     suffix = f":{field}" if field != "text" else ""
     return TextSource(

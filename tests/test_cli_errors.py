@@ -1,0 +1,236 @@
+"""Every user error of the CLI: exit 2, one ``error:`` line, no traceback, nothing written.
+
+A table of bad invocations across all commands, run in-process through
+:func:`prunelab.cli.cli_main` (a tiny checkpoint where a model must load); each case runs
+in its own folder, whose files must be the same after the call as before. Plus the exit
+codes that are not 2: ``--verbose`` (traceback, still exit 2), Ctrl-C (130, one line).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from prunelab.cli import cli_main
+
+from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+
+M, T, O = "{m}", "{t}", "{o}"
+PD = ["prune", "depth", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
+PS = ["prune", "sparsity", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
+PW = ["prune", "width", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
+PR = ["probe", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
+SW = ["sweep", "depth", "--model", M, "--out", O, "--data", f"text:{T}", "--test",
+      f"text:{T}", "--seqlen", "16", "--test-seqlen", "16"]
+EV = ["eval", "--model", M, "--data", f"text:{T}", "--seqlen", "16"]
+
+CASES = {
+    # usage errors (click): unknown commands and options, bad types, missing values
+    "unknown command": ["bogus"],
+    "unknown prune command": ["prune", "bogus"],
+    "unknown sweep command": ["sweep", "bogus"],
+    "unknown option": ["info", "--bogus"],
+    "misspelt option": PS + ["--sparsty", "0.5"],
+    "option without value": ["info", "--model"],
+    "int option given text": EV + ["--samples", "abc"],
+    "int option given float": EV + ["--batch-size", "1.5"],
+    "float option given text": PW + ["--ratio", "x"],
+    "probe without --probe": ["probe", "--out", O],
+    "prune depth without --out": ["prune", "depth", "--remove", "1"],
+    "sweep without --out": ["sweep", "depth"],
+    # sparsity options
+    "sparsity above range": PS + ["--sparsity", "1.5"],
+    "sparsity negative": PS + ["--sparsity", "-0.1"],
+    "sparsity nan": PS + ["--sparsity", "nan"],
+    "sparsity inf": PS + ["--sparsity", "inf"],
+    "pattern N > M": PS + ["--pattern", "5:4"],
+    "pattern garbage": PS + ["--pattern", "abc"],
+    "pattern with sparsity": PS + ["--pattern", "2:4", "--sparsity", "0.7"],
+    "pattern with owl": PS + ["--pattern", "2:4", "--allocation", "owl"],
+    "unknown method": PS + ["--method", "bogus"],
+    "unknown allocation": PS + ["--allocation", "bogus"],
+    "owl m nan": PS + ["--allocation", "owl", "--owl-m", "nan"],
+    "pals delta inf": PS + ["--allocation", "pals", "--pals-delta", "inf"],
+    "unknown group": PS + ["--group", "bogus"],
+    "unknown propagate": PS + ["--propagate", "bogus"],
+    "unknown within-block": PS + ["--within-block", "bogus"],
+    "sparsity batch size 0": PS + ["--batch-size", "0"],
+    "sparsity batch size negative": PS + ["--batch-size", "-3"],
+    "sparsity samples 0": PS + ["--samples", "0"],
+    "sparsity selects nothing": PS + ["--targets", "no.such.*", "--samples", "2"],
+    # depth options
+    "depth without amount": PD,
+    "depth remove 0": PD + ["--remove", "0"],
+    "depth remove negative": PD + ["--remove", "-1"],
+    "depth remove all": PD + ["--remove", "4", "--samples", "2"],
+    "depth target nan": PD + ["--target-params", "nan"],
+    "depth target negative": PD + ["--target-params", "-5"],
+    "depth blocks with remove": PD + ["--blocks", "1", "--remove", "2"],
+    "depth blocks garbage": PD + ["--blocks", "a,b"],
+    "depth blocks out of range": PD + ["--blocks", "9", "--samples", "2"],
+    "depth unknown strategy": PD + ["--remove", "1", "--strategy", "bogus"],
+    "depth unknown recovery": PD + ["--remove", "1", "--recovery", "bogus"],
+    "depth rank without lra": PD + ["--remove", "1", "--recovery", "ghost", "--rank", "4"],
+    "depth token-aware without bridge": PD + ["--remove", "1", "--token-aware"],
+    "depth beam width 0": PD + ["--remove", "1", "--strategy", "beam", "--beam-width", "0"],
+    "depth beam score": PD + ["--remove", "1", "--strategy", "beam", "--beam-score", "x"],
+    "depth unknown probe": PD + ["--remove", "1", "--probe", "bogus"],
+    "depth batch size 0": PD + ["--remove", "1", "--batch-size", "0"],
+    # width options
+    "width ratio nan": PW + ["--ratio", "nan"],
+    "width ratio too high": PW + ["--ratio", "0.99"],
+    "width ratio and target": PW + ["--ratio", "0.2", "--target-params", "0.5"],
+    "width unknown unit": PW + ["--unit", "bogus", "--ratio", "0.2"],
+    "width unknown score": PW + ["--score", "bogus", "--ratio", "0.2"],
+    "width unknown allocation": PW + ["--allocation", "bogus", "--ratio", "0.2"],
+    "width joint uniform": PW + ["--unit", "joint", "--score", "cocurve", "--ratio", "0.2"],
+    "width round-to 0": PW + ["--ratio", "0.2", "--round-to", "0"],
+    "width damp negative": PW + ["--ratio", "0.2", "--damp", "-1"],
+    "width batch size 0": PW + ["--ratio", "0.2", "--batch-size", "0"],
+    # probe options
+    "probe unknown": PR + ["--probe", "bogus"],
+    "probe empty": PR + ["--probe", ","],
+    "probe batch size 0": PR + ["--probe", "cka", "--batch-size", "0"],
+    "probe max-remove negative": PR + ["--probe", "cka", "--max-remove", "-1"],
+    "probe unknown states": PR + ["--probe", "cka", "--states", "bogus"],
+    "probe bad pairs": PR + ["--probe", "interchange", "--pairs", "1-x"],
+    "probe option no probe takes": PR + ["--probe", "cka", "--span", "2", "--samples", "2"],
+    # sweep options
+    "sweep batch size 0": SW + ["--batch-size", "0"],
+    "sweep bad range": SW + ["--remove", "x..y"],
+    "sweep samples 0": SW + ["--samples", "0"],
+    "sweep test samples 0": SW + ["--test-samples", "0"],
+    # eval and info
+    "eval batch size 0": EV + ["--batch-size", "0"],
+    "eval unknown data": EV + ["--data", "bogus:thing"],
+    "eval missing text file": EV + ["--data", "text:/nonexistent/x.txt"],
+    "eval seqlen beyond positions": EV + ["--seqlen", "100000"],
+    "eval missing model": ["eval", "--model", "/nonexistent/model"],
+    "info missing model": ["info", "--model", "/nonexistent/model"],
+    "info file not a model": ["info", "--model", T],
+    "eval unknown dtype": EV + ["--dtype", "bogus"],
+    "eval unknown device": EV + ["--device", "bogus"],
+    "eval missing reference": EV + ["--samples", "2", "--kl-reference", "/nonexistent/ref"],
+    # outputs
+    "info json parent is a file": ["info", "--model", M, "--json", f"{T}/x.json"],
+    "prune out is the current folder": PS + ["--out", "."],
+    "probe out parent is a file": PR + ["--probe", "cka", "--out", f"{T}/sub"],
+}
+
+# cases whose output exists before the call (it must stay as it was)
+EXISTING = {
+    "info json exists": (["info", "--model", M, "--json", O], "file"),
+    "info json over a folder with overwrite": (["info", "--model", M, "--json", O,
+                                                "--overwrite"], "dir"),
+    "prune out exists": (PD + ["--remove", "1"], "dir"),
+    "prune over a plain file with overwrite": (PW + ["--ratio", "0.2", "--overwrite"],
+                                               "file"),
+    "eval json exists": (EV + ["--json", O], "file"),
+}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_errors")
+    save_tiny_checkpoint("llama", root / "model")
+    (root / "text.txt").write_text(SAMPLE_TEXT * 4)
+    return root
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder).as_posix(): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(folder.rglob("*"))}
+
+
+def _run(argv, assets, case_dir, capsys):
+    args = ["--quiet"] + [a.format(m=assets / "model", t=assets / "text.txt",
+                                   o=case_dir / "out") for a in argv]
+    before = _snapshot(case_dir)
+    cwd = os.getcwd()
+    os.chdir(case_dir)
+    try:
+        code = cli_main(args)
+    finally:
+        os.chdir(cwd)
+    cap = capsys.readouterr()
+    return code, cap, before
+
+
+def _assert_one_error_line(code, cap):
+    text = cap.out + cap.err
+    assert code == 2, text
+    assert "Traceback" not in text, text
+    lines = [ln for ln in cap.err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), text
+    assert not cap.out.strip(), text
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) + len(EXISTING) >= 60
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_invocation(name, assets, tmp_path, capsys):
+    code, cap, before = _run(CASES[name], assets, tmp_path, capsys)
+    _assert_one_error_line(code, cap)
+    assert _snapshot(tmp_path) == before  # nothing written, not even a temp or lock file
+
+
+@pytest.mark.parametrize("name", list(EXISTING))
+def test_existing_output_is_kept(name, assets, tmp_path, capsys):
+    argv, kind = EXISTING[name]
+    target = tmp_path / "out"
+    if kind == "file":
+        target.write_text("mine\n")
+    else:
+        target.mkdir()
+        (target / "notes.txt").write_text("mine\n")
+    code, cap, before = _run(argv, assets, tmp_path, capsys)
+    _assert_one_error_line(code, cap)
+    after = _snapshot(tmp_path)
+    assert {k: v for k, v in after.items() if not k.startswith(".out.lock")} == before
+
+
+def test_verbose_shows_the_traceback_and_still_exits_2(assets, tmp_path, capsys):
+    code, cap, _ = _run(["--verbose"] + PD + ["--remove", "0"], assets, tmp_path, capsys)
+    assert code == 2
+    assert "Traceback" in cap.err
+    assert cap.err.strip().splitlines()[-1].startswith("error: remove must be in")
+
+
+def test_bare_group_prints_help_and_exits_0(assets, tmp_path, capsys):
+    code, cap, _ = _run(["prune"], assets, tmp_path, capsys)
+    assert code == 0
+    assert "depth" in cap.out + cap.err and "sparsity" in cap.out + cap.err
+
+
+_INTERRUPT = textwrap.dedent("""
+    import os, signal, sys
+    from prunelab.probes import context
+    real = context.ProbeContext.ensure_cached
+    def interrupted(self, *a, **k):
+        real(self, *a, **k)
+        os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, once the dense pass is cached
+    context.ProbeContext.ensure_cached = interrupted
+    from prunelab.cli import cli_main
+    sys.exit(cli_main(sys.argv[1:]))
+""")
+
+
+def test_ctrl_c_exits_130_with_one_line(assets, tmp_path):
+    out = tmp_path / "probes"
+    args = [a.format(m=assets / "model", t=assets / "text.txt", o=out) for a in PR]
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT, "--quiet", *args, "--probe", "interchange",
+         "--samples", "2"], capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.returncode == 130, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted: "), proc.stderr
+    assert "rerun the same command to resume" in lines[0]
+    assert "Traceback" not in proc.stderr + proc.stdout
