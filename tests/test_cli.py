@@ -68,8 +68,10 @@ def assert_one_line_error(res, fragment):
 
 def test_error_paths(tiny_dir):
     assert_one_line_error(cli("info", "--model", str(tiny_dir / "missing")), "does not exist")
-    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--data", "nope:x"),
-                          "unknown data spec")
+    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--data", "nope:x",
+                              "--seqlen", "32"), "unknown data spec")
+    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--seqlen", "512"),
+                          "beyond the 128 positions")
     assert_one_line_error(
         cli("eval", "--model", str(tiny_dir / "model"), "--data",
             f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "999"),
