@@ -12,9 +12,10 @@ from prunelab.errors import UnsupportedArchitectureError, UnsupportedOperationEr
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 
-from tiny_models import ARCHS, tiny_config, tiny_model, tiny_tokens
+from tiny_models import ALL_ARCHS, tiny_config, tiny_model, tiny_tokens
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+GQA = (*LLAMA_LIKE, "phi3")  # 2 KV groups of 2 query heads; explicit head_dim in the config
 
 
 def out_of(model, ids):
@@ -32,17 +33,17 @@ def auto_class(arch):
     return tf.AutoModel if arch == "bert" else tf.AutoModelForCausalLM
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_geometry_read_from_weights(arch):
     ad = get_adapter(tiny_model(arch))
     geo = ad.head_geometry(0)
-    expected_kv = 2 if arch in LLAMA_LIKE else 4
+    expected_kv = 2 if arch in GQA else 4
     assert (geo.num_heads, geo.num_kv_heads, geo.head_dim) == (4, expected_kv, 8)
     assert ad.ffn_width(0) == 48 and ad.num_blocks == 4 and ad.hidden_size() == 32
     assert set(ad.linears(0)) == set(ad.spec.attn_proj.values()) | set(ad.spec.mlp_proj.values())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_delete_equals_manually_built_shorter_model(arch):
     model = tiny_model(arch)
     ids = tiny_tokens(2, 12)
@@ -89,7 +90,7 @@ def zero_group_inputs(model, arch, block, group):
         weight_out_in(ad.attn_projections(block)["o"])[:, group * width:(group + 1) * width] = 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_slicing_equals_masking(arch):
     """Removing KV group 0 and FFN channels equals zeroing their consumer columns."""
     model = tiny_model(arch)
@@ -129,7 +130,7 @@ def test_query_heads_within_groups(arch):
         ad.slice_query_heads(0, [[0, 1], [0]])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_prune_save_reload_plain_transformers(arch, tmp_path):
     """Delete a block, slice FFN channels in every block (and a KV group / query heads where
     a plain config can hold it); a plain transformers reload gives identical outputs."""
@@ -139,9 +140,9 @@ def test_prune_save_reload_plain_transformers(arch, tmp_path):
     ad.delete_blocks([2])
     for i in range(ad.num_blocks):
         ad.slice_ffn(i, range(0, 48, 2))
-        if arch in LLAMA_LIKE:
+        if arch in GQA:
             ad.slice_kv_groups(i, [1])
-    if arch in LLAMA_LIKE:
+    if arch in GQA:
         assert ad.vanilla_problems() == []
     else:
         # a family that derives head_dim from hidden_size cannot describe fewer heads

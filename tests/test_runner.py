@@ -11,7 +11,7 @@ from prunelab.calib.runner import BlockRunner, StateStore
 from prunelab.calib.stats import Gram, SumSquares
 from prunelab.models.adapters import get_adapter
 
-from tiny_models import ARCHS, tiny_model, tiny_tokens
+from tiny_models import ALL_ARCHS, tiny_model, tiny_tokens
 
 
 def reference_states(model, ids):
@@ -33,7 +33,7 @@ def runner_states(model, ids, batch_size=2, **kw):
     return states, runner
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_runner_equals_output_hidden_states(arch):
     model = tiny_model(arch)
     ids = tiny_tokens(4, 12)

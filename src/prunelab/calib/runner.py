@@ -172,14 +172,15 @@ class BlockRunner:
         return first
 
     def _clean(self, call):
+        """A recorded call made replayable: no cache use or attention outputs, and the
+        family's KV-cache keywords (``FamilySpec.cache_kwargs``) set to ``None``."""
         args, kwargs = call
         kwargs = dict(kwargs)
         for key in ("use_cache", "output_attentions"):
             kwargs.pop(key, None)
-        if "cache" in kwargs:
-            kwargs["cache"] = None
-        if "layer_past" in kwargs:
-            kwargs["layer_past"] = None
+        for key in self.adapter.spec.cache_kwargs:
+            if key in kwargs:
+                kwargs[key] = None
         if self.offload:
             args, kwargs = _to(args, "cpu"), _to(kwargs, "cpu")
         return args, kwargs
