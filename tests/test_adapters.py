@@ -198,3 +198,55 @@ def test_tied_head_is_not_a_block_linear():
     head = ad.head()
     for i in range(ad.num_blocks):
         assert all(m is not head for m in ad.linears(i).values())
+
+
+# ---------------------------------------------------------------- family data
+def test_linear_groups_follow_execution_order_and_shared_inputs():
+    ad = get_adapter(tiny_model("llama"))
+    assert [list(g) for g in ad.linear_groups(0)] == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    gpt2 = get_adapter(tiny_model("gpt2"))
+    assert [list(g) for g in gpt2.linear_groups(0)] == [["attn.c_attn"], ["attn.c_proj"],
+                                                        ["mlp.c_fc"], ["mlp.c_proj"]]
+    only = {p: m for p, m in ad.linears(0).items() if p.endswith(("k_proj", "down_proj"))}
+    assert [list(g) for g in ad.linear_groups(0, only)] == [["self_attn.k_proj"],
+                                                           ["mlp.down_proj"]]
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_post_norms_are_family_data(arch):
+    ad = get_adapter(tiny_model(arch))
+    assert ad.mlp_post_normed(0) == (arch in ("gemma2", "gemma3_text"))
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_head_attributes_follow_slicing(arch):
+    """Every head attribute the family names holds the sliced counts in the sliced block
+    and the old ones elsewhere (gpt_neox reshapes with -1 and stores none)."""
+    model = tiny_model(arch)
+    ad = get_adapter(model)
+    geo = ad.head_geometry(1)
+    ad.slice_kv_groups(1, [geo.num_kv_heads - 1])
+    new = ad.head_geometry(1)
+
+    def expected(g):
+        return {"heads": g.num_heads, "kv": g.num_kv_heads, "groups": g.group_size,
+                "width": g.num_heads * g.head_dim}
+
+    for index, g in ((1, new), (0, geo)):
+        found = ad.head_attribute_values(index)
+        flat = {f"{o}.{k}" if o else k: v for o, d in found.items() for k, v in d.items()}
+        assert flat == {k: expected(g)[q] for k, q in ad.spec.head_attributes.items()
+                        if k in flat}
+        assert bool(flat) == (arch != "gpt_neox")
+
+
+@pytest.mark.parametrize(("arch", "key"), [("llama", "cache"), ("gpt_neox", "layer_past"),
+                                           ("phi3", "cache")])
+def test_runner_clears_the_family_cache_keyword(arch, key):
+    from prunelab.calib.runner import BlockRunner
+
+    runner = BlockRunner(tiny_model(arch), tiny_tokens(1, 4), batch_size=1)
+    args, kwargs = runner._clean(((), {key: object(), "use_cache": True, "other": 3}))
+    assert kwargs == {key: None, "other": 3} and key in runner.adapter.spec.cache_kwargs

@@ -22,6 +22,7 @@ from prunelab.errors import UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.pruning.lstsq import NormalEquations
 
+
 def check_additive(adapter, index: int, recovery: str) -> None:
     """Refuse folding into blocks whose branches pass through a norm before the residual."""
     if adapter.is_encoder or adapter.mlp_post_normed(index):
