@@ -267,8 +267,8 @@ class Adapter:
         geo = self.head_geometry(index)
         if "qkv" in self.attn_projections(index) or geo.group_size == 1:
             raise UnsupportedOperationError(
-                f"{self.family}: query-head pruning inside groups needs GQA/MQA "
-                "(prune whole heads instead)"
+                f"{self.family}: query-head pruning inside groups needs GQA/MQA with "
+                "separate q/k/v projections (prune whole heads instead)"
             )
         if len(keep_per_group) != geo.num_kv_heads:
             raise UnsupportedOperationError(

@@ -123,6 +123,15 @@ class FamilySpec:
     attn_branch: str = ""
     mlp_branch: str = ""
 
+    def __post_init__(self) -> None:
+        bad = {k: q for k, q in self.head_attributes.items() if q not in HEAD_QUANTITIES}
+        if bad:
+            raise ValueError(f"{self.name}: head_attributes {bad} not in {HEAD_QUANTITIES}")
+        for role, rows in (("qkv", self.fused_qkv_rows), ("gate_up", self.gate_up_rows)):
+            if (role in {**self.attn_proj, **self.mlp_proj}) != (rows is not None):
+                raise ValueError(f"{self.name}: a fused {role} role and its rows function "
+                                 "go together")
+
 
 LLAMA = FamilySpec(
     name="llama",
