@@ -12,9 +12,10 @@ from prunelab.errors import UnsupportedArchitectureError, UnsupportedOperationEr
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 
-from tiny_models import ARCHS, tiny_config, tiny_model, tiny_tokens
+from tiny_models import ALL_ARCHS, tiny_config, tiny_model, tiny_tokens
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+GQA = (*LLAMA_LIKE, "phi3")  # 2 KV groups of 2 query heads; explicit head_dim in the config
 
 
 def out_of(model, ids):
@@ -32,17 +33,17 @@ def auto_class(arch):
     return tf.AutoModel if arch == "bert" else tf.AutoModelForCausalLM
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_geometry_read_from_weights(arch):
     ad = get_adapter(tiny_model(arch))
     geo = ad.head_geometry(0)
-    expected_kv = 2 if arch in LLAMA_LIKE else 4
+    expected_kv = 2 if arch in GQA else 4
     assert (geo.num_heads, geo.num_kv_heads, geo.head_dim) == (4, expected_kv, 8)
     assert ad.ffn_width(0) == 48 and ad.num_blocks == 4 and ad.hidden_size() == 32
     assert set(ad.linears(0)) == set(ad.spec.attn_proj.values()) | set(ad.spec.mlp_proj.values())
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_delete_equals_manually_built_shorter_model(arch):
     model = tiny_model(arch)
     ids = tiny_tokens(2, 12)
@@ -89,7 +90,7 @@ def zero_group_inputs(model, arch, block, group):
         weight_out_in(ad.attn_projections(block)["o"])[:, group * width:(group + 1) * width] = 0
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_slicing_equals_masking(arch):
     """Removing KV group 0 and FFN channels equals zeroing their consumer columns."""
     model = tiny_model(arch)
@@ -129,7 +130,7 @@ def test_query_heads_within_groups(arch):
         ad.slice_query_heads(0, [[0, 1], [0]])
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_prune_save_reload_plain_transformers(arch, tmp_path):
     """Delete a block, slice FFN channels in every block (and a KV group / query heads where
     a plain config can hold it); a plain transformers reload gives identical outputs."""
@@ -139,9 +140,9 @@ def test_prune_save_reload_plain_transformers(arch, tmp_path):
     ad.delete_blocks([2])
     for i in range(ad.num_blocks):
         ad.slice_ffn(i, range(0, 48, 2))
-        if arch in LLAMA_LIKE:
+        if arch in GQA:
             ad.slice_kv_groups(i, [1])
-    if arch in LLAMA_LIKE:
+    if arch in GQA:
         assert ad.vanilla_problems() == []
     else:
         # a family that derives head_dim from hidden_size cannot describe fewer heads
@@ -197,3 +198,55 @@ def test_tied_head_is_not_a_block_linear():
     head = ad.head()
     for i in range(ad.num_blocks):
         assert all(m is not head for m in ad.linears(i).values())
+
+
+# ---------------------------------------------------------------- family data
+def test_linear_groups_follow_execution_order_and_shared_inputs():
+    ad = get_adapter(tiny_model("llama"))
+    assert [list(g) for g in ad.linear_groups(0)] == [
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+        ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    gpt2 = get_adapter(tiny_model("gpt2"))
+    assert [list(g) for g in gpt2.linear_groups(0)] == [["attn.c_attn"], ["attn.c_proj"],
+                                                        ["mlp.c_fc"], ["mlp.c_proj"]]
+    only = {p: m for p, m in ad.linears(0).items() if p.endswith(("k_proj", "down_proj"))}
+    assert [list(g) for g in ad.linear_groups(0, only)] == [["self_attn.k_proj"],
+                                                           ["mlp.down_proj"]]
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_post_norms_are_family_data(arch):
+    ad = get_adapter(tiny_model(arch))
+    assert ad.mlp_post_normed(0) == (arch in ("gemma2", "gemma3_text"))
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_head_attributes_follow_slicing(arch):
+    """Every head attribute the family names holds the sliced counts in the sliced block
+    and the old ones elsewhere (gpt_neox reshapes with -1 and stores none)."""
+    model = tiny_model(arch)
+    ad = get_adapter(model)
+    geo = ad.head_geometry(1)
+    ad.slice_kv_groups(1, [geo.num_kv_heads - 1])
+    new = ad.head_geometry(1)
+
+    def expected(g):
+        return {"heads": g.num_heads, "kv": g.num_kv_heads, "groups": g.group_size,
+                "width": g.num_heads * g.head_dim}
+
+    for index, g in ((1, new), (0, geo)):
+        found = ad.head_attribute_values(index)
+        flat = {f"{o}.{k}" if o else k: v for o, d in found.items() for k, v in d.items()}
+        assert flat == {k: expected(g)[q] for k, q in ad.spec.head_attributes.items()
+                        if k in flat}
+        assert bool(flat) == (arch != "gpt_neox")
+
+
+@pytest.mark.parametrize(("arch", "key"), [("llama", "cache"), ("gpt_neox", "layer_past"),
+                                           ("phi3", "cache")])
+def test_runner_clears_the_family_cache_keyword(arch, key):
+    from prunelab.calib.runner import BlockRunner
+
+    runner = BlockRunner(tiny_model(arch), tiny_tokens(1, 4), batch_size=1)
+    args, kwargs = runner._clean(((), {key: object(), "use_cache": True, "other": 3}))
+    assert kwargs == {key: None, "other": 3} and key in runner.adapter.spec.cache_kwargs

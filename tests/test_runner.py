@@ -7,11 +7,15 @@ import copy
 import pytest
 import torch
 
+from prunelab.calib.gradients import taylor_terms
 from prunelab.calib.runner import BlockRunner, StateStore
 from prunelab.calib.stats import Gram, SumSquares
+from prunelab.errors import UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
+from prunelab.models.linear import set_weight_out_in, weight_out_in
+from prunelab.models.loading import wrap
 
-from tiny_models import ARCHS, tiny_model, tiny_tokens
+from tiny_models import ALL_ARCHS, char_tokenizer, tiny_model, tiny_tokens
 
 
 def reference_states(model, ids):
@@ -33,7 +37,7 @@ def runner_states(model, ids, batch_size=2, **kw):
     return states, runner
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ALL_ARCHS)
 def test_runner_equals_output_hidden_states(arch):
     model = tiny_model(arch)
     ids = tiny_tokens(4, 12)
@@ -216,3 +220,155 @@ def test_offload_moves_each_block_once_per_turn_even_when_on_block_collects():
         # propagates: every entry sends it to the device (a no-op for what is there), only
         # the two outermost exits bring it back
         assert mine == ["device", "device", "device", "back", "device", "back"], (i, mine)
+
+
+# ---------------------------------------------------------------- sequential mode
+def _containers(ad, i):
+    return [m for m in (ad.attention(i), ad.mlp(i)) if m is not None]
+
+
+def _change(group, accs):
+    """A change that depends on every bit of the statistics: a Wanda-style half mask from
+    the input norms (Sun et al. 2023) plus a small Gram-dependent term."""
+    for name, m in group.items():
+        ss, gram = accs[name]
+        w = weight_out_in(m).detach()
+        score = w.abs() * ss.sum_sq.sqrt().to(w.dtype)
+        keep = score >= score.median(dim=1, keepdim=True).values
+        g = gram.xtx.to(w.dtype)
+        set_weight_out_in(m, w * keep + 1e-3 * (w @ g) / g.trace())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "gpt_neox", "opt", "bert",
+                                  "phi3"])
+def test_sequential_equals_group_by_group_full_passes(arch):
+    """What ``sequential`` promises: the same weights and outputs, bit for bit, as
+    changing the block group by group with a plain full pass per group (unshared
+    statistics), at (groups + 1) partial passes."""
+    ref, new = tiny_model(arch), tiny_model(arch)
+    ids = tiny_tokens(6, 12)
+    r_ref, r_new = BlockRunner(ref, ids, batch_size=4), BlockRunner(new, ids, batch_size=4)
+    h_ref, h_new = r_ref.capture(), r_new.capture()
+    ad_ref, ad_new = get_adapter(ref), get_adapter(new)
+
+    def make(_name):
+        return [SumSquares(), Gram()]
+
+    for i in range(ad_new.num_blocks):
+        for group in ad_ref.linear_groups(i):
+            _change(group, r_ref.collect(i, h_ref, group, make, stop_early=False))
+        groups = ad_new.linear_groups(i)
+        before = r_new.block_evals
+        outs = r_new.sequential(i, h_new, groups, make,
+                                lambda g, accs, _gs=groups: _change(_gs[g], accs),
+                                containers=_containers(ad_new, i))
+        assert r_new.block_evals - before == (len(groups) + 1) * len(r_new.batches)
+        for path, m in ad_ref.linears(i).items():
+            assert torch.equal(weight_out_in(ad_new.linears(i)[path]), weight_out_in(m)), path
+        h_ref = r_ref.run_block(i, h_ref)
+        for a, b, c in zip(outs, r_new.run_block(i, h_new), h_ref, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        h_new = outs
+    for blk in ad_new.blocks():  # no hook or replaced forward survives
+        assert all(not m._forward_hooks and not m._forward_pre_hooks
+                   and "forward" not in m.__dict__ for m in blk.modules())
+
+
+def test_sequential_without_statistics_is_one_pass():
+    model = tiny_model("llama")
+    ad = get_adapter(model)
+    runner = BlockRunner(model, tiny_tokens(4, 10), batch_size=2)
+    hidden = runner.capture()
+    seen = []
+    outs = runner.sequential(0, hidden, ad.linear_groups(0), None,
+                             lambda g, accs: seen.append((g, accs)),
+                             containers=_containers(ad, 0))
+    assert seen == [(0, {}), (1, {}), (2, {}), (3, {})] and runner.block_evals == 2
+    for a, b in zip(outs, runner.run_block(0, hidden), strict=True):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- Taylor terms
+def _taylor_reference(model, ids, modules, batch_size):
+    """The whole model's autograd: one forward and backward per batch, the gradient at
+    each linear's output read by a full backward hook."""
+    saved, terms = {}, {}
+
+    def fwd(name):
+        return lambda _m, inputs, _out: saved.__setitem__(name, inputs[0].detach())
+
+    def bwd(name):
+        def hook(_m, _gin, gout):
+            x = saved.pop(name).reshape(-1, saved_dim[name]).double()
+            g = gout[0].reshape(-1, gout[0].shape[-1]).double()
+            t = (x * g.pow(2).sum(-1, keepdim=True)).t() @ x
+            terms[name] = t if name not in terms else terms[name] + t
+        return hook
+
+    saved_dim = {n: weight_out_in(m).shape[1] for n, m in modules.items()}
+    handles = [h for n, m in modules.items() for h in (m.register_forward_hook(fwd(n)),
+                                                      m.register_full_backward_hook(bwd(n)))]
+    try:
+        for batch in ids.split(batch_size):
+            logits = model(input_ids=batch, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            (-logp.gather(-1, batch[:, 1:, None]).sum()).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return terms
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt2", "gpt_neox", "phi3"])
+def test_taylor_terms_equal_whole_model_autograd(arch):
+    """Block-by-block backward sweep == the whole model's autograd (gemma2: soft-capped
+    logits and post-norms; gpt_neox: parallel residual; gpt2: Conv1D)."""
+    ids = tiny_tokens(6, 12)
+    lm = wrap(tiny_model(arch), char_tokenizer(), spec=arch)
+    ad = lm.adapter
+    mods = {f"{i}:{p}": m for i in (0, 2) for p, m in ad.linears(i).items()}
+    got = taylor_terms(lm, ids, mods, batch_size=4)
+    assert all(p.grad is None for p in lm.model.parameters())  # no parameter gradients
+    ref_model = tiny_model(arch)
+    rad = get_adapter(ref_model)
+    ref = _taylor_reference(ref_model, ids, {f"{i}:{p}": m for i in (0, 2)
+                                             for p, m in rad.linears(i).items()}, 4)
+    assert list(got) == list(mods)
+    for name in mods:
+        assert got[name].dtype == torch.float64 and got[name].shape == ref[name].shape
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=0)
+
+
+def test_taylor_terms_offload_keeps_the_model_on_the_cpu():
+    """With an offloading model only single blocks, the final norm and the head move
+    (never the whole model), and the terms are the same."""
+    ids = tiny_tokens(4, 10)
+    plain = wrap(tiny_model("llama"), char_tokenizer(), spec="p")
+    lm = wrap(tiny_model("llama"), char_tokenizer(), spec="o")
+    lm.offload_to = torch.device("cpu")
+    ad = lm.adapter
+    moved = []
+    for name, module in [("model", lm.model), *((f"block{i}", ad.block(i)) for i in range(4)),
+                         ("head", ad.head()), ("norm", ad.final_norm())]:
+        def to(*args, _n=name, _real=module.to, **kwargs):
+            moved.append(_n)
+            return _real(*args, **kwargs)
+        module.to = to
+    mods = {f"{i}:{p}": m for i in range(4) for p, m in ad.linears(i).items()}
+    got = taylor_terms(lm, ids, mods, batch_size=2)
+    want = taylor_terms(plain, ids, {f"{i}:{p}": m for i in range(4)
+                                     for p, m in plain.adapter.linears(i).items()},
+                        batch_size=2)
+    assert "model" not in moved and {"head", "norm"} <= set(moved)
+    assert all(moved.count(f"block{i}") == 4 for i in range(4))  # forward and backward turn
+    for name in mods:
+        assert torch.equal(got[name], want[name])
+
+
+def test_taylor_terms_need_a_head_and_block_modules():
+    bert = wrap(tiny_model("bert"), char_tokenizer(), spec="b")
+    with pytest.raises(UnsupportedOperationError, match="no LM head"):
+        taylor_terms(bert, tiny_tokens(2, 8), {})
+    lm = wrap(tiny_model("llama"), char_tokenizer(), spec="l")
+    with pytest.raises(ValueError, match="head not inside a block"):
+        taylor_terms(lm, tiny_tokens(2, 8), {"head": lm.adapter.head()})

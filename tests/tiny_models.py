@@ -9,6 +9,10 @@ VOCAB = 131  # 0..127 = ASCII code points, 128 = <s>, 129 = [UNK], 130 = <pad>
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
          "gpt2", "gpt_neox", "opt", "bert")
+# Families whose pruners are not yet wired for them everywhere (phi3: fused qkv_proj and
+# gate_up_proj); the runner and adapter tests cover ALL_ARCHS.
+NEW_ARCHS = ("phi3",)
+ALL_ARCHS = ARCHS + NEW_ARCHS
 
 
 def tiny_config(arch: str):
@@ -35,6 +39,9 @@ def tiny_config(arch: str):
             layer_types=["sliding_attention", "sliding_attention", "full_attention",
                          "sliding_attention"],
         )
+    if arch == "phi3":  # fused qkv_proj ([q; k; v], GQA) and gate_up_proj ([gate; up])
+        return tf.Phi3Config(**dict(common, num_key_value_heads=2), bos_token_id=128,
+                             eos_token_id=128, pad_token_id=130)
     if arch == "gpt2":
         return tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_inner=48,
                              n_positions=128)

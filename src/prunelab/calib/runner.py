@@ -18,7 +18,6 @@ for its turn, so a model larger than the accelerator can be calibrated.
 from __future__ import annotations
 
 import contextlib
-import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,10 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from prunelab.calib.sequential import SequentialBlock, SharedInputs, StopBlock, as_list
 from prunelab.calib.stats import Accumulator
 from prunelab.log import progress
 from prunelab.models.adapters import Adapter, get_adapter
-from prunelab.models.linear import weight_out_in
 
 
 class _Recorder(nn.Module):
@@ -50,24 +49,6 @@ class _Recorder(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["_block"], name)
-
-
-_MISSING = object()
-_PLACEHOLDER = object()  # where a container returned its linear's placeholder
-
-
-def _clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, tuple):
-        return tuple(_clone(o) for o in obj)
-    if isinstance(obj, list):
-        return [_clone(o) for o in obj]
-    return obj
-
-
-class _StopBlock(Exception):
-    """Raised by a hook to skip the rest of a block once all targets were seen."""
 
 
 def _to(obj, device):
@@ -191,14 +172,15 @@ class BlockRunner:
         return first
 
     def _clean(self, call):
+        """A recorded call made replayable: no cache use or attention outputs, and the
+        family's KV-cache keywords (``FamilySpec.cache_kwargs``) set to ``None``."""
         args, kwargs = call
         kwargs = dict(kwargs)
         for key in ("use_cache", "output_attentions"):
             kwargs.pop(key, None)
-        if "cache" in kwargs:
-            kwargs["cache"] = None
-        if "layer_past" in kwargs:
-            kwargs["layer_past"] = None
+        for key in self.adapter.spec.cache_kwargs:
+            if key in kwargs:
+                kwargs[key] = None
         if self.offload:
             args, kwargs = _to(args, "cpu"), _to(kwargs, "cpu")
         return args, kwargs
@@ -224,7 +206,7 @@ class BlockRunner:
         self.block_evals += 1
         try:
             out = blk(hidden.to(self.device), *args, **kwargs)
-        except _StopBlock:
+        except StopBlock:
             return None
         out = out[0] if isinstance(out, tuple) else out
         return out.to(self.store_device)
@@ -291,28 +273,17 @@ class BlockRunner:
         first one's accumulators, updated once; each name still gets its own list.
         """
         self.ensure_captured()
-        accs = {name: (lambda a: list(a) if isinstance(a, (list, tuple)) else [a])(make(name))
-                for name in targets}
-        fired: dict[str, torch.Tensor] = {}
-        leaders: dict[str, str] = {}
+        accs = {name: as_list(make(name)) for name in targets}
+        seen = SharedInputs(share)
 
         def hook_for(name):
             def hook(_module, inputs):
                 x = inputs[0]
-                leader = name
-                if share:
-                    if name not in leaders:  # first call: who got this very tensor first
-                        leaders[name] = next((n for n, t in fired.items()
-                                              if t is x and leaders.get(n) == n), name)
-                    leader = leaders[name]
-                    if leader != name and fired.get(leader) is not x:
-                        raise RuntimeError(f"{name} no longer shares its input with {leader}")
-                if leader == name:
+                if seen.see(name, x):
                     for acc in accs[name]:
                         acc.update(x.detach())
-                fired[name] = x
-                if stop_early and len(fired) == len(targets):
-                    raise _StopBlock
+                if stop_early and len(seen.fired) == len(targets):
+                    raise StopBlock
             return hook
 
         handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in targets.items()]
@@ -320,15 +291,15 @@ class BlockRunner:
         try:
             with self._on_device(blk):
                 for b, h in enumerate(hidden):
-                    fired.clear()
+                    seen.new_call()
                     out = self._call(blk, index, b, h)
                     if outputs is not None and out is not None:
                         outputs.append(out)
         finally:
             for handle in handles:
                 handle.remove()
-            fired.clear()
-        return {n: list(accs[leaders.get(n, n)]) for n in targets}
+            seen.new_call()
+        return seen.lists(accs)
 
     @torch.no_grad()
     def sequential(self, index: int, hidden: Sequence[torch.Tensor],
@@ -360,158 +331,7 @@ class BlockRunner:
         them. ``make=None`` skips the statistics stages (``on_group`` gets ``{}``).
         """
         self.ensure_captured()
-        blk = self.adapter.block(index)
-        group_of: dict[int, int] = {}
-        for g, group in enumerate(groups):
-            for module in group.values():
-                group_of[id(module)] = g
-        candidates: list[tuple[nn.Module, int]] = []  # (module, final after group)
-        for module in [*(m for group in groups for m in group.values()), *containers]:
-            inside = [group_of[id(m)] for m in module.modules() if id(m) in group_of]
-            if inside and all(m is not module for m, _ in candidates):
-                candidates.append((module, max(inside)))
-        container_ids = {id(c) for c in containers}
-        records: dict[int, list] = {}
-        state = {"batch": 0}
-        shared: dict[str, str] = {}
-
-        def replay(key, *_args, **_kwargs):
-            return _clone(records[key][state["batch"]])
-
-        def placeholder(module, x, *_args, **_kwargs):
-            out = torch.zeros((*x.shape[:-1], weight_out_in(module).shape[0]),
-                              dtype=x.dtype, device=x.device)
-            state["placeholders"][id(module)] = out
-            return out
-
-        def drop_moot_records():
-            for m, _after in candidates:  # a recorded module makes its children's moot
-                if id(m) in records:
-                    for child in m.modules():
-                        if child is not m:
-                            records.pop(id(child), None)
-
-        def stage(g: int, targets: dict[str, nn.Module], accs: dict | None) -> dict:
-            final = [m for m, after in candidates if after < g]
-            replayed = [m for m in final if id(m) in records]
-            recording = {id(m): [] for m in final if id(m) not in records}
-            sub = None  # (container, linear): the linear's output is the container's
-            if len(targets) == 1:
-                (lin,) = targets.values()
-                sub = next(((c, lin) for c, after in candidates
-                            if after == g and id(c) in container_ids and id(c) not in records
-                            and any(m is lin for m in c.modules())), None)
-            if sub is not None:  # the container's record comes from substitute(): its
-                inside = {id(m) for m in sub[0].modules()}  # parts need none of their own
-                recording = {k: v for k, v in recording.items() if k not in inside}
-            fired: dict[str, torch.Tensor] = {}
-            leaders: dict[str, str] = shared
-            result = {"outs": [], "sub_inputs": [], "sub_outs": [], "sub": sub}
-
-            def record_hook(module, _args, output):
-                recording[id(module)].append(_clone(output))
-
-            def stat_hook(name):
-                def hook(_module, inputs):
-                    x = inputs[0]  # the very object: q/k/v receive the same one
-                    if state["batch"] == 0:
-                        leader = next((n for n, t in fired.items() if t is x), name)
-                        leaders[name] = leader
-                    leader = leaders[name]
-                    if leader == name:
-                        for acc in accs[name]:
-                            acc.update(x.detach())
-                    elif fired.get(leader) is not x:
-                        raise RuntimeError(f"{name} no longer shares its input with {leader}")
-                    fired[name] = x
-                    if sub is not None:
-                        result["sub_inputs"].append(x.detach().clone())
-                    elif len(fired) == len(targets) or (
-                            state["batch"] > 0 and needed.issubset(fired)):
-                        raise _StopBlock  # later batches need only the leaders' inputs
-                return hook
-
-            def container_hook(_module, _args, output):
-                ph = state["placeholders"].pop(id(sub[1]), None)
-                first = output[0] if isinstance(output, tuple) else output
-                if ph is None or first is not ph:
-                    result["sub_outs"].append(None)
-                else:  # keep the structure, not the placeholder's zeros
-                    result["sub_outs"].append((_PLACEHOLDER, *output[1:])
-                                              if isinstance(output, tuple) else _PLACEHOLDER)
-                raise _StopBlock
-
-            saved = {}
-            handles = []
-            overridden = [(m, functools.partial(replay, id(m))) for m in replayed]
-            # The group's own linears only need their inputs here: they return a zero
-            # placeholder instead of computing (what follows them is never kept: the
-            # stage stops once they fired, and only modules before them are recorded).
-            overridden += [(m, functools.partial(placeholder, m)) for m in targets.values()]
-            state["placeholders"] = {}
-            try:
-                for m, fn in overridden:
-                    saved[id(m)] = m.__dict__.get("forward", _MISSING)
-                    m.forward = fn
-                handles += [m.register_forward_hook(record_hook) for m in final
-                            if id(m) in recording]
-                handles += [m.register_forward_pre_hook(stat_hook(n))
-                            for n, m in targets.items()]
-                if sub is not None:
-                    handles.append(sub[0].register_forward_hook(container_hook))
-                for b, h in enumerate(hidden):
-                    state["batch"] = b
-                    fired.clear()
-                    needed = set(leaders.values())
-                    out = self._call(blk, index, b, h)
-                    if out is not None:
-                        result["outs"].append(out)
-            finally:
-                for handle in handles:
-                    handle.remove()
-                for m, _fn in overridden:
-                    if saved.get(id(m), _MISSING) is _MISSING:
-                        m.__dict__.pop("forward", None)
-                    else:
-                        m.forward = saved[id(m)]
-                state["placeholders"] = {}
-            for key, values in recording.items():
-                if len(values) == len(hidden):  # ran to completion on every batch
-                    records[key] = values
-            drop_moot_records()
-            return result
-
-        def substitute(result) -> None:
-            """After the group changed: the container's records, placeholder replaced."""
-            sub, outs, xs = result["sub"], result["sub_outs"], result["sub_inputs"]
-            if sub is None or len(outs) != len(hidden) or len(xs) != len(hidden) \
-                    or any(o is None for o in outs):
-                return
-            container, linear = sub
-            values = []
-            for b in range(len(xs)):
-                out, x = outs[b], xs[b]
-                xs[b] = outs[b] = None  # each saved input is freed once used
-                y = linear(x)
-                values.append((y, *_clone(out[1:])) if isinstance(out, tuple) else y)
-            records[id(container)] = values
-            drop_moot_records()
-
-        with self._on_device(blk):
-            for g, group in enumerate(groups):
-                accs: dict[str, list[Accumulator]] = {}
-                result = None
-                if make is not None:
-                    shared.clear()
-                    raw = {n: (lambda a: list(a) if isinstance(a, (list, tuple)) else [a])(
-                        make(n)) for n in group}
-                    result = stage(g, group, raw)
-                    accs = {n: list(raw[shared.get(n, n)]) for n in group}
-                on_group(g, accs)
-                if result is not None:
-                    substitute(result)
-                    result = None  # its saved inputs must not outlive the stage
-            return stage(len(groups), {}, None)["outs"]
+        return SequentialBlock(self, index, hidden, groups, containers).run(make, on_group)
 
     def run(self, on_block: Callable[[int, list[torch.Tensor]], None] | None = None,
             propagate: str = "modified", states: StateStore | None = None,

@@ -30,6 +30,8 @@ linear bridges over cuts.
 Load with ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``.
 """
 
+import copy
+
 import torch
 from torch import nn
 from transformers import {base_config} as _BaseConfig
@@ -60,7 +62,11 @@ def _prunelab_resize(model, widths):
     for path, attrs in widths.get("attributes", {{}}).items():
         module = model.get_submodule(path)
         for key, value in attrs.items():
-            setattr(module, key, value)
+            if key.startswith("config."):  # an attention that reads it from its config
+                module.config = copy.copy(module.config)
+                setattr(module.config, key[len("config."):], value)
+            else:
+                setattr(module, key, value)
 
 
 class PrunelabBridgedConfig(_BaseConfig):
@@ -106,13 +112,10 @@ def modeling_source(model: nn.Module, model_type: str) -> str:
     )
 
 
-ATTRIBUTES = ("num_heads", "num_key_value_heads", "num_key_value_groups", "split_size",
-              "num_attention_heads", "all_head_size")
-
-
 def width_specs(model: nn.Module) -> dict:
     """Shapes of every block projection (``{"module", "in", "out", "bias"}``, paths from
-    the model root) and the head-count attributes of every attention module."""
+    the model root) and the head-count attributes of every attention module (the family's
+    ``FamilySpec.head_attributes``)."""
     from prunelab.models.adapters import get_adapter
     from prunelab.models.linear import in_out_features
 
@@ -124,11 +127,9 @@ def width_specs(model: nn.Module) -> dict:
             d_in, d_out = in_out_features(module)
             linears.append({"module": names[id(module)], "in": int(d_in), "out": int(d_out),
                             "bias": getattr(module, "bias", None) is not None})
-        for sub in ad.attention(i).modules():
-            found = {a: int(getattr(sub, a)) for a in ATTRIBUTES
-                     if isinstance(getattr(sub, a, None), int)}
-            if found:
-                attributes[names[id(sub)]] = found
+        attn = names[id(ad.attention(i))]
+        for sub, found in ad.head_attribute_values(i).items():
+            attributes[f"{attn}.{sub}" if sub else attn] = found
     return {"linears": linears, "attributes": attributes}
 
 

@@ -19,7 +19,12 @@ import torch
 from torch import nn
 
 from prunelab.errors import UnsupportedArchitectureError, UnsupportedOperationError
-from prunelab.models.families import FAMILIES, FamilySpec, family_for_model_type
+from prunelab.models.families import (
+    FAMILIES,
+    INPUT_GROUPS,
+    FamilySpec,
+    family_for_model_type,
+)
 from prunelab.models.linear import in_out_features, slice_linear
 
 
@@ -150,8 +155,28 @@ class Adapter:
         paths = list(self.spec.attn_proj.values()) + list(self.spec.mlp_proj.values())
         return {p: _get(blk, p) for p in paths}
 
+    def linear_groups(self, index: int, chosen: dict[str, nn.Module] | None = None
+                      ) -> list[dict[str, nn.Module]]:
+        """Block ``index``'s linears (or those of ``chosen``, paths as in :meth:`linears`)
+        in execution order, grouped by the tensor they read: ``[q, k, v]`` (or ``[qkv]``),
+        ``[o]``, ``[gate, up]`` (or ``[gate_up]``), ``[down]``; empty groups left out."""
+        chosen = self.linears(index) if chosen is None else chosen
+        roles = {**self.spec.attn_proj, **self.spec.mlp_proj}
+        groups = []
+        for names in INPUT_GROUPS:
+            g = {roles[r]: chosen[roles[r]] for r in names if r in roles and roles[r] in chosen}
+            if g:
+                groups.append(g)
+        return groups
+
     def is_gated(self) -> bool:
-        return "gate" in self.spec.mlp_proj
+        return "gate" in self.spec.mlp_proj or "gate_up" in self.spec.mlp_proj
+
+    def mlp_post_normed(self, index: int) -> bool:
+        """True when block ``index`` normalises its MLP output before the residual add
+        (gemma2 / gemma3 ``post_feedforward_layernorm``)."""
+        norms = self.norms(index)
+        return any(n in norms for n in self.spec.post_norms)
 
     # ------------------------------------------------------------------ geometry
     def head_geometry(self, index: int = 0) -> HeadGeometry:
@@ -159,9 +184,10 @@ class Adapter:
         cfg = self.config
         hd = self.spec.head_dim(cfg)
         proj = self.attn_projections(index)
-        if "qkv" in proj:  # fused: 3 * heads * hd outputs
-            heads = in_out_features(proj["qkv"])[1] // (3 * hd)
-            return HeadGeometry(heads, heads, hd)
+        if "qkv" in proj:  # fused: (heads + 2 kv) * hd outputs; o reads heads * hd
+            heads = in_out_features(proj["o"])[0] // hd
+            kv = (in_out_features(proj["qkv"])[1] // hd - heads) // 2
+            return HeadGeometry(heads, kv, hd)
         heads = in_out_features(proj["q"])[1] // hd
         kv = in_out_features(proj["k"])[1] // hd
         return HeadGeometry(heads, kv, hd)
@@ -233,7 +259,7 @@ class Adapter:
             slice_linear(proj["v"], kv_rows, "out")
         o_cols = _ranges([(g * gs * hd, (g + 1) * gs * hd) for g in keep])
         slice_linear(proj["o"], o_cols, "in")
-        self.spec.set_attn_heads(self.attention(index), len(keep) * gs, len(keep), hd)
+        self._set_heads(index, len(keep) * gs, len(keep), hd)
 
     def slice_query_heads(self, index: int, keep_per_group) -> None:
         """Keep, inside every KV group ``g``, the query heads ``keep_per_group[g]``
@@ -241,8 +267,8 @@ class Adapter:
         geo = self.head_geometry(index)
         if "qkv" in self.attn_projections(index) or geo.group_size == 1:
             raise UnsupportedOperationError(
-                f"{self.family}: query-head pruning inside groups needs GQA/MQA "
-                "(prune whole heads instead)"
+                f"{self.family}: query-head pruning inside groups needs GQA/MQA with "
+                "separate q/k/v projections (prune whole heads instead)"
             )
         if len(keep_per_group) != geo.num_kv_heads:
             raise UnsupportedOperationError(
@@ -264,8 +290,40 @@ class Adapter:
         slice_linear(proj["q"], rows, "out")
         slice_linear(proj["o"], rows, "in")
         new_gs = counts.pop()
-        self.spec.set_attn_heads(self.attention(index), new_gs * geo.num_kv_heads,
-                                 geo.num_kv_heads, hd)
+        self._set_heads(index, new_gs * geo.num_kv_heads, geo.num_kv_heads, hd)
+
+    def _set_heads(self, index: int, heads: int, kv: int, hd: int) -> None:
+        """Write the new head counts into the attention module's attributes that hold
+        them (``FamilySpec.head_attributes``); a ``config.`` path gets the module a
+        config of its own, so the other blocks keep theirs."""
+        attn = self.attention(index)
+        values = {"heads": heads, "kv": kv, "groups": heads // kv, "width": heads * hd}
+        for path, quantity in self.spec.head_attributes.items():
+            owner_path, _, name = path.rpartition(".")
+            if owner_path == "config":
+                attn.config = copy.copy(attn.config)
+                setattr(attn.config, name, values[quantity])
+                continue
+            owner = _get(attn, owner_path) if owner_path else attn
+            if owner is not None and hasattr(owner, name):
+                setattr(owner, name, values[quantity])
+
+    def head_attribute_values(self, index: int) -> dict[str, dict[str, int]]:
+        """``{module path in the attention ("" = itself): {attribute: value}}`` for every
+        head attribute present (``config.<name>`` keys sit on the attention itself)."""
+        attn = self.attention(index)
+        found: dict[str, dict[str, int]] = {}
+        for path in self.spec.head_attributes:
+            owner_path, _, name = path.rpartition(".")
+            if owner_path == "config":  # read from its config, reported on the attention
+                owner_path, name = "", path
+                value = getattr(getattr(attn, "config", None), path[len("config."):], None)
+            else:
+                owner = _get(attn, owner_path) if owner_path else attn
+                value = getattr(owner, name, None)
+            if isinstance(value, int):
+                found.setdefault(owner_path, {})[name] = int(value)
+        return found
 
     def slice_ffn(self, index: int, keep) -> None:
         """Keep only the FFN channels ``keep`` of block ``index``."""
@@ -278,6 +336,8 @@ class Adapter:
         for role in ("gate", "up"):
             if role in proj:
                 slice_linear(proj[role], keep, "out")
+        if "gate_up" in proj:
+            slice_linear(proj["gate_up"], self.spec.gate_up_rows(keep, width), "out")
         slice_linear(proj["down"], keep, "in")
 
     # ------------------------------------------------------------------ config

@@ -21,13 +21,6 @@ def _derived_head_dim(cfg) -> int:
     return cfg.hidden_size // cfg.num_attention_heads
 
 
-def _set_llama_heads(attn, heads: int, kv: int, hd: int) -> None:
-    attn.num_key_value_groups = heads // kv
-    for name, value in (("num_heads", heads), ("num_key_value_heads", kv)):
-        if hasattr(attn, name):
-            setattr(attn, name, value)
-
-
 def _write_llama(cfg, geo, ffn: int) -> None:
     cfg.num_attention_heads = geo.num_heads
     cfg.num_key_value_heads = geo.num_kv_heads
@@ -56,22 +49,22 @@ def _neox_qkv_rows(keep, geo) -> torch.Tensor:
     return torch.cat([torch.arange(g * span, (g + 1) * span) for g in keep])
 
 
-def _set_gpt2_heads(attn, heads: int, kv: int, hd: int) -> None:
-    attn.num_heads = heads
-    attn.split_size = heads * hd
+def _grouped_qkv_rows(keep, geo) -> torch.Tensor:
+    """Rows of a fused ``[q; k; v]`` projection (Phi-3: all query heads, then the KV
+    heads' keys, then their values) that belong to KV groups ``keep``."""
+    hd, gs = geo.head_dim, geo.group_size
+    k0 = geo.num_heads * hd
+    v0 = k0 + geo.num_kv_heads * hd
+    parts = [torch.arange(g * gs * hd, (g + 1) * gs * hd) for g in keep]
+    parts += [torch.arange(start + g * hd, start + (g + 1) * hd)
+              for start in (k0, v0) for g in keep]
+    return torch.cat(parts)
 
 
-def _set_opt_heads(attn, heads: int, kv: int, hd: int) -> None:
-    attn.num_heads = heads
-
-
-def _set_bert_heads(attn, heads: int, kv: int, hd: int) -> None:
-    attn.self.num_attention_heads = heads
-    attn.self.all_head_size = heads * hd
-
-
-def _noop_heads(attn, heads: int, kv: int, hd: int) -> None:
-    return None
+def _halves_rows(keep: torch.Tensor, ffn: int) -> torch.Tensor:
+    """Rows of a fused ``[gate; up]`` projection (rows ``[0, ffn)`` gate, ``[ffn, 2 ffn)``
+    up, split by ``chunk(2)``) that belong to FFN channels ``keep``."""
+    return torch.cat([keep, keep + ffn])
 
 
 def _writer(heads_field: str, ffn_field: str) -> Callable:
@@ -81,9 +74,31 @@ def _writer(heads_field: str, ffn_field: str) -> Callable:
     return write
 
 
+# Projection roles in execution order, grouped by the tensor they read: q/k/v (or a fused
+# qkv) read the normed hidden state, o the attention mix, gate/up (or a fused gate_up) the
+# MLP input, down the activated channels.
+INPUT_GROUPS: tuple[tuple[str, ...], ...] = (("q", "k", "v", "qkv"), ("o",),
+                                             ("gate", "up", "gate_up"), ("down",))
+
+# Head-count quantities an attention module may store (see FamilySpec.head_attributes).
+HEAD_QUANTITIES = ("heads", "kv", "groups", "width")
+
+
 @dataclass(frozen=True)
 class FamilySpec:
-    """Where one architecture family keeps its parts, and how its config names shapes."""
+    """Where one architecture family keeps its parts, and how its config names shapes.
+
+    Roles: ``attn_proj`` has ``q, k, v, o`` or a fused ``qkv, o``; ``mlp_proj`` has
+    ``gate, up, down``, ``up, down`` or a fused ``gate_up, down``.
+    ``head_attributes`` maps attribute paths on the attention module to the quantity they
+    hold (``heads``, ``kv`` heads, query ``groups`` per KV head, ``width`` = heads x
+    head_dim); slicing heads rewrites the ones present. A path ``config.<name>`` means the
+    attention reads it from its config: the module gets a config of its own.
+    ``post_norms``: block norms applied to the MLP output before the residual add.
+    ``cache_kwargs``: keyword arguments that carry a KV cache (the runner passes ``None``).
+    ``fused_qkv_rows(keep, geo)`` / ``gate_up_rows(keep, ffn)``: rows of a fused
+    projection that belong to the kept KV groups / FFN channels.
+    """
 
     name: str
     model_types: tuple[str, ...]
@@ -96,14 +111,26 @@ class FamilySpec:
     mlp_proj: dict[str, str]
     norms: tuple[str, ...]
     head_dim: Callable
-    set_attn_heads: Callable
     write_config: Callable
+    head_attributes: dict[str, str] = field(default_factory=dict)
     heads_representable: Callable = field(default=lambda cfg, geo: None)
     fused_qkv_rows: Callable | None = None
+    gate_up_rows: Callable | None = None
+    post_norms: tuple[str, ...] = ()
+    cache_kwargs: tuple[str, ...] = ("cache",)
     encoder: bool = False
     # modules whose output is the attention / MLP residual branch (zeroing it ablates it)
     attn_branch: str = ""
     mlp_branch: str = ""
+
+    def __post_init__(self) -> None:
+        bad = {k: q for k, q in self.head_attributes.items() if q not in HEAD_QUANTITIES}
+        if bad:
+            raise ValueError(f"{self.name}: head_attributes {bad} not in {HEAD_QUANTITIES}")
+        for role, rows in (("qkv", self.fused_qkv_rows), ("gate_up", self.gate_up_rows)):
+            if (role in {**self.attn_proj, **self.mlp_proj}) != (rows is not None):
+                raise ValueError(f"{self.name}: a fused {role} role and its rows function "
+                                 "go together")
 
 
 LLAMA = FamilySpec(
@@ -116,7 +143,25 @@ LLAMA = FamilySpec(
     mlp_proj={"gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
     norms=("input_layernorm", "post_attention_layernorm",
            "pre_feedforward_layernorm", "post_feedforward_layernorm"),
-    head_dim=_llama_head_dim, set_attn_heads=_set_llama_heads, write_config=_write_llama,
+    head_dim=_llama_head_dim, write_config=_write_llama,
+    head_attributes={"num_heads": "heads", "num_key_value_heads": "kv",
+                     "num_key_value_groups": "groups"},
+    post_norms=("post_feedforward_layernorm",),  # gemma2 / gemma3
+    attn_branch="self_attn", mlp_branch="mlp",
+)
+
+PHI3 = FamilySpec(
+    name="phi3", model_types=("phi3",),
+    blocks="layers", embed="embed_tokens", final_norm="norm",
+    attn="self_attn", mlp="mlp",
+    attn_proj={"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj"},
+    mlp_proj={"gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj"},
+    norms=("input_layernorm", "post_attention_layernorm"),
+    head_dim=_llama_head_dim, write_config=_write_llama,
+    # Phi3Attention splits qkv at config.num_attention_heads * head_dim
+    head_attributes={"num_key_value_heads": "kv", "num_key_value_groups": "groups",
+                     "config.num_attention_heads": "heads"},
+    fused_qkv_rows=_grouped_qkv_rows, gate_up_rows=_halves_rows,
     attn_branch="self_attn", mlp_branch="mlp",
 )
 
@@ -126,8 +171,8 @@ GPT2 = FamilySpec(
     attn_proj={"qkv": "attn.c_attn", "o": "attn.c_proj"},
     mlp_proj={"up": "mlp.c_fc", "down": "mlp.c_proj"},
     norms=("ln_1", "ln_2"),
-    head_dim=_derived_head_dim, set_attn_heads=_set_gpt2_heads,
-    write_config=_writer("n_head", "n_inner"),
+    head_dim=_derived_head_dim, write_config=_writer("n_head", "n_inner"),
+    head_attributes={"num_heads": "heads", "split_size": "width"}, cache_kwargs=(),
     heads_representable=_derived_representable("gpt2"), fused_qkv_rows=_gpt2_qkv_rows,
     attn_branch="attn", mlp_branch="mlp",
 )
@@ -139,9 +184,10 @@ GPT_NEOX = FamilySpec(
     attn_proj={"qkv": "attention.query_key_value", "o": "attention.dense"},
     mlp_proj={"up": "mlp.dense_h_to_4h", "down": "mlp.dense_4h_to_h"},
     norms=("input_layernorm", "post_attention_layernorm"),
-    head_dim=_derived_head_dim, set_attn_heads=_noop_heads,
+    head_dim=_derived_head_dim,
     write_config=_writer("num_attention_heads", "intermediate_size"),
     heads_representable=_derived_representable("gpt_neox"), fused_qkv_rows=_neox_qkv_rows,
+    cache_kwargs=("layer_past",),
     attn_branch="attention", mlp_branch="mlp",
 )
 
@@ -153,8 +199,8 @@ OPT = FamilySpec(
                "v": "self_attn.v_proj", "o": "self_attn.out_proj"},
     mlp_proj={"up": "fc1", "down": "fc2"},
     norms=("self_attn_layer_norm", "final_layer_norm"),
-    head_dim=_derived_head_dim, set_attn_heads=_set_opt_heads,
-    write_config=_writer("num_attention_heads", "ffn_dim"),
+    head_dim=_derived_head_dim, write_config=_writer("num_attention_heads", "ffn_dim"),
+    head_attributes={"num_heads": "heads"},
     heads_representable=_derived_representable("opt"),
     attn_branch="self_attn", mlp_branch="fc2",
 )
@@ -167,14 +213,15 @@ BERT = FamilySpec(
                "v": "attention.self.value", "o": "attention.output.dense"},
     mlp_proj={"up": "intermediate.dense", "down": "output.dense"},
     norms=("attention.output.LayerNorm", "output.LayerNorm"),
-    head_dim=_derived_head_dim, set_attn_heads=_set_bert_heads,
+    head_dim=_derived_head_dim,
     write_config=_writer("num_attention_heads", "intermediate_size"),
+    head_attributes={"self.num_attention_heads": "heads", "self.all_head_size": "width"},
     heads_representable=_derived_representable("bert"), encoder=True,
     # post-LN: zeroing these leaves LayerNorm(residual) in place of LayerNorm(residual + f)
     attn_branch="attention.output.dense", mlp_branch="output.dense",
 )
 
-FAMILIES: tuple[FamilySpec, ...] = (LLAMA, GPT2, GPT_NEOX, OPT, BERT)
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT)
 
 
 def family_for_model_type(model_type: str | None) -> FamilySpec | None:

@@ -22,12 +22,10 @@ from prunelab.errors import UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.pruning.lstsq import NormalEquations
 
-POST_NORMS = ("post_feedforward_layernorm",)
-
 
 def check_additive(adapter, index: int, recovery: str) -> None:
     """Refuse folding into blocks whose branches pass through a norm before the residual."""
-    if adapter.is_encoder or any(n in adapter.norms(index) for n in POST_NORMS):
+    if adapter.is_encoder or adapter.mlp_post_normed(index):
         raise UnsupportedOperationError(
             f"{recovery} recovery needs MLP outputs added straight to the residual stream; "
             f"{adapter.config.model_type} normalises them (use ghost or lra)")
