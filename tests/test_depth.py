@@ -24,7 +24,6 @@ from prunelab.pruning import (
     Depth,
     Ghost,
     Lra,
-    OneShot,
     depth_from_cli,
 )
 from prunelab.pruning import selection as sel
