@@ -165,3 +165,31 @@ def test_width_conformance(arch, cfg, tmp_path):
             else:
                 assert (b["heads_after"], b["kv_heads_after"]) == ((2, 1) if gqa else (2, 2))
     _save_reload_rebuild(lm, rep, cfg, arch, tmp_path)
+
+
+def test_every_registered_piece_documents_its_options_for_the_cli():
+    """Each registered strategy, recovery, width score and allocation has a one-line help
+    (its docstring) and every field a help text in its metadata; the flat options of one
+    registry never clash (one flag, one meaning)."""
+    import dataclasses
+
+    from prunelab.pruning import RECOVERIES, STRATEGIES
+    from prunelab.pruning.options import flat_options
+    from prunelab.pruning.width import WIDTH_ALLOCATIONS, WIDTH_SCORES
+
+    for registry in (STRATEGIES, RECOVERIES, WIDTH_SCORES, WIDTH_ALLOCATIONS):
+        for name in registry:
+            cls = registry.get(name)
+            assert cls.__doc__ and "\n" not in cls.__doc__.strip(), (name, cls.__doc__)
+            for f in dataclasses.fields(cls):
+                assert f.metadata.get("help"), (name, f.name)
+        for flag, opt in flat_options(registry).items():
+            assert opt.help and opt.owners, flag
+    opts = flat_options(STRATEGIES)
+    assert sorted(opts) == ["beam_score", "beam_seeds", "beam_width", "blend_probe"]
+    assert (opts["beam_width"].default, opts["beam_width"].help) == (3, "beam: width")
+    assert opts["blend_probe"].owners == {"blend": "probe"}
+    assert flat_options(RECOVERIES)["token_aware"].owners == {"ghost": "token_aware",
+                                                              "lra": "token_aware"}
+    assert sorted(flat_options(WIDTH_SCORES)) == ["ablation_samples", "channel_group",
+                                                  "outlier_z", "putri_per_round"]

@@ -633,3 +633,19 @@ def test_gemma3_query_heads_and_minilm_ffn_prune_save_and_reload(tmp_path):
         ids = calib.input_ids[:1, :32]
         torch.testing.assert_close(out_of(again, ids), out_of(lm.model, ids), rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_masks_are_restored_into_the_weight_the_module_holds_at_exit():
+    """Offloading moves a block between devices inside the mask, which replaces its
+    weight's storage: the saved columns go back into the weight the module holds then."""
+    from transformers.pytorch_utils import Conv1D
+
+    from prunelab.pruning.width.ablation import Unit, masked
+
+    torch.manual_seed(0)
+    conv = Conv1D(3, 4)  # gpt2's linear: weight stored [d_in, d_out], masked via a view
+    w0 = conv.weight.detach().clone()
+    with masked([Unit(0, conv, torch.tensor([1, 3]))]):
+        assert conv.weight[[1, 3]].abs().sum() == 0 and conv.weight[0].abs().sum() > 0
+        conv.to(torch.float64).to(torch.float32)  # new storage, as a device round trip does
+    assert torch.equal(conv.weight.detach(), w0)

@@ -160,6 +160,27 @@ def _set_consumer(module, w_new, db) -> None:
             module.bias.add_(db.to(module.bias.dtype).to(module.bias.device))
 
 
+def _new_consumer(cfg: Width, runner: BlockRunner, i: int, name: str, module, keep,
+                  inputs, stats, done: dict):
+    """The consumer's weight over its kept input columns and a bias change (or ``None``):
+    refitted on the pruned stream's ``inputs`` when given, else sliced (with FLAP's bias
+    compensation from the dense input means where the consumer has a bias)."""
+    w = weight_out_in(module).detach().clone()
+    has_b = getattr(module, "bias", None) is not None
+    if inputs is not None:
+        accs = runner.collect(i, inputs, {name: module}, lambda n: [Gram(), MeanVar()])[name]
+        w_new, db = S.refit_consumer(w, accs[0].xtx, keep, accs[1].s1 if has_b else None,
+                                     accs[0].tokens, damp=cfg.damp)
+        done["least_squares"].append(f"{i}:{name}")
+        return w_new, db
+    if has_b and cfg.bias_compensation and stats and name in stats[i]:
+        kept = set(keep.tolist())
+        removed = torch.tensor([c for c in range(w.shape[1]) if c not in kept])
+        done["bias"].append(f"{i}:{name}")
+        return w[:, keep], S.flap_bias(w, removed, stats[i][name][1].mean())
+    return w[:, keep], None
+
+
 def apply_plans(lm, cfg: Width, runner: BlockRunner, plans, stats) -> dict:
     """Slice every block by its plan. With ``cfg.compensate``: block by block on the pruned
     stream, gather ``X^T X`` (and ``sum X``) of the consumer's full input, slice, refit.
@@ -169,34 +190,18 @@ def apply_plans(lm, cfg: Width, runner: BlockRunner, plans, stats) -> dict:
 
     def one(i, inputs):
         p = plans[i]
-        jobs = [("o", _consumer_keep(ad, i, p), lambda: _slice_attention(ad, i, p),
-                 ad.attn_projections(i)["o"])]
         ffn_keep = torch.tensor(p.ffn) if p.ffn is not None and len(p.ffn) < \
             ad.ffn_width(i) else None
-        jobs.append(("down", ffn_keep, lambda: ad.slice_ffn(i, p.ffn),
-                     ad.mlp_projections(i)["down"]))
+        jobs = [("o", _consumer_keep(ad, i, p), lambda: _slice_attention(ad, i, p),
+                 ad.attn_projections(i)["o"]),
+                ("down", ffn_keep, lambda: ad.slice_ffn(i, p.ffn),
+                 ad.mlp_projections(i)["down"])]
         for name, keep, do_slice, module in jobs:
-            if keep is None:
-                continue
-            w = weight_out_in(module).detach().clone()
-            width = w.shape[1]
-            has_b = getattr(module, "bias", None) is not None
-            kept = set(keep.tolist())
-            removed = torch.tensor([c for c in range(width) if c not in kept])
-            if inputs is not None:
-                accs = runner.collect(i, inputs, {name: module},
-                                      lambda n: [Gram(), MeanVar()])[name]
-                w_new, db = S.refit_consumer(w, accs[0].xtx, keep,
-                                             accs[1].s1 if has_b else None, accs[0].tokens,
-                                             damp=cfg.damp)
-                done["least_squares"].append(f"{i}:{name}")
-            else:
-                w_new, db = w[:, keep], None
-                if has_b and cfg.bias_compensation and stats and name in stats[i]:
-                    db = S.flap_bias(w, removed, stats[i][name][1].mean())
-                    done["bias"].append(f"{i}:{name}")
-            do_slice()  # the adapter slices the consumer together with its producers
-            _set_consumer(module, w_new, db)
+            if keep is not None:
+                w_new, db = _new_consumer(cfg, runner, i, name, module, keep, inputs, stats,
+                                          done)
+                do_slice()  # the adapter slices the consumer together with its producers
+                _set_consumer(module, w_new, db)
 
     if cfg.compensate:
         runner.run(on_block=one, propagate="modified", desc="width compensation")
