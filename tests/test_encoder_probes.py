@@ -69,8 +69,8 @@ def test_depth_pruning_bert_reports_the_encoder_divergence():
     assert lm.adapter.num_blocks == 3 and lm.model.config.num_hidden_layers == 3
     # closed-form folding needs additive residual branches: refused for post-LN BERT
     with pytest.raises(UnsupportedOperationError, match="ghost or lra"):
-        prunelab.prune(wrap(copy.deepcopy(dense)), Depth(remove=1, recovery="foldable",
-                                                          blocks=(2,)), CALIB, batch_size=2)
+        prunelab.prune(wrap(copy.deepcopy(dense)), Depth(recovery="foldable", blocks=(2,)),
+                       CALIB, batch_size=2)
     ghost = wrap(copy.deepcopy(dense), char_tokenizer())
     rep = prunelab.prune(ghost, Depth(blocks=(2,), recovery="ghost"), CALIB, batch_size=2)
     assert rep["calib_kl_after_recovery"] < rep["calib_kl_before_recovery"]

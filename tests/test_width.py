@@ -16,8 +16,21 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
-from prunelab.pruning.width import from_dict, to_dict
+from prunelab.pruning import METHODS
+from prunelab.pruning.width import (
+    WIDTH_ALLOCATIONS,
+    WIDTH_SCORES,
+    AblationKL,
+    CoCurve,
+    Global,
+    MagnitudeProfile,
+    Putri,
+    Uniform,
+    WandaSP,
+    width_from_cli,
+)
 from prunelab.pruning.width import scores as S
+from prunelab.registry import to_dict
 
 from tiny_models import char_tokenizer, tiny_config, tiny_model, tiny_tokens
 
@@ -46,7 +59,7 @@ def out_of(model, ids=IDS):
 def test_config_round_trip_and_validation():
     cfg = Width(unit="heads", score="ablation-kl", ratio=0.25, allocation="global",
                 heads="query", compensate=True, round_to=16)
-    assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+    assert METHODS.from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
     with pytest.raises(ConfigError, match="exactly one"):
         Width(unit="ffn")
     with pytest.raises(ConfigError, match="ratio must be in"):
@@ -57,6 +70,126 @@ def test_config_round_trip_and_validation():
         Width(unit="joint", score="cocurve", ratio=0.2)
     with pytest.raises(ConfigError, match="score for unit ffn"):
         Width(unit="ffn", score="cocurve", ratio=0.2)
+
+
+def test_scores_and_allocations_are_registered_configs():
+    assert WIDTH_SCORES.names() == ["wanda-sp", "magnitude-profile", "flap", "ablation-kl",
+                                    "putri", "cocurve"]
+    assert WIDTH_ALLOCATIONS.names() == ["uniform", "global"]
+    typed = Width(unit="ffn", score=WandaSP(), ratio=0.2, allocation=Uniform())
+    assert Width(unit="ffn", score="wanda-sp", ratio=0.2) == typed
+    cfg = Width(unit="joint", score=CoCurve(samples=2, channel_group=16), ratio=0.3,
+                allocation=Global())
+    d = to_dict(cfg)
+    assert d["score"] == {"name": "cocurve", "samples": 2, "channel_group": 16}
+    assert d["allocation"] == {"name": "global"}
+    assert METHODS.from_dict(json.loads(json.dumps(d))) == cfg
+    assert METHODS.from_dict({"name": "width", "unit": "heads", "score": "putri",
+                              "ratio": 0.5}).score == Putri(per_round=1)
+    with pytest.raises(ConfigError, match="'samples'.*valid options: per_round"):
+        METHODS.from_dict({"name": "width", "ratio": 0.5, "score": {"name": "putri",
+                                                                    "samples": 2}})
+    for make, message in ((lambda: AblationKL(samples=0), "ablation_samples"),
+                          (lambda: MagnitudeProfile(outlier_z=-1.0), "outlier_z"),
+                          (lambda: Putri(per_round=0), "putri_per_round"),
+                          (lambda: Width(unit="heads", heads="query", score="putri",
+                                         ratio=0.5), "--heads groups"),
+                          (lambda: Width(unit="ffn", score="nope", ratio=0.5),
+                           "score for unit ffn must be one of wanda-sp, magnitude-profile, "
+                           "flap, ablation-kl, putri, got 'nope'")):
+        with pytest.raises(ConfigError, match=message):
+            make()
+
+
+def test_width_from_cli_maps_flat_options_and_refuses_foreign_ones():
+    cfg = width_from_cli(unit="ffn", score="ablation-kl", ratio=0.3, ablation_samples=2,
+                         channel_group=16, allocation="global", compensate=True,
+                         bias_compensation=True, round_to=8, damp=1.0)
+    assert cfg == Width(unit="ffn", score=AblationKL(samples=2, channel_group=16), ratio=0.3,
+                        allocation="global", compensate=True)
+    assert width_from_cli(unit="heads", score="putri", ratio=0.5, putri_per_round=2).score \
+        == Putri(per_round=2)
+    assert width_from_cli(ratio=0.3, ablation_samples=None, channel_group=None) == \
+        Width(ratio=0.3)
+    for flat, message in (
+            ({"channel_group": 16}, "--channel-group applies to --score ablation-kl or "
+                                    "cocurve only"),
+            ({"score": "flap", "outlier_z": 2.0}, "--outlier-z applies to --score "
+                                                  "magnitude-profile only"),
+            ({"unit": "heads", "score": "cocurve"}, "score for unit heads"),
+            ({"ablation_sample": 2}, "no option 'ablation_sample'")):
+        with pytest.raises(ConfigError, match=message):
+            width_from_cli(ratio=0.3, **flat)
+
+
+def _manual_kl(model, ids, module, cols):
+    """KL(dense || masked) per token, float64, by masking the weight and running the whole
+    model (the definition ablation-kl implements block by block)."""
+    with torch.no_grad():
+        p = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
+        w = weight_out_in(module)
+        saved = w[:, cols].clone()
+        w[:, cols] = 0
+        q = torch.log_softmax(model(input_ids=ids).logits.double(), -1)
+        w[:, cols] = saved
+    return float((p.exp() * (p - q)).sum(-1).mean()), -(q - p)[:, :-1].gather(
+        -1, ids[:, 1:, None]).squeeze(-1).reshape(-1)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_ablation_through_the_runner_equals_whole_model_masking(offload):
+    from prunelab.pruning.width.ablation import Unit, ablation_kl, loss_deltas
+
+    lm = loaded("llama")
+    if offload:  # the offload path (weights stay on the CPU, blocks visit the "device")
+        lm.offload_to = torch.device("cpu")
+    before = {k: v.clone() for k, v in lm.model.state_dict().items()}
+    ad = lm.adapter
+    units = [Unit(1, ad.attn_projections(1)["o"], torch.arange(0, 16)),
+             Unit(3, ad.mlp_projections(3)["down"], torch.tensor([5, 7, 40])),
+             Unit(0, ad.mlp_projections(0)["down"], torch.arange(24))]
+    ids = IDS[:4]
+    kl = ablation_kl(lm, ids, units, batch_size=3)
+    deltas = loss_deltas(lm, ids, units, batch_size=3)
+    for u, unit in enumerate(units):
+        want_kl, want_delta = _manual_kl(lm.model, ids, unit.module, unit.cols)
+        assert float(kl[u]) == pytest.approx(want_kl, rel=1e-6)
+        torch.testing.assert_close(deltas[u], want_delta, rtol=1e-6, atol=1e-9)
+    assert kl.dtype == torch.float64 and bool((kl > 0).all())
+    for k, v in lm.model.state_dict().items():  # every mask was restored
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_width_score_registered_from_outside():
+    """A score written in this file (|W| column sums times a seeded random per-column
+    scale) runs through prunelab.prune and removes exactly the channels it ranks lowest."""
+    from dataclasses import dataclass
+
+    from prunelab.pruning.width import ColumnScore
+
+    @WIDTH_SCORES.register("scaled-magnitude")
+    @dataclass(frozen=True)
+    class ScaledMagnitude(ColumnScore):
+        seed: int = 0
+
+        def columns(self, w, accs, job):
+            g = torch.Generator().manual_seed(self.seed)
+            return w.double().abs().sum(0) * torch.rand(w.shape[1], generator=g,
+                                                        dtype=torch.float64)
+
+    try:
+        dense = tiny_model("llama")
+        lm, rep = run("llama", Width(unit="ffn", score=ScaledMagnitude(seed=3), ratio=0.3),
+                      copy.deepcopy(dense))
+        ad = get_adapter(dense)
+        for b in rep["blocks"]:
+            w = weight_out_in(ad.mlp_projections(b["block"])["down"]).detach()
+            g = torch.Generator().manual_seed(3)
+            s = w.double().abs().sum(0) * torch.rand(48, generator=g, dtype=torch.float64)
+            assert b["removed_channels"] == sorted(torch.argsort(s)[:16].tolist())
+        assert rep["score"] == "scaled-magnitude"
+    finally:
+        WIDTH_SCORES.unregister("scaled-magnitude")
 
 
 # ---------------------------------------------------------------- exact maths
@@ -134,9 +267,8 @@ def test_cocurve_qp_meets_budget_and_beats_diagonal_selection():
 
 
 def test_cocurve_end_to_end_meets_budget():
-    lm, rep = run("llama", Width(unit="joint", score="cocurve", ratio=0.3,
-                                 allocation="global", channel_group=16,
-                                 ablation_samples=2))
+    lm, rep = run("llama", Width(unit="joint", score=CoCurve(samples=2, channel_group=16),
+                                 ratio=0.3, allocation="global"))
     assert rep["removed_params"] >= rep["budget_params"] * 0.9
     ad = lm.adapter
     assert all(ad.ffn_width(i) % 8 == 0 and ad.head_geometry(i).num_kv_heads >= 1
@@ -299,22 +431,23 @@ def test_target_params():
     ("llama", Width(unit="heads", score="putri", ratio=0.5)),
     ("gpt2", Width(unit="heads", score="putri", ratio=0.25, allocation="global")),
     ("opt", Width(unit="ffn", score="putri", ratio=0.3, compensate=True)),
-    ("gemma3_text", Width(unit="ffn", score="ablation-kl", ratio=0.3, channel_group=16)),
+    ("gemma3_text", Width(unit="ffn", score=AblationKL(channel_group=16), ratio=0.3)),
     ("qwen2", Width(unit="heads", heads="query", score="wanda-sp", ratio=0.5,
                     compensate=True)),
     ("gpt_neox", Width(unit="ffn", score="magnitude-profile", ratio=0.3)),
-], ids=lambda v: v if isinstance(v, str) else f"{v.unit}-{v.score}-{v.allocation}")
+], ids=lambda v: v if isinstance(v, str) else
+    f"{v.unit}-{v.score_name}-{v.allocation_name}")
 def test_scores_prune_to_budget(arch, cfg):
     lm, rep = run(arch, cfg)
     assert rep["removed_params"] > 0
-    if cfg.allocation == "uniform":
+    if cfg.allocation.uniform:
         shapes = {(b["heads_after"], b["kv_heads_after"], b["ffn_after"])
                   for b in rep["blocks"]}
         assert len(shapes) == 1
     else:
         assert rep["removed_params"] >= rep["budget_params"]
     assert torch.isfinite(out_of(lm.model)).all()
-    if cfg.score == "putri" and cfg.unit == "heads":
+    if isinstance(cfg.score, Putri) and cfg.unit == "heads":
         assert len(rep["putri_rounds"]) == len([g for b in rep["blocks"]
                                                 for g in b["removed_groups"]])
 
@@ -500,3 +633,19 @@ def test_gemma3_query_heads_and_minilm_ffn_prune_save_and_reload(tmp_path):
         ids = calib.input_ids[:1, :32]
         torch.testing.assert_close(out_of(again, ids), out_of(lm.model, ids), rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_masks_are_restored_into_the_weight_the_module_holds_at_exit():
+    """Offloading moves a block between devices inside the mask, which replaces its
+    weight's storage: the saved columns go back into the weight the module holds then."""
+    from transformers.pytorch_utils import Conv1D
+
+    from prunelab.pruning.width.ablation import Unit, masked
+
+    torch.manual_seed(0)
+    conv = Conv1D(3, 4)  # gpt2's linear: weight stored [d_in, d_out], masked via a view
+    w0 = conv.weight.detach().clone()
+    with masked([Unit(0, conv, torch.tensor([1, 3]))]):
+        assert conv.weight[[1, 3]].abs().sum() == 0 and conv.weight[0].abs().sum() > 0
+        conv.to(torch.float64).to(torch.float32)  # new storage, as a device round trip does
+    assert torch.equal(conv.weight.detach(), w0)

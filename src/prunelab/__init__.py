@@ -7,17 +7,38 @@ Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`prune`, :func:`e
 __version__ = "0.1.0"
 
 from prunelab.pruning import (  # noqa: E402
+    Beam,
+    Blend,
+    Boundary,
     Depth,
+    Foldable,
+    Ghost,
+    Iterative,
+    LastN,
+    Lra,
     Magnitude,
+    NoAdjacent,
+    NoRecovery,
+    OneShot,
     Owl,
     Pals,
     QKWanda,
     Ramp,
+    Random,
     Rose,
+    Span,
     SparseGPT,
     Uniform,
     Wanda,
     Width,
+)
+from prunelab.pruning.width import (  # noqa: E402
+    AblationKL,
+    CoCurve,
+    Flap,
+    MagnitudeProfile,
+    Putri,
+    WandaSP,
 )
 
 # isort: split
@@ -27,7 +48,9 @@ from prunelab.errors import PrunelabError  # noqa: E402
 from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
 
-__all__ = ["BlockRunner", "Depth", "LoadedModel", "Magnitude", "Owl", "Pals", "PrunelabError",
-           "QKWanda", "Ramp", "Rose", "SparseGPT", "StateStore", "Uniform", "Wanda", "Width",
-           "evaluate", "get_adapter", "info", "load", "probe", "prune", "save", "wrap",
-           "__version__"]
+__all__ = ["AblationKL", "Beam", "Blend", "BlockRunner", "Boundary", "CoCurve", "Depth", "Flap",
+           "Foldable", "Ghost", "Iterative", "LastN", "LoadedModel", "Lra", "Magnitude",
+           "MagnitudeProfile", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals",
+           "PrunelabError", "Putri", "QKWanda", "Ramp", "Random", "Rose", "Span", "SparseGPT",
+           "StateStore", "Uniform", "Wanda", "WandaSP", "Width", "evaluate", "get_adapter",
+           "info", "load", "probe", "prune", "save", "wrap", "__version__"]

@@ -70,10 +70,13 @@ def prune_depth_cmd(
                                          "map for the first position"),
         blocks: Optional[str] = typer.Option(None, help="explicit 0-based blocks, e.g. 3,5"),
         window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
-        blend_probe: str = typer.Option("contraction", help="blend: the second probe"),
-        beam_width: int = typer.Option(3, help="beam: width"),
-        beam_seeds: int = typer.Option(12, help="beam: candidate blocks"),
-        beam_score: str = typer.Option("kl", help="beam: kl or perplexity"),
+        blend_probe: Optional[str] = typer.Option(None, help="blend: the second probe "
+                                                  "(default contraction)"),
+        beam_width: Optional[int] = typer.Option(None, help="beam: width (default 3)"),
+        beam_seeds: Optional[int] = typer.Option(None, help="beam: candidate blocks "
+                                                 "(default 12)"),
+        beam_score: Optional[str] = typer.Option(None, help="beam: kl or perplexity "
+                                                 "(default kl)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling / random strategy seed"),
@@ -83,13 +86,14 @@ def prune_depth_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
-    from prunelab.pruning import Depth
+    from prunelab.pruning import depth_from_cli
 
-    cfg = Depth(remove=remove, target_params=target_params, probe=probe_name,
-                from_probe=str(from_probe) if from_probe else None, strategy=strategy,
-                recovery=recovery, rank=rank, token_aware=token_aware, blocks=parse_blocks(blocks),
-                window=window, blend_probe=blend_probe, beam_width=beam_width,
-                beam_seeds=beam_seeds, beam_score=beam_score, seed=seed)
+    cfg = depth_from_cli(remove=remove, target_params=target_params, probe=probe_name,
+                         from_probe=str(from_probe) if from_probe else None,
+                         strategy=strategy, recovery=recovery, rank=rank,
+                         token_aware=token_aware, blocks=parse_blocks(blocks), window=window,
+                         blend_probe=blend_probe, beam_width=beam_width,
+                         beam_seeds=beam_seeds, beam_score=beam_score, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
@@ -224,9 +228,10 @@ def prune_width_cmd(
         round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
         damp: float = typer.Option(1.0, help="refit ridge (times mean diag of X^T X), "
                                    "shrinking towards plain slicing"),
-        ablation_samples: int = typer.Option(4, help="windows for ablation-kl / putri / "
-                                             "cocurve"),
-        channel_group: int = typer.Option(64, help="FFN channels per ablation / cocurve unit"),
+        ablation_samples: Optional[int] = typer.Option(None, help="windows for ablation-kl "
+                                                       "/ cocurve (default 4)"),
+        channel_group: Optional[int] = typer.Option(None, help="FFN channels per ablation / "
+                                                    "cocurve unit (default 64)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling seed"),
@@ -237,12 +242,13 @@ def prune_width_cmd(
         offload: bool = OffloadOpt):
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks)."""
-    from prunelab.pruning import Width
+    from prunelab.pruning import width_from_cli
 
-    cfg = Width(unit=unit, score=score, ratio=ratio, target_params=target_params,
-                allocation=allocation, heads=heads, compensate=compensate,
-                bias_compensation=not no_bias_compensation, round_to=round_to, damp=damp,
-                ablation_samples=ablation_samples, channel_group=channel_group)
+    cfg = width_from_cli(unit=unit, score=score, ratio=ratio, target_params=target_params,
+                         allocation=allocation, heads=heads, compensate=compensate,
+                         bias_compensation=not no_bias_compensation, round_to=round_to,
+                         damp=damp, ablation_samples=ablation_samples,
+                         channel_group=channel_group)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

@@ -32,7 +32,6 @@ from prunelab.errors import ConfigError
 from prunelab.registry import Registry, check_range, strict_kwargs, to_dict  # noqa: F401
 
 PROBES = Registry("probe")
-REGISTRY = PROBES  # former name (``name in REGISTRY``, iteration) kept for old callers
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
 """Pruning methods: one verb, dispatched on a typed config.
 
 ``prunelab.prune(model, Depth(remove=6, probe="block-influence", recovery="foldable"),
-data)``. Each method is a frozen dataclass config registered in :data:`METHODS` plus a
+data)``, ``prunelab.prune(model, Width(unit="ffn", score=WandaSP(), ratio=0.2), data)``.
+Each method is a frozen dataclass config registered in :data:`METHODS` plus a
 :class:`~prunelab.pruning.base.Pruner` registered for its type (see
-:mod:`prunelab.pruning.base`).
+:mod:`prunelab.pruning.base`). Depth's selection strategies and recoveries, and width's
+scores and allocations, are registered configs too (:data:`STRATEGIES`,
+:data:`RECOVERIES`, :data:`WIDTH_SCORES`, :data:`WIDTH_ALLOCATIONS`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ from prunelab.pruning.base import (
     pruner_for,
     register_pruner,
 )
-from prunelab.pruning.depth import Depth
+from prunelab.pruning.depth import Depth, depth_from_cli
+from prunelab.pruning.recoveries import (
+    RECOVERIES,
+    Boundary,
+    Foldable,
+    Ghost,
+    Lra,
+    NoRecovery,
+    Recovery,
+)
 from prunelab.pruning.sparsity.config import (
     Magnitude,
     Owl,
@@ -31,24 +43,34 @@ from prunelab.pruning.sparsity.config import (
     Uniform,
     Wanda,
 )
-from prunelab.pruning.width.config import Width
+from prunelab.pruning.strategies import (
+    STRATEGIES,
+    Beam,
+    Blend,
+    Iterative,
+    LastN,
+    NoAdjacent,
+    OneShot,
+    Random,
+    Span,
+    Strategy,
+)
+from prunelab.pruning.surgery import DepthPruner, DepthReport  # registers Depth's pruner
+from prunelab.pruning.width import (
+    WIDTH_ALLOCATIONS,
+    WIDTH_SCORES,
+    Width,
+    WidthAllocation,
+    WidthScore,
+    width_from_cli,
+)
+from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
 
-for _name, _cls in (("depth", Depth), ("width", Width), ("magnitude", Magnitude),
+for _name, _cls in (("magnitude", Magnitude),
                     ("wanda", Wanda), ("sparsegpt", SparseGPT), ("rose", Rose),
                     ("qk-wanda", QKWanda)):
     if _name not in METHODS:
         METHODS.register(_name)(_cls)
-
-
-@register_pruner(Depth)
-class _DepthPruner(Pruner):
-    operation = "prune-depth"
-
-    def run(self, lm, config, input_ids, *, batch_size):
-        from prunelab.pruning.surgery import prune_depth
-
-        rep = prune_depth(lm, config, input_ids, batch_size=batch_size)
-        return DictReport(rep, history_keys=("removed_blocks", "recovery"))
 
 
 @register_pruner(SparsityConfig)
@@ -62,22 +84,11 @@ class _SparsityPruner(Pruner):
         return DictReport(rep, history_keys=("achieved_sparsity",))
 
 
-@register_pruner(Width)
-class _WidthPruner(Pruner):
-    operation = "prune-width"
-
-    def precheck(self, lm, config):
-        from prunelab.pruning.width.execute import check_width
-
-        check_width(lm, config)
-
-    def run(self, lm, config, input_ids, *, batch_size):
-        from prunelab.pruning.width.execute import prune_width
-
-        rep = prune_width(lm, config, input_ids, batch_size=batch_size)
-        return DictReport(rep, history_keys=("removed_params",))
-
-
-__all__ = ["METHODS", "Depth", "DictReport", "Magnitude", "MethodReport", "Owl", "Pals",
-           "PruneReport", "Pruner", "QKWanda", "Ramp", "Rose", "SparseGPT", "Uniform",
-           "Wanda", "Width", "config_from_dict", "pruner_for", "register_pruner"]
+__all__ = ["METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS", "WIDTH_SCORES", "Beam",
+           "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport", "DictReport",
+           "Foldable", "Ghost", "Iterative", "LastN", "Lra", "Magnitude", "MethodReport",
+           "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport", "Pruner",
+           "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT", "Span", "Strategy",
+           "Uniform", "Wanda", "Width", "WidthAllocation", "WidthPruner", "WidthReport",
+           "WidthScore", "config_from_dict", "depth_from_cli", "pruner_for",
+           "register_pruner", "width_from_cli"]

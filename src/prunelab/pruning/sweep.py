@@ -37,7 +37,7 @@ from prunelab.io.save import write_json
 from prunelab.log import info
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext, ProbeResult
-from prunelab.probes.base import REGISTRY
+from prunelab.probes.base import PROBES
 from prunelab.pruning.depth import Depth, run_probe, select
 from prunelab.pruning.surgery import prune_depth
 
@@ -83,7 +83,7 @@ def _own_paths(out: Path) -> list[Path]:
     paths = [out / f for f in OWN_FILES if (out / f).exists()]
     probes = out / "probes"
     if probes.is_dir():
-        paths += sorted(p for p in probes.glob("*.json") if p.stem in REGISTRY)
+        paths += sorted(p for p in probes.glob("*.json") if p.stem in PROBES)
     return paths
 
 
@@ -125,9 +125,9 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
         raise ConfigError("sweep depth scores test perplexity, which an encoder does not "
                           "have; use prune depth and eval --reference per point")
     for name in probes:
-        if name not in REGISTRY and name not in BASELINES:
+        if name not in PROBES and name not in BASELINES:
             raise ConfigError(f"unknown probe {name!r}; available: "
-                              f"{', '.join([*REGISTRY, *BASELINES])}")
+                              f"{', '.join([*PROBES.names(), *BASELINES])}")
     for rec in recoveries:
         Depth(remove=1, recovery=rec)  # validates the name
     nb = lm.adapter.num_blocks

@@ -1,28 +1,39 @@
 """Typed config of structured width pruning (heads, FFN channels, joint budgets).
 
-``prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.2, compensate=True),
-data)``; the config validates at construction and round-trips through :func:`to_dict` /
-:func:`from_dict`. Formulas: ``methods.md`` section 4; each score cites its paper in
-:mod:`prunelab.pruning.width.scores`.
+``prunelab.prune(lm, Width(unit="ffn", score=WandaSP(), ratio=0.2, compensate=True),
+data)``; the score and the allocation are registered configs
+(:mod:`prunelab.pruning.width.scoring`, :mod:`prunelab.pruning.width.allocation`) with
+their own parameters (``AblationKL(samples=4, channel_group=64)``, ``Putri(per_round=1)``,
+``MagnitudeProfile(outlier_z=3.0)``); names are accepted (``score="wanda-sp"``: the
+registered defaults). The config validates at construction and round-trips through
+:func:`prunelab.registry.to_dict` / ``METHODS.from_dict``; :func:`width_from_cli` maps the
+flat command-line options onto it. Each score cites its paper in its module.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
-from prunelab.registry import check_range
+from prunelab.pruning.base import METHODS
+from prunelab.pruning.options import piece_from_flat
+from prunelab.pruning.width.allocation import WIDTH_ALLOCATIONS, WidthAllocation
+from prunelab.pruning.width.scoring import WIDTH_SCORES, WidthScore
+from prunelab.registry import check_range, strict_kwargs
 
 UNITS = ("heads", "ffn", "joint")
-HEAD_SCORES = ("wanda-sp", "magnitude-profile", "flap", "ablation-kl", "putri")
-FFN_SCORES = ("wanda-sp", "magnitude-profile", "flap", "putri", "ablation-kl")
-JOINT_SCORES = ("cocurve",)
-SCORES = tuple(dict.fromkeys(HEAD_SCORES + FFN_SCORES + JOINT_SCORES))
-# scores that run the whole model (need an LM head, cost forward passes per unit)
-ABLATION_SCORES = ("ablation-kl", "putri-heads", "cocurve")
 
 
+def _help(text: str, default=None):
+    return field(default=default, metadata={"help": text})
+
+
+def scores_for(unit: str) -> list[str]:
+    """Registered width scores that rank ``unit``."""
+    return [n for n in WIDTH_SCORES if unit in WIDTH_SCORES.get(n).units]
+
+
+@METHODS.register("width")
 @dataclass(frozen=True)
 class Width:
     """Structured width pruning: physically smaller attention and MLP layers.
@@ -45,34 +56,38 @@ class Width:
     ``damp``: ridge of the refit, times the mean diagonal of ``X^T X``, shrinking towards
     plain slicing (default 1.0: on SmolLM2 with 8 x 256 calibration tokens it lowered the
     held-out ``down_proj`` error of blocks 0/5/15 from 0.036/0.114/0.066 (slicing) to
-    0.025/0.102/0.051, where 1e-3 over-fitted to 0.051/0.271/0.109).
-    ``ablation_samples``: calibration windows used by ablation scores (ablation-kl, putri
-    heads, cocurve); ``channel_group``: FFN channels per CoCurve unit; ``putri_per_round``:
-    units removed per Putri round.
+    0.025/0.102/0.051, where 1e-3 over-fitted to 0.051/0.271/0.109); Putri's FFN saliency
+    uses ``max(damp, 0.01)``.
     """
 
-    unit: str = "ffn"
-    score: str = "wanda-sp"
-    ratio: float | None = None
-    target_params: float | None = None
-    allocation: str = "uniform"
-    heads: str = "groups"
-    compensate: bool = False
-    bias_compensation: bool = True
-    round_to: int = 8
-    damp: float = 1.0
-    ablation_samples: int = 4
-    channel_group: int = 64
-    putri_per_round: int = 1
-    outlier_z: float = 3.0
+    unit: str = _help("heads | ffn | joint", "ffn")
+    score: WidthScore | str = _help("how units are ranked", "wanda-sp")
+    ratio: float | None = _help("fraction of the unit's parameters removed")
+    target_params: float | None = _help("parameters the model keeps: a fraction (<= 1) or "
+                                        "a count")
+    allocation: WidthAllocation | str = _help("uniform (plain config) | global (per-block "
+                                              "widths, needs trust_remote_code)", "uniform")
+    heads: str = _help("groups (KV groups; heads without GQA) | query (query heads inside "
+                       "every group)", "groups")
+    compensate: bool = _help("least-squares refit of o_proj / down_proj, block by block",
+                             False)
+    bias_compensation: bool = _help("FLAP bias compensation where the consumer has a bias",
+                                    True)
+    round_to: int = _help("FFN widths kept are multiples of this", 8)
+    damp: float = _help("refit ridge (times mean diag of X^T X), shrinking towards plain "
+                        "slicing", 1.0)
+
+    _registries = {"score": WIDTH_SCORES, "allocation": WIDTH_ALLOCATIONS}
 
     def __post_init__(self):
         if self.unit not in UNITS:
             raise ConfigError(f"unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
-        allowed = {"heads": HEAD_SCORES, "ffn": FFN_SCORES, "joint": JOINT_SCORES}[self.unit]
-        if self.score not in allowed:
+        allowed = scores_for(self.unit)
+        name = self.score if isinstance(self.score, str) else WIDTH_SCORES.name_of(self.score)
+        if name not in allowed:
             raise ConfigError(f"score for unit {self.unit} must be one of "
-                              f"{', '.join(allowed)}, got {self.score!r}")
+                              f"{', '.join(allowed)}, got {name!r}")
+        object.__setattr__(self, "score", WIDTH_SCORES.make(self.score))
         if (self.ratio is None) == (self.target_params is None):
             raise ConfigError("give exactly one of ratio (--ratio) and target_params "
                               "(--target-params)")
@@ -80,9 +95,8 @@ class Width:
             check_range("ratio", self.ratio, 0.0, 0.95)
         if self.target_params is not None:
             check_range("target_params", self.target_params, 1e-6, None)
-        if self.allocation not in ("uniform", "global"):
-            raise ConfigError(f"allocation must be uniform or global, got {self.allocation!r}")
-        if self.unit == "joint" and self.allocation != "global":
+        object.__setattr__(self, "allocation", WIDTH_ALLOCATIONS.make(self.allocation))
+        if self.unit == "joint" and self.allocation.uniform:
             raise ConfigError("unit joint (cocurve) chooses per-block widths: use "
                               "--allocation global")
         if self.heads not in ("groups", "query"):
@@ -91,18 +105,30 @@ class Width:
             raise ConfigError("unit joint prunes whole KV groups: heads must be groups")
         check_range("round_to", self.round_to, 1, 4096, integer=True)
         check_range("damp", self.damp, 0.0, 1e4)
-        check_range("ablation_samples", self.ablation_samples, 1, None, integer=True)
-        check_range("channel_group", self.channel_group, 1, None, integer=True)
-        check_range("putri_per_round", self.putri_per_round, 1, None, integer=True)
-        check_range("outlier_z", self.outlier_z, 0.0, None)
+        self.score.validate(self)
+
+    @property
+    def score_name(self) -> str:
+        return WIDTH_SCORES.name_of(self.score)
+
+    @property
+    def allocation_name(self) -> str:
+        return WIDTH_ALLOCATIONS.name_of(self.allocation)
 
 
-def to_dict(cfg: Width) -> dict:
-    d = dataclasses.asdict(cfg)
-    d["method"] = "width"
-    return d
+def width_from_cli(*, score: str | None = None, allocation: str | None = None,
+                   **flat) -> Width:
+    """The :class:`Width` config of the flat ``prunelab prune width`` options.
 
-
-def from_dict(d: dict) -> Width:
-    names = {f.name for f in dataclasses.fields(Width)}
-    return Width(**{k: v for k, v in d.items() if k in names})
+    ``score`` / ``allocation`` name the pieces (default ``wanda-sp`` / ``uniform``); the
+    options of a piece (``ablation_samples``, ``channel_group``, ``putri_per_round``,
+    ``outlier_z``: see :func:`prunelab.pruning.options.flat_options`) go to it, and one
+    given for a score not chosen is a :class:`ConfigError` (``--channel-group applies to
+    --score ablation-kl or cocurve only``). ``None`` means "not given"; the rest are
+    :class:`Width` fields."""
+    sc, owned_s = piece_from_flat(WIDTH_SCORES, score or "wanda-sp", flat, "--score")
+    al, owned_a = piece_from_flat(WIDTH_ALLOCATIONS, allocation or "uniform", flat,
+                                  "--allocation")
+    rest = {k: v for k, v in flat.items() if k not in owned_s | owned_a and v is not None}
+    strict_kwargs(Width, rest, "prune width")
+    return Width(score=sc, allocation=al, **rest)

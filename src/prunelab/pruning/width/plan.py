@@ -1,25 +1,30 @@
-"""Scoring and allocation of width units: which heads / channels each block keeps.
+"""Planning width pruning: which heads / channels each block keeps.
 
-A block's units are scored (see :mod:`prunelab.pruning.width.scores`), turned into an
-ordered list of removal *steps* (one KV group / head, one query head in every group, or
-one FFN channel) with a score and a parameter cost, and the steps are taken either
-uniformly (the same count in every block) or globally (cheapest score first across blocks
-until the parameter budget is met).
+A block's units are scored by the configured score (:mod:`prunelab.pruning.width.scoring`,
+maths in :mod:`prunelab.pruning.width.scores`), turned into an ordered list of removal
+*steps* (one KV group / head, one query head in every group, or one FFN channel) with a
+score and a parameter cost, and the steps are taken by the configured allocation
+(:mod:`prunelab.pruning.width.allocation`: the same count in every block, or cheapest
+score first across blocks until the parameter budget is met). Scores that choose units
+themselves (Putri heads, CoCurve) fill the plans directly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prunelab.calib.runner import BlockRunner
 from prunelab.calib.stats import Gram, MeanVar, SumSquares
 from prunelab.errors import ConfigError
-from prunelab.models.linear import in_out_features, weight_out_in
+from prunelab.models.linear import in_out_features
 from prunelab.pruning.width import scores as S
-from prunelab.pruning.width.ablation import ablation_kl
-from prunelab.pruning.width.config import Width
+
+if TYPE_CHECKING:
+    from prunelab.pruning.width.config import Width
 
 
 @dataclass
@@ -40,6 +45,26 @@ class Step:
     cost: int
     block: int
     payload: object  # unit index, or (kind, unit) for joint
+
+
+@dataclass
+class WidthJob:
+    """What a width score or allocation may use: the model, the config, the calibration
+    windows, the block runner, the dense consumer statistics (or ``None``), the budget in
+    parameters and the per-block plans to fill."""
+
+    lm: Any
+    cfg: Width
+    input_ids: torch.Tensor
+    batch_size: int
+    runner: BlockRunner
+    stats: dict | None
+    budget: int
+    plans: list[BlockPlan]
+
+    @property
+    def adapter(self):
+        return self.lm.adapter
 
 
 # ---------------------------------------------------------------- parameter costs
@@ -116,9 +141,9 @@ def removal_budget(lm, cfg: Width, total_params: int) -> int:
 
 # ---------------------------------------------------------------- statistics
 def needs_stats(cfg: Width, has_bias: bool) -> bool:
-    if cfg.unit == "joint" or cfg.score in ("wanda-sp", "flap"):
-        return True
-    if cfg.score in ("putri", "ablation-kl") and cfg.unit == "ffn":
+    """Whether the dense statistics pass is needed (by the score, or for FLAP's bias
+    compensation of a biased consumer without a refit)."""
+    if cfg.score.needs_stats(cfg.unit):
         return True
     return cfg.bias_compensation and has_bias and not cfg.compensate
 
@@ -129,7 +154,7 @@ def collect_stats(lm, cfg: Width, runner: BlockRunner) -> dict[int, dict]:
     the consumers have fired)."""
     ad = lm.adapter
     stats: dict[int, dict] = {}
-    gram = cfg.score == "putri" and cfg.unit == "ffn"
+    gram = cfg.score.needs_gram(cfg.unit)
 
     def make(name):
         accs = [SumSquares(), MeanVar()]
@@ -147,40 +172,15 @@ def collect_stats(lm, cfg: Width, runner: BlockRunner) -> dict[int, dict]:
     return stats
 
 
-# ---------------------------------------------------------------- scores
-def column_scores(cfg: Width, w: torch.Tensor, accs: list | None) -> torch.Tensor:
-    """Per input column of a consumer, by the configured score."""
-    if cfg.score == "magnitude-profile":
-        return S.magnitude_columns(w)
-    if cfg.score == "flap":
-        return S.flap_columns(w, accs[1].var())
-    if cfg.score == "putri":
-        return S.putri_columns(w, accs[2].xtx, damp=max(cfg.damp, 1e-2))
-    return S.wanda_sp_columns(w, accs[0].sum_sq)
-
-
-def head_scores(lm, cfg: Width, i: int, stats) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of block ``i``'s head units (groups or query heads) and the outlier mask
-    (magnitude profile keeps outliers)."""
-    ad = lm.adapter
-    geo = ad.head_geometry(i)
-    o = ad.attn_projections(i)["o"]
-    units = S.head_units(geo.num_heads, geo.num_kv_heads, geo.head_dim, cfg.heads)
-    col = column_scores(cfg, weight_out_in(o).detach(), stats[i]["o"] if stats else None)
-    reduce = "norm" if cfg.score == "magnitude-profile" else "sum"
-    s = S.unit_scores(col, units, reduce)
-    protect = S.outliers(s, cfg.outlier_z) if cfg.score == "magnitude-profile" else None
-    return s, protect
-
-
-def ffn_scores(lm, cfg: Width, i: int, stats) -> tuple[torch.Tensor, torch.Tensor | None]:
-    ad = lm.adapter
-    down = ad.mlp_projections(i)["down"]
-    s = column_scores(cfg, weight_out_in(down).detach(), stats[i]["down"] if stats else None)
-    if cfg.score == "magnitude-profile":
-        s = s.sqrt()
-        return s, S.outliers(s, cfg.outlier_z)
-    return s, None
+# ---------------------------------------------------------------- steps
+def kv_group_units(ad, blocks) -> Iterator[tuple[int, int, Any, torch.Tensor]]:
+    """``(block, group, o_proj, o's input columns of the group)`` for every KV group of the
+    given blocks: the units Putri and CoCurve ablate."""
+    for i in blocks:
+        geo = ad.head_geometry(i)
+        o = ad.attn_projections(i)["o"]
+        for g, cols in enumerate(S.head_units(geo.num_heads, geo.num_kv_heads, geo.head_dim)):
+            yield i, g, o, cols
 
 
 def block_steps(lm, cfg: Width, i: int, s: torch.Tensor, protect, kind: str) -> list[Step]:
@@ -212,48 +212,19 @@ def _rank_score(s, protect, u) -> float:
     return float("inf") if protect is not None and bool(protect[u]) else float(s[u])
 
 
-def ablation_head_scores(lm, cfg: Width, ids: torch.Tensor, batch_size: int
-                         ) -> list[torch.Tensor]:
-    """ablation-kl for every head unit of every block (one forward pass per unit)."""
-    ad = lm.adapter
-    units, where = [], []
-    for i in range(ad.num_blocks):
-        geo = ad.head_geometry(i)
-        o = ad.attn_projections(i)["o"]
-        for u, cols in enumerate(S.head_units(geo.num_heads, geo.num_kv_heads, geo.head_dim,
-                                              cfg.heads)):
-            units.append((o, cols))
-            where.append((i, u))
-    kl = ablation_kl(lm.model, ids[:cfg.ablation_samples], units, batch_size)
-    out = [torch.zeros(ad.head_geometry(i).num_heads if cfg.heads == "query"
-                       else ad.head_geometry(i).num_kv_heads, dtype=torch.float64)
-           for i in range(ad.num_blocks)]
-    for (i, u), v in zip(where, kl, strict=True):
-        out[i][u] = v
-    return out
-
-
-def ablation_ffn_scores(lm, cfg: Width, ids, batch_size: int, stats) -> list[torch.Tensor]:
-    """ablation-kl for FFN channels (derived): channels are ordered by wanda-sp and cut into
-    chunks of ``channel_group``; each chunk is masked once and its KL is the score of its
-    channels (plus a tie-break by wanda-sp rank inside the chunk)."""
-    ad = lm.adapter
-    units, where, out = [], [], []
-    for i in range(ad.num_blocks):
-        down = ad.mlp_projections(i)["down"]
-        ws = S.wanda_sp_columns(weight_out_in(down).detach(), stats[i]["down"][0].sum_sq)
-        order = torch.argsort(ws, stable=True)
-        for chunk in order.split(cfg.channel_group):
-            units.append((down, chunk))
-            where.append((i, chunk))
-        out.append(torch.zeros_like(ws))
-        rank = torch.empty_like(ws)
-        rank[order] = torch.arange(len(order), dtype=ws.dtype)
-        out[i] += rank / (len(order) * 1e6)
-    kl = ablation_kl(lm.model, ids[:cfg.ablation_samples], units, batch_size)
-    for (i, chunk), v in zip(where, kl, strict=True):
-        out[i][chunk] += v
-    return out
+def plan_scored(job: WidthJob, score) -> dict:
+    """The common plan: ``score.block_scores`` per block -> removal steps -> counts from
+    the configured allocation -> what every block keeps (fills ``job.plans``)."""
+    cfg, kind = job.cfg, job.cfg.unit
+    steps = []
+    for i, (s, protect) in enumerate(score.block_scores(job, kind)):
+        job.plans[i].scores[kind] = s
+        if not cfg.allocation.uniform and score.standardise_global:
+            s = S.standardise(s)
+        steps.append(block_steps(job.lm, cfg, i, s, protect, kind))
+    counts = cfg.allocation.counts(job, steps, kind)
+    plan_from_counts(job.lm, cfg, steps, counts, kind, job.plans)
+    return {}
 
 
 # ---------------------------------------------------------------- allocation
@@ -263,55 +234,6 @@ def min_steps_left(ad, cfg: Width, i: int, kind: str) -> int:
     if kind == "ffn":
         return min(cfg.round_to, ad.ffn_width(i))
     return 1
-
-
-def uniform_counts(lm, cfg: Width, kind: str, budget: int) -> list[int]:
-    """Steps removed in every block for a uniform allocation of ``budget`` parameters."""
-    ad = lm.adapter
-    pool = unit_params(ad, kind, cfg.heads)
-    ratio = budget / pool
-    counts = []
-    for i in range(ad.num_blocks):
-        if kind == "ffn":
-            width = ad.ffn_width(i)
-            keep = S.round_width(width, width * (1 - ratio), cfg.round_to)
-            counts.append(width - keep)
-        else:
-            geo = ad.head_geometry(i)
-            n = geo.num_kv_heads if cfg.heads == "groups" else geo.group_size
-            counts.append(min(int(round(ratio * n)), n - 1))
-    if not any(counts):
-        what = "FFN channels" if kind == "ffn" else (
-            "KV groups" if cfg.heads == "groups" else "query heads per group")
-        raise ConfigError(f"ratio {ratio:.3f} removes no {what} in any block (steps are "
-                          "whole units): ask for more")
-    return counts
-
-
-def global_counts(lm, cfg: Width, steps: list[list[Step]], kind: str, budget: int
-                  ) -> list[int]:
-    """Cheapest-score-first across blocks (each block's steps in order) until ``budget``
-    parameters are removed; FFN counts are then rounded to keep multiples of
-    ``round_to``."""
-    ad = lm.adapter
-    flat = sorted((st for blk in steps for st in blk), key=lambda st: (st.score, st.block))
-    taken = [0] * ad.num_blocks
-    limit = [len(blk) - min_steps_left(ad, cfg, i, kind) for i, blk in enumerate(steps)]
-    removed = 0
-    for st in flat:
-        if removed >= budget:
-            break
-        i = st.block
-        if taken[i] >= limit[i]:
-            continue
-        taken[i] += 1
-        removed += st.cost
-    if kind == "ffn":
-        taken = [ad.ffn_width(i) - S.round_width(ad.ffn_width(i), ad.ffn_width(i) - t,
-                                                  cfg.round_to) for i, t in enumerate(taken)]
-    if not any(taken):
-        raise ConfigError("the budget removes no unit: ask for more")
-    return taken
 
 
 def plan_from_counts(lm, cfg: Width, steps: list[list[Step]], counts: list[int], kind: str,
@@ -333,7 +255,7 @@ def plan_from_counts(lm, cfg: Width, steps: list[list[Step]], counts: list[int],
 def _query_keep(lm, cfg, i, s, k) -> list[list[int]]:
     geo = lm.adapter.head_geometry(i)
     gs = geo.group_size
-    protect = S.outliers(s, cfg.outlier_z) if cfg.score == "magnitude-profile" else None
+    protect = cfg.score.protect(s)
     keep = []
     for g in range(geo.num_kv_heads):
         order = S.removal_order(s[g * gs:(g + 1) * gs],

@@ -1,9 +1,10 @@
 """Pure maths of structured width pruning: unit scores, selection orders, refits, QP.
 
-Everything takes tensors and returns tensors (no model, no hooks). Notation as in
-``methods.md`` section 4: a consumer projection (``o_proj`` for heads, ``down_proj`` for
-FFN channels) has weight ``W`` of shape ``[d_out, d_in]``; its calibration input ``X`` is
-``[tokens, d_in]``; a unit owns a set of input columns of the consumer.
+Everything takes tensors and returns tensors (no model, no hooks). Notation: a consumer
+projection (``o_proj`` for heads, ``down_proj`` for FFN channels) has weight ``W`` of shape
+``[d_out, d_in]``; its calibration input ``X`` is ``[tokens, d_in]``; a unit owns a set of
+input columns of the consumer. Each function cites its method's paper (FLAP, An et al.
+2024; Wanda, Sun et al. 2024; SparseGPT, Frantar & Alistarh 2023) or says "derived".
 """
 
 from __future__ import annotations
