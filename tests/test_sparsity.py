@@ -17,6 +17,7 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
+from prunelab.pruning.base import METHODS as METHODS_REGISTRY
 from prunelab.pruning.sparsity.config import from_dict, to_dict
 from prunelab.pruning.sparsity.execute import (
     branch_containers,
@@ -49,7 +50,7 @@ METHODS = [Magnitude(sparsity=0.5), Wanda(sparsity=0.5), SparseGPT(sparsity=0.5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg", METHODS, ids=lambda c: f"{c.method}-{c.pattern or c.sparsity}")
+@pytest.mark.parametrize("cfg", METHODS, ids=lambda c: f"{c.registry_name}-{c.pattern or c.sparsity}")
 def test_methods_on_every_architecture(arch, cfg):
     lm, rep = run(arch, cfg)
     for (i, path), w in block_weights(lm).items():
@@ -169,11 +170,33 @@ def test_config_validation_and_round_trip():
         Wanda(pattern="4:2")
     with pytest.raises(ConfigError, match="uniform"):
         Wanda(pattern="2:4", allocation=Owl())
-    assert Wanda(pattern="2:4").sparsity == 0.5
+    assert Wanda(pattern="2:4").target_sparsity == 0.5  # recorded target of 2:4
+    assert Wanda(pattern="1:4").target_sparsity == 0.75
+    assert Wanda().sparsity == 0.5 and Wanda() == Wanda(sparsity=0.5)
+    for both in (0.5, 0.6):  # a pattern fixes the sparsity: giving both is an error
+        with pytest.raises(ConfigError, match="give sparsity or pattern, not both"):
+            Wanda(sparsity=both, pattern="2:4")
+    with pytest.raises(TypeError):
+        Wanda(reorder=True)
+    with pytest.raises(ConfigError, match="'reorder'.*valid options: sparsity, pattern"):
+        METHODS_REGISTRY.make("wanda", reorder=True)
+    assert Wanda(allocation="owl") == Wanda(allocation=Owl())  # names accepted
     for cfg in (Wanda(sparsity=0.3, allocation=Owl(m=4.0)), Rose(reorder=False),
-                QKWanda(scope="block"), SparseGPT(pattern="4:8", hessian_alpha=0.2)):
+                QKWanda(scope="block"), SparseGPT(pattern="4:8", hessian_alpha=0.2),
+                Magnitude(sparsity=0.2, allocation=Ramp(increasing=False), targets=("mlp.*",))):
         d = json.loads(json.dumps(to_dict(cfg)))
-        assert from_dict(d) == cfg
+        assert d["name"] == cfg.registry_name and "method" not in d
+        assert from_dict(d) == cfg and METHODS_REGISTRY.from_dict(d) == cfg
+    assert to_dict(Wanda(allocation=Owl(m=4.0)))["allocation"] == \
+        {"name": "owl", "m": 4.0, "lam": 0.08}
+    with pytest.raises(ConfigError, match="allocation 'owl' has no option 'delta'"):
+        METHODS_REGISTRY.from_dict({"name": "wanda", "allocation": {"name": "owl", "delta": 1}})
+    # manifests written before the registry: "method" key, sparsity beside the pattern
+    old = {"sparsity": 0.5, "pattern": "2:4", "allocation": {"name": "uniform"},
+           "group": "row", "targets": [], "ignore": [], "propagate": "modified",
+           "within_block": "sequential", "blocksize": 64, "percdamp": 0.01,
+           "hessian_alpha": 0.0, "method": "sparsegpt"}
+    assert from_dict(old) == SparseGPT(pattern="2:4", blocksize=64, propagate="modified")
 
 
 def test_checkpoint_reloads_with_plain_transformers(tmp_path):
@@ -192,7 +215,7 @@ def test_checkpoint_reloads_with_plain_transformers(tmp_path):
 @pytest.mark.parametrize("cfg", [Wanda(sparsity=0.5, within_block="sequential",
                                        propagate="modified"),
                                  SparseGPT(sparsity=0.5), Magnitude(sparsity=0.5)],
-                         ids=lambda c: c.method)
+                         ids=lambda c: c.registry_name)
 def test_one_pass_block_equals_group_by_group_passes(arch, cfg):
     """The replaying one-pass executor prunes exactly like separate partial passes per
     group, and its outputs equal a plain run of the pruned block."""
@@ -204,7 +227,7 @@ def test_one_pass_block_equals_group_by_group_passes(arch, cfg):
         prune_block(ref, r_ref, i, h_ref, cfg, 0.5)
         before = r_new.block_evals
         _, outs = prune_block_sequential(new, r_new, i, h_new, cfg, 0.5)
-        stages = 1 if cfg.method == "magnitude" else len(
+        stages = 1 if cfg.accumulators() is None else len(
             role_groups(new, i, new.adapter.linears(i))) + 1
         assert r_new.block_evals - before == stages * len(r_new.batches)
         for path, m in ref.adapter.linears(i).items():
@@ -296,7 +319,7 @@ def test_linears_sharing_a_gram_pruned_jointly_equal_separate_runs(cfg, monkeypa
     (up to float rounding; masks identical). ``group="layer"`` (not per row) keeps
     separate runs, with SparseGPT's joint choice over each column block."""
     from prunelab.calib.stats import Gram
-    from prunelab.pruning.sparsity.methods import prune_linear, prune_linears
+    from prunelab.pruning.sparsity.execute import prune_linear, prune_linears
 
     model = tiny_model("llama")
     ad = get_adapter(model)
@@ -312,7 +335,7 @@ def test_linears_sharing_a_gram_pruned_jointly_equal_separate_runs(cfg, monkeypa
     for p, m in targets.items():
         alone[p].weight.data.copy_(m.weight.data)
         prune_linear(alone[p], accs[p], cfg, 0.5)
-    from prunelab.pruning.sparsity import methods
+    from prunelab.pruning.sparsity.methods import sparsegpt as methods
 
     sweeps = []
     real = methods.sparsegpt_prune

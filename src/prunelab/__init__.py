@@ -15,6 +15,7 @@ from prunelab.pruning import (  # noqa: E402
     Ramp,
     Rose,
     SparseGPT,
+    SparsityConfig,
     Uniform,
     Wanda,
     Width,
@@ -28,6 +29,6 @@ from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
 
 __all__ = ["BlockRunner", "Depth", "LoadedModel", "Magnitude", "Owl", "Pals", "PrunelabError",
-           "QKWanda", "Ramp", "Rose", "SparseGPT", "StateStore", "Uniform", "Wanda", "Width",
-           "evaluate", "get_adapter", "info", "load", "probe", "prune", "save", "wrap",
-           "__version__"]
+           "QKWanda", "Ramp", "Rose", "SparseGPT", "SparsityConfig", "StateStore", "Uniform",
+           "Wanda", "Width", "evaluate", "get_adapter", "info", "load", "probe", "prune",
+           "save", "wrap", "__version__"]

@@ -19,23 +19,20 @@ from prunelab.pruning.base import (
     register_pruner,
 )
 from prunelab.pruning.depth import Depth
+from prunelab.pruning.sparsity import pruner as _sparsity_pruner  # noqa: F401 - registers
 from prunelab.pruning.sparsity.config import (
-    Magnitude,
+    ALLOCATIONS,
     Owl,
     Pals,
-    QKWanda,
     Ramp,
-    Rose,
-    SparseGPT,
     SparsityConfig,
     Uniform,
-    Wanda,
+    sparsity_methods,
 )
+from prunelab.pruning.sparsity.methods import Magnitude, QKWanda, Rose, SparseGPT, Wanda
 from prunelab.pruning.width.config import Width
 
-for _name, _cls in (("depth", Depth), ("width", Width), ("magnitude", Magnitude),
-                    ("wanda", Wanda), ("sparsegpt", SparseGPT), ("rose", Rose),
-                    ("qk-wanda", QKWanda)):
+for _name, _cls in (("depth", Depth), ("width", Width)):
     if _name not in METHODS:
         METHODS.register(_name)(_cls)
 
@@ -49,17 +46,6 @@ class _DepthPruner(Pruner):
 
         rep = prune_depth(lm, config, input_ids, batch_size=batch_size)
         return DictReport(rep, history_keys=("removed_blocks", "recovery"))
-
-
-@register_pruner(SparsityConfig)
-class _SparsityPruner(Pruner):
-    operation = "prune-sparsity"
-
-    def run(self, lm, config, input_ids, *, batch_size):
-        from prunelab.pruning.sparsity.execute import prune_sparsity
-
-        rep = prune_sparsity(lm, config, input_ids, batch_size=batch_size)
-        return DictReport(rep, history_keys=("achieved_sparsity",))
 
 
 @register_pruner(Width)
@@ -78,6 +64,7 @@ class _WidthPruner(Pruner):
         return DictReport(rep, history_keys=("removed_params",))
 
 
-__all__ = ["METHODS", "Depth", "DictReport", "Magnitude", "MethodReport", "Owl", "Pals",
-           "PruneReport", "Pruner", "QKWanda", "Ramp", "Rose", "SparseGPT", "Uniform",
-           "Wanda", "Width", "config_from_dict", "pruner_for", "register_pruner"]
+__all__ = ["ALLOCATIONS", "METHODS", "Depth", "DictReport", "Magnitude", "MethodReport", "Owl",
+           "Pals", "PruneReport", "Pruner", "QKWanda", "Ramp", "Rose", "SparseGPT",
+           "SparsityConfig", "Uniform", "Wanda", "Width", "config_from_dict", "pruner_for",
+           "register_pruner", "sparsity_methods"]
