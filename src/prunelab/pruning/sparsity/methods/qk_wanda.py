@@ -61,6 +61,9 @@ class QKWanda(SparsityConfig):
         if self.variant not in ("unmasked", "causal"):
             raise ConfigError(f"qk-wanda variant must be unmasked or causal, got "
                               f"{self.variant!r}")
+        if self.nm is not None:
+            raise ConfigError("qk-wanda prunes q and k under one unstructured budget: give "
+                              "sparsity, not pattern")
 
     def precheck(self, lm):
         if "qkv" in lm.adapter.spec.attn_proj:
