@@ -17,8 +17,7 @@ from prunelab.models.loading import wrap
 from prunelab.pruning import METHODS, SparsityConfig, sparsity_methods
 from prunelab.pruning.sparsity.config import config_options
 
-from tiny_models import SAMPLE_TEXT, char_tokenizer, save_tiny_checkpoint, tiny_model, \
-    tiny_tokens
+from tiny_models import SAMPLE_TEXT, char_tokenizer, save_tiny_checkpoint, tiny_model, tiny_tokens
 
 
 def column_scale(d_in: int, seed: int) -> torch.Tensor:
