@@ -143,8 +143,8 @@ def test_smollm2_half_sparse_wanda_sparsegpt_magnitude(tmp_path):
         rep = prunelab.prune(lm, cfg, calib, batch_size=8)
         # the de-quantized Q4_1 weights hold about 1 % exact zeros of their own
         assert 0.5 <= rep["achieved_sparsity"] < 0.51
-        ppl[cfg.method] = prunelab.evaluate(lm, test)["perplexity"]
-        if cfg.method == "sparsegpt":
+        ppl[cfg.registry_name] = prunelab.evaluate(lm, test)["perplexity"]
+        if cfg.registry_name == "sparsegpt":
             out = prunelab.save(lm, tmp_path / "sgpt")
             again = tf.AutoModelForCausalLM.from_pretrained(out)
             assert torch.equal(again.model.embed_tokens.weight, dense_emb)  # tied head intact

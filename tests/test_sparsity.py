@@ -17,6 +17,7 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
+from prunelab.pruning.base import METHODS as METHODS_REGISTRY
 from prunelab.pruning.sparsity.config import from_dict, to_dict
 from prunelab.pruning.sparsity.execute import (
     branch_containers,
@@ -49,7 +50,8 @@ METHODS = [Magnitude(sparsity=0.5), Wanda(sparsity=0.5), SparseGPT(sparsity=0.5)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("cfg", METHODS, ids=lambda c: f"{c.method}-{c.pattern or c.sparsity}")
+@pytest.mark.parametrize("cfg", METHODS,
+                         ids=lambda c: f"{c.registry_name}-{c.pattern or c.sparsity}")
 def test_methods_on_every_architecture(arch, cfg):
     lm, rep = run(arch, cfg)
     for (i, path), w in block_weights(lm).items():
@@ -128,25 +130,117 @@ def test_qk_wanda_shares_one_budget_and_refuses_fused_qkv():
         run("gpt2", QKWanda(sparsity=0.5))
 
 
-def test_qk_wanda_causal_variant_shares_the_budget_and_differs():
-    unmasked = block_weights(run("llama", QKWanda(sparsity=0.5))[0])
+def _dense_forward_taps(model, taps: dict, what: str = "input") -> dict:
+    """Plain forward hooks on the HF model (not the runner): ``{name: tensor}`` of each
+    module's first input or its output over all of ``IDS`` in one batch (float64)."""
+    seen, handles = {}, []
+    for name, m in taps.items():
+        def hook(_m, inputs, output, _n=name):
+            seen[_n] = (inputs[0] if what == "input" else output).detach().double()
+        handles.append(m.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(input_ids=IDS)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _kept_lowest(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Kept mask of a 1-D or 2-D (per row) ``scores`` pruning the ``k`` lowest, by a
+    threshold at the k-th value (ties do not occur on random weights)."""
+    kth = torch.kthvalue(scores, k, dim=-1, keepdim=True).values
+    return scores > kth
+
+
+def test_qk_wanda_causal_masks_equal_a_hand_computation():
+    """Block by block on a dense model pruned by hand: the causal statistics ``A_q[j, c] =
+    sum_t x_t[j]^2 sum_{s <= t} k_s[c]^2`` and ``A_k[j, c] = sum_s x_s[j]^2 sum_{t >= s}
+    q_t[c]^2`` (from plain hooks, with an explicit causal mask), the scores, and q and k
+    pruned under one budget give exactly the weights of ``QKWanda(variant="causal")``;
+    the unmasked variant gives other masks."""
+    from prunelab.pruning.sparsity.scores import qk_wanda_causal_scores
+
     lm, rep = run("llama", QKWanda(sparsity=0.5, variant="causal"))
-    causal = block_weights(lm)
     assert rep["config"]["variant"] == "causal"
-    for i in range(lm.adapter.num_blocks):
-        q, k = causal[(i, "self_attn.q_proj")], causal[(i, "self_attn.k_proj")]
-        assert int((q == 0).sum() + (k == 0).sum()) == int((q.numel() + k.numel()) * 0.5)
-    assert any(not torch.equal(causal[key] == 0, unmasked[key] == 0) for key in causal
-               if key[1] in ("self_attn.q_proj", "self_attn.k_proj"))
+    unmasked = block_weights(run("llama", QKWanda(sparsity=0.5))[0])
+    ref = wrap(tiny_model("llama"), char_tokenizer(), spec="hand")
+    tril = torch.ones(IDS.shape[1], IDS.shape[1], dtype=torch.float64).tril()  # [t, s]
+    differs = False
+    for i in range(ref.adapter.num_blocks):
+        proj = ref.adapter.attn_projections(i)
+        x = _dense_forward_taps(ref.model, {"q": proj["q"]})["q"]
+        out = _dense_forward_taps(ref.model, {"q": proj["q"], "k": proj["k"]}, "output")
+        a_q = torch.einsum("btj,ts,bsc->jc", x.square(), tril, out["k"].square())
+        a_k = torch.einsum("bsj,ts,btc->jc", x.square(), tril, out["q"].square())
+        geo = ref.adapter.head_geometry(i)
+        wq, wk = weight_out_in(proj["q"]).detach(), weight_out_in(proj["k"]).detach()
+        sq, sk = qk_wanda_causal_scores(wq, wk, a_q, a_k, geo.num_heads, geo.num_kv_heads,
+                                        geo.head_dim)
+        flat = torch.cat([sq.reshape(-1), sk.reshape(-1)])
+        keep = _kept_lowest(flat, flat.numel() // 2)
+        kq, kk = keep[:sq.numel()].reshape(sq.shape), keep[sq.numel():].reshape(sk.shape)
+        with torch.no_grad():
+            proj["q"].weight.mul_(kq)
+            proj["k"].weight.mul_(kk)
+        for path, kept in (("self_attn.q_proj", kq), ("self_attn.k_proj", kk)):
+            got = weight_out_in(lm.adapter.linears(i)[path])
+            assert torch.equal(got != 0, kept), (i, path)
+            assert torch.equal(got, weight_out_in(ref.adapter.linears(i)[path])), (i, path)
+            differs |= not torch.equal(got != 0, unmasked[(i, path)] != 0)
+    assert differs
     with pytest.raises(ConfigError, match="variant"):
         QKWanda(variant="sliding")
+    with pytest.raises(ConfigError, match="not pattern"):
+        QKWanda(pattern="2:4")
 
 
-def test_moonshot_hessian_blend_runs_and_differs():
-    a = block_weights(run("llama", SparseGPT(sparsity=0.5))[0])
-    b = block_weights(run("llama", SparseGPT(sparsity=0.5, hessian_alpha=0.5))[0])
-    assert any(not torch.equal(a[k], b[k]) for k in a)
-    assert all(float((b[k] == 0).float().mean()) == pytest.approx(0.5, abs=0.02) for k in b)
+def test_moonshot_taylor_term_equals_autograd_and_feeds_the_blend(monkeypatch):
+    """The Taylor term the executor feeds (``T = X^T diag(||g_t||^2) X``, ``g_t`` the
+    gradient of the summed next-token NLL w.r.t. the linear's output at token ``t``)
+    equals one computed here with autograd; block 0's q_proj (calibrated on the dense
+    block) is exactly SparseGPT on the blend of ``X^T X`` and that term."""
+    from prunelab.calib import gradients
+    from prunelab.pruning.sparsity import hessian_blend, sparsegpt_prune
+
+    fed = {}
+    real = gradients.taylor_terms
+    monkeypatch.setattr(gradients, "taylor_terms",
+                        lambda *a, **k: fed.update(real(*a, **k)) or dict(fed))
+    lm, rep = run("llama", SparseGPT(sparsity=0.5, hessian_alpha=0.5))
+    ref = tiny_model("llama")  # the same dense weights, with gradients
+    ad = get_adapter(ref)
+    mods = {f"{i}:{p}": m for i in range(ad.num_blocks) for p, m in ad.linears(i).items()}
+    xs, ys = {}, {}
+
+    def keep(name):
+        def hook(_m, inputs, output):
+            xs[name], ys[name] = inputs[0], output
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in mods.items()]
+    logits = ref(input_ids=IDS).logits
+    for h in handles:
+        h.remove()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             IDS[:, 1:].reshape(-1), reduction="sum")
+    grads = dict(zip(mods, torch.autograd.grad(loss, [ys[n] for n in mods]), strict=True))
+    assert set(fed) == set(mods)
+    for n in mods:
+        x = xs[n].detach().double().reshape(-1, xs[n].shape[-1])
+        g2 = grads[n].double().square().sum(-1).reshape(-1)
+        hand = torch.einsum("ti,t,tj->ij", x, g2, x)
+        torch.testing.assert_close(fed[n], hand, rtol=1e-6,
+                                   atol=1e-9 * float(hand.abs().max()))
+    q = "self_attn.q_proj"
+    x = xs[f"0:{q}"].detach().double().reshape(-1, xs[f"0:{q}"].shape[-1])
+    h = hessian_blend((x.t() @ x).float(), fed[f"0:{q}"], 0.5).float()
+    want, _ = sparsegpt_prune(weight_out_in(ad.linears(0)[q]).detach(), h, 0.5)
+    got = weight_out_in(lm.adapter.linears(0)[q])
+    assert torch.equal(got == 0, want == 0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert rep["achieved_sparsity"] == pytest.approx(0.5, abs=1e-9)
 
 
 def test_rose_without_reordering_equals_sparsegpt():
@@ -155,11 +249,34 @@ def test_rose_without_reordering_equals_sparsegpt():
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_propagate_dense_differs_from_modified():
+@pytest.mark.parametrize("propagate", ["dense", "modified"])
+def test_propagate_modes_equal_hand_computed_wanda_masks(propagate):
+    """``within_block="dense"`` Wanda, computed here with plain hooks on the HF model:
+    ``propagate="dense"`` takes every block's norms ``||X_j||`` on the dense model;
+    ``"modified"`` on a model whose earlier blocks are already pruned (block by block).
+    Each row keeps all but its ``d_in / 2`` lowest ``|W_ij| ||X_j||``."""
+    lm, _ = run("llama", Wanda(sparsity=0.5, within_block="dense", propagate=propagate))
+    ref = wrap(tiny_model("llama"), char_tokenizer(), spec="hand")
+    ad = ref.adapter
+    dense_x = _dense_forward_taps(ref.model, {(i, p): m for i in range(ad.num_blocks)
+                                              for p, m in ad.linears(i).items()})
+    for i in range(ad.num_blocks):
+        xs = dense_x if propagate == "dense" else _dense_forward_taps(ref.model, {
+            (i, p): m for p, m in ad.linears(i).items()})
+        for path, m in ad.linears(i).items():
+            x = xs[(i, path)].reshape(-1, m.in_features)
+            w = m.weight.detach()
+            kept = _kept_lowest(w.double().abs() * x.square().sum(0).sqrt(), w.shape[1] // 2)
+            with torch.no_grad():
+                m.weight.mul_(kept)
+            got = weight_out_in(lm.adapter.linears(i)[path])
+            assert torch.equal(got != 0, kept), (i, path)
+            assert torch.equal(got, m.weight), (i, path)
     a = block_weights(run("llama", SparseGPT(sparsity=0.5))[0])
-    b = block_weights(run("llama", SparseGPT(sparsity=0.5, propagate="dense"))[0])
+    b = block_weights(run("llama", SparseGPT(sparsity=0.5, propagate=propagate))[0])
     assert torch.equal(a[(0, "mlp.down_proj")], b[(0, "mlp.down_proj")])  # block 0: same input
-    assert not torch.equal(a[(3, "mlp.down_proj")], b[(3, "mlp.down_proj")])
+    assert torch.equal(a[(3, "mlp.down_proj")], b[(3, "mlp.down_proj")]) == \
+        (propagate == "modified")
 
 
 def test_config_validation_and_round_trip():
@@ -169,11 +286,33 @@ def test_config_validation_and_round_trip():
         Wanda(pattern="4:2")
     with pytest.raises(ConfigError, match="uniform"):
         Wanda(pattern="2:4", allocation=Owl())
-    assert Wanda(pattern="2:4").sparsity == 0.5
+    assert Wanda(pattern="2:4").target_sparsity == 0.5  # recorded target of 2:4
+    assert Wanda(pattern="1:4").target_sparsity == 0.75
+    assert Wanda().sparsity == 0.5 and Wanda() == Wanda(sparsity=0.5)
+    for both in (0.5, 0.6):  # a pattern fixes the sparsity: giving both is an error
+        with pytest.raises(ConfigError, match="give sparsity or pattern, not both"):
+            Wanda(sparsity=both, pattern="2:4")
+    with pytest.raises(TypeError):
+        Wanda(reorder=True)
+    with pytest.raises(ConfigError, match="'reorder'.*valid options: sparsity, pattern"):
+        METHODS_REGISTRY.make("wanda", reorder=True)
+    assert Wanda(allocation="owl") == Wanda(allocation=Owl())  # names accepted
     for cfg in (Wanda(sparsity=0.3, allocation=Owl(m=4.0)), Rose(reorder=False),
-                QKWanda(scope="block"), SparseGPT(pattern="4:8", hessian_alpha=0.2)):
+                QKWanda(scope="block"), SparseGPT(pattern="4:8", hessian_alpha=0.2),
+                Magnitude(sparsity=0.2, allocation=Ramp(increasing=False), targets=("mlp.*",))):
         d = json.loads(json.dumps(to_dict(cfg)))
-        assert from_dict(d) == cfg
+        assert d["name"] == cfg.registry_name and "method" not in d
+        assert from_dict(d) == cfg and METHODS_REGISTRY.from_dict(d) == cfg
+    assert to_dict(Wanda(allocation=Owl(m=4.0)))["allocation"] == \
+        {"name": "owl", "m": 4.0, "lam": 0.08}
+    with pytest.raises(ConfigError, match="allocation 'owl' has no option 'delta'"):
+        METHODS_REGISTRY.from_dict({"name": "wanda", "allocation": {"name": "owl", "delta": 1}})
+    # manifests written before the registry: "method" key, sparsity beside the pattern
+    old = {"sparsity": 0.5, "pattern": "2:4", "allocation": {"name": "uniform"},
+           "group": "row", "targets": [], "ignore": [], "propagate": "modified",
+           "within_block": "sequential", "blocksize": 64, "percdamp": 0.01,
+           "hessian_alpha": 0.0, "method": "sparsegpt"}
+    assert from_dict(old) == SparseGPT(pattern="2:4", blocksize=64, propagate="modified")
 
 
 def test_checkpoint_reloads_with_plain_transformers(tmp_path):
@@ -192,7 +331,7 @@ def test_checkpoint_reloads_with_plain_transformers(tmp_path):
 @pytest.mark.parametrize("cfg", [Wanda(sparsity=0.5, within_block="sequential",
                                        propagate="modified"),
                                  SparseGPT(sparsity=0.5), Magnitude(sparsity=0.5)],
-                         ids=lambda c: c.method)
+                         ids=lambda c: c.registry_name)
 def test_one_pass_block_equals_group_by_group_passes(arch, cfg):
     """The replaying one-pass executor prunes exactly like separate partial passes per
     group, and its outputs equal a plain run of the pruned block."""
@@ -204,7 +343,7 @@ def test_one_pass_block_equals_group_by_group_passes(arch, cfg):
         prune_block(ref, r_ref, i, h_ref, cfg, 0.5)
         before = r_new.block_evals
         _, outs = prune_block_sequential(new, r_new, i, h_new, cfg, 0.5)
-        stages = 1 if cfg.method == "magnitude" else len(
+        stages = 1 if cfg.accumulators() is None else len(
             role_groups(new, i, new.adapter.linears(i))) + 1
         assert r_new.block_evals - before == stages * len(r_new.batches)
         for path, m in ref.adapter.linears(i).items():
@@ -296,7 +435,7 @@ def test_linears_sharing_a_gram_pruned_jointly_equal_separate_runs(cfg, monkeypa
     (up to float rounding; masks identical). ``group="layer"`` (not per row) keeps
     separate runs, with SparseGPT's joint choice over each column block."""
     from prunelab.calib.stats import Gram
-    from prunelab.pruning.sparsity.methods import prune_linear, prune_linears
+    from prunelab.pruning.sparsity.execute import prune_linear, prune_linears
 
     model = tiny_model("llama")
     ad = get_adapter(model)
@@ -312,7 +451,7 @@ def test_linears_sharing_a_gram_pruned_jointly_equal_separate_runs(cfg, monkeypa
     for p, m in targets.items():
         alone[p].weight.data.copy_(m.weight.data)
         prune_linear(alone[p], accs[p], cfg, 0.5)
-    from prunelab.pruning.sparsity import methods
+    from prunelab.pruning.sparsity.methods import sparsegpt as methods
 
     sweeps = []
     real = methods.sparsegpt_prune

@@ -28,6 +28,7 @@ from prunelab.pruning import (  # noqa: E402
     Rose,
     Span,
     SparseGPT,
+    SparsityConfig,
     Uniform,
     Wanda,
     Width,
@@ -52,5 +53,5 @@ __all__ = ["AblationKL", "Beam", "Blend", "BlockRunner", "Boundary", "CoCurve", 
            "Foldable", "Ghost", "Iterative", "LastN", "LoadedModel", "Lra", "Magnitude",
            "MagnitudeProfile", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals",
            "PrunelabError", "Putri", "QKWanda", "Ramp", "Random", "Rose", "Span", "SparseGPT",
-           "StateStore", "Uniform", "Wanda", "WandaSP", "Width", "evaluate", "get_adapter",
-           "info", "load", "probe", "prune", "save", "wrap", "__version__"]
+           "SparsityConfig", "StateStore", "Uniform", "Wanda", "WandaSP", "Width", "evaluate",
+           "get_adapter", "info", "load", "probe", "prune", "save", "wrap", "__version__"]

@@ -31,18 +31,17 @@ from prunelab.pruning.recoveries import (
     NoRecovery,
     Recovery,
 )
+from prunelab.pruning.sparsity import pruner as _sparsity_pruner  # noqa: F401 - registers
 from prunelab.pruning.sparsity.config import (
-    Magnitude,
+    ALLOCATIONS,
     Owl,
     Pals,
-    QKWanda,
     Ramp,
-    Rose,
-    SparseGPT,
     SparsityConfig,
     Uniform,
-    Wanda,
+    sparsity_methods,
 )
+from prunelab.pruning.sparsity.methods import Magnitude, QKWanda, Rose, SparseGPT, Wanda
 from prunelab.pruning.strategies import (
     STRATEGIES,
     Beam,
@@ -66,29 +65,12 @@ from prunelab.pruning.width import (
 )
 from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
 
-for _name, _cls in (("magnitude", Magnitude),
-                    ("wanda", Wanda), ("sparsegpt", SparseGPT), ("rose", Rose),
-                    ("qk-wanda", QKWanda)):
-    if _name not in METHODS:
-        METHODS.register(_name)(_cls)
-
-
-@register_pruner(SparsityConfig)
-class _SparsityPruner(Pruner):
-    operation = "prune-sparsity"
-
-    def run(self, lm, config, input_ids, *, batch_size):
-        from prunelab.pruning.sparsity.execute import prune_sparsity
-
-        rep = prune_sparsity(lm, config, input_ids, batch_size=batch_size)
-        return DictReport(rep, history_keys=("achieved_sparsity",))
-
-
-__all__ = ["METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS", "WIDTH_SCORES", "Beam",
-           "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport", "DictReport",
-           "Foldable", "Ghost", "Iterative", "LastN", "Lra", "Magnitude", "MethodReport",
-           "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport", "Pruner",
-           "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT", "Span", "Strategy",
-           "Uniform", "Wanda", "Width", "WidthAllocation", "WidthPruner", "WidthReport",
-           "WidthScore", "config_from_dict", "depth_from_cli", "pruner_for",
-           "register_pruner", "width_from_cli"]
+__all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",
+           "WIDTH_SCORES", "Beam", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
+           "DictReport", "Foldable", "Ghost", "Iterative", "LastN", "Lra", "Magnitude",
+           "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
+           "Pruner", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
+           "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
+           "WidthAllocation", "WidthPruner", "WidthReport", "WidthScore", "config_from_dict",
+           "depth_from_cli", "pruner_for", "register_pruner", "sparsity_methods",
+           "width_from_cli"]

@@ -2,7 +2,8 @@
 and per-block sparsity allocation (pure tensor maths; no model code, no hooks).
 
 Weights are ``[d_out, d_in]``; calibration statistics (column norms, Hessians) come
-precomputed. See prunelab methods.md section 3 for the formulas.
+precomputed. The registered methods (configs and their hooks) live in
+:mod:`prunelab.pruning.sparsity.methods`, one module each.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A "layer" here is one transformer block. Every allocator returns one sparsity per block in
 ``[0, 1)`` whose mean weighted by ``weights`` (parameter counts per block; default equal)
 equals ``target``: each ends with :func:`rescale_to_target`. Sources: OWL (Yin et al.
-2024, "Outlier Weighed Layerwise Sparsity"); PALS (derived, prunelab methods.md section 3);
-linear depth ramps (methods.md section 3, depth schedule).
+2024, "Outlier Weighed Layerwise Sparsity"); PALS (derived in prunelab: sparsity from
+the 99th-percentile input activation of each block); linear depth ramps (a depth schedule).
 """
 
 from __future__ import annotations

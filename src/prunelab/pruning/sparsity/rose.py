@@ -1,7 +1,7 @@
 """ROSE: reordered SparseGPT.
 
 Source: Su & Wang 2025, "ROSE: Reordered SparseGPT for More Accurate One-Shot Large
-Language Models Pruning" (arXiv:2510.06751; prunelab methods.md section 3). SparseGPT
+Language Models Pruning" (arXiv:2510.06751). SparseGPT
 prunes columns left to right, so late columns have few weights left to absorb their error;
 ROSE moves the columns with the largest expected pruning loss to the front, but only for
 "columnar" layers, whose block losses differ a lot.
@@ -56,7 +56,7 @@ def rose_permutation(
     """ROSE column order for ``W`` (``[d_out, d_in]``), or ``None`` if not columnar.
 
     Pre-prunes with Wanda scores ``|W| * sqrt(col_sq_norm)`` (``col_sq_norm: [d_in]``) at
-    ``sparsity``: ``pre_mask="block"`` (default, as in the paper's code and methods.md)
+    ``sparsity``: ``pre_mask="block"`` (default, as in the paper's code)
     prunes the lowest ``floor(numel * sparsity)`` scores of each ``[d_out, blocksize]``
     slice jointly, so a block of large weights has a large loss and moves to the front;
     ``"row"`` uses the layer's per-row unstructured Wanda mask instead (such a block then

@@ -2,8 +2,8 @@
 
 Weights are ``W: [d_out, d_in]``; calibration statistics arrive precomputed. Scores are
 "higher = keep". Sources: magnitude pruning (Han et al. 2015); Wanda (Sun et al. 2024);
-QK-Wanda (shared query/key budget with activation-weighted deletion costs; prunelab
-methods.md section 3, unmasked and causal variants).
+QK-Wanda (derived in prunelab from Wanda: a shared query/key budget with
+activation-weighted deletion costs, unmasked and causal variants).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def qk_wanda_scores(
     + c]``, and key row ``r = g * head_dim + c`` costs ``Sk[r, j] = Wk[r, j]^2 * xq_j *
     sum_{h : h // G = g} q_act[h * head_dim + c]``. Returns ``(Sq, Sk)`` in float64, on one
     scale, so :func:`shared_budget_masks` can prune them under one budget. Source: QK-Wanda
-    (prunelab methods.md section 3); the causal variant is :func:`qk_wanda_causal_scores`.
+    (derived from Wanda); the causal variant is :func:`qk_wanda_causal_scores`.
     """
     d_in = Wq.shape[1]
     _check_qk_shapes("qk_wanda_scores", Wq, Wk, num_heads, num_kv_heads, head_dim, {
@@ -144,7 +144,7 @@ def qk_wanda_causal_scores(
     causal logit of its head; key row ``r = g * head_dim + c``: ``Sk[r, j] = Wk[r, j]^2 *
     sum_{h : h // G = g} a_k[j, h * head_dim + c]``. Without the mask (every pair of a
     sequence) this reduces to :func:`qk_wanda_scores`. Source: QK-Wanda, causal variant
-    (key prefix sums / query suffix sums; prunelab methods.md section 3).
+    (key prefix sums / query suffix sums; derived from Wanda).
     """
     d_in = Wq.shape[1]
     _check_qk_shapes("qk_wanda_causal_scores", Wq, Wk, num_heads, num_kv_heads, head_dim, {

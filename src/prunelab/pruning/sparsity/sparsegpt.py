@@ -1,8 +1,8 @@
 """SparseGPT one-shot pruning with OBS weight updates, and the MOONSHOT Hessian blend.
 
 Source: Frantar & Alistarh 2023, "SparseGPT: Massive Language Models Can Be Accurately
-Pruned in One-Shot" (algorithm as in prunelab methods.md section 3); MOONSHOT (derived,
-methods.md section 3): a trace-normalised blend of the reconstruction Hessian and a Taylor
+Pruned in One-Shot" (Algorithm 1, with lazy column blocks); MOONSHOT (derived in
+prunelab): a trace-normalised blend of the reconstruction Hessian and a Taylor
 (Fisher) term.
 """
 
@@ -151,6 +151,7 @@ def sparsegpt_prune(
         if not (1 <= n < m) or cols % m:
             raise ConfigError(f"SparseGPT N:M {n}:{m}: needs 1 <= N < M and d_in={cols} % M == 0")
         blocksize = max(m, blocksize // m * m)
+        nm = (n, m)
 
     dtype = torch.float64 if torch.float64 in (W.dtype, H.dtype) else torch.float32
     with no_tf32():
@@ -158,59 +159,20 @@ def sparsegpt_prune(
         if perm is not None:
             perm = _check_perm(perm, cols).to(W.device)
             Wf = Wf[:, perm]
-        key = (dtype, W.device, percdamp, None if perm is None else perm.tolist())
-        if factor_cache is not None and factor_cache.get("key") == key:
-            dead, U = factor_cache["dead"], factor_cache["U"]
-        else:
-            Hf = H.detach().to(device=W.device, dtype=dtype).clone()
-            if perm is not None:
-                Hf = Hf[perm][:, perm]
-            dead = Hf.diagonal() == 0
-            Hf[dead, dead] = 1.0
-            U = _upper_inverse_factor(Hf, percdamp)
-            del Hf
-            if factor_cache is not None:
-                factor_cache.update(key=key, dead=dead, U=U)
+        dead, U = _dead_and_factor(H, W.device, dtype, perm, percdamp, factor_cache)
         Wf[:, dead] = 0.0
         pruned = torch.zeros((rows, cols), dtype=torch.bool, device=W.device)
         for b in range(0, cols, blocksize):
             e = min(b + blocksize, cols)
             U1 = U[b:e, b:e]
-            d1 = U1.diagonal()
             if nm is None:
-                sal = Wf[:, b:e].square() / d1.square()[None, :]
-                if mask_group == "row":
-                    k = prune_count(e, s) - prune_count(b, s)
-                    mask1 = ~prune_lowest_k(sal, k)
-                else:
-                    k = prune_count(rows * e, s) - prune_count(rows * b, s)
-                    mask1 = ~prune_lowest_k(sal.reshape(1, -1), k).reshape(sal.shape)
+                mask1 = _unstructured_block_mask(Wf[:, b:e], U1.diagonal(), b, e, s,
+                                                 mask_group)
             else:
                 mask1 = torch.zeros((rows, e - b), dtype=torch.bool, device=W.device)
-            # Column-major work copy: column i of the block is the contiguous row T[i].
-            # Per column, two ops: err = w * (pruned / U_ii), then the rank-1 update of
-            # the later columns of the block (row i itself is zeroed where pruned at the
-            # end, and kept entries of row i are unchanged by its own update).
             T = Wf[:, b:e].t().contiguous()
             gone = mask1.t().contiguous()  # True = pruned
-            inv_d = d1.reciprocal()
-            scale = torch.empty_like(T)  # pruned / U_ii, per column
-            if nm is None:
-                torch.mul(gone, inv_d[:, None], out=scale)
-            errs = torch.empty_like(T)
-            t_rows, e_rows, s_rows, u_rows = T.unbind(0), errs.unbind(0), scale.unbind(0), \
-                U1.unbind(0)
-            width = e - b
-            with _threads(_column_threads(rows)):
-                for i in range(width):
-                    if nm is not None and i % m == 0:  # this group's mask, per row
-                        sal = T[i:i + m].square().div_(d1[i:i + m, None].square())
-                        gone[i:i + m] = pruned_lowest_k_down(sal, m - n)
-                        torch.mul(gone[i:i + m], inv_d[i:i + m, None], out=scale[i:i + m])
-                    torch.mul(t_rows[i], s_rows[i], out=e_rows[i])
-                    if i + 1 < width:
-                        T[i + 1:].addr_(u_rows[i][i + 1:], e_rows[i], alpha=-1.0)
-            T.masked_fill_(gone, 0.0)
+            errs = _sweep_columns(T, gone, U1, nm, rows)
             Wf[:, b:e] = T.t()
             pruned[:, b:e] = gone.t()
             if e < cols:
@@ -221,6 +183,72 @@ def sparsegpt_prune(
     return Wf.to(W.dtype), ~pruned
 
 
+def _dead_and_factor(H: torch.Tensor, device, dtype: torch.dtype, perm: torch.Tensor | None,
+                     percdamp: float, factor_cache: dict | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dead columns (``H_jj = 0``, then set to 1) and the upper inverse factor ``U`` of
+    the (permuted) ``H``; reused from / stored in ``factor_cache`` for the same key."""
+    key = (dtype, device, percdamp, None if perm is None else perm.tolist())
+    if factor_cache is not None and factor_cache.get("key") == key:
+        return factor_cache["dead"], factor_cache["U"]
+    Hf = H.detach().to(device=device, dtype=dtype).clone()
+    if perm is not None:
+        Hf = Hf[perm][:, perm]
+    dead = Hf.diagonal() == 0
+    Hf[dead, dead] = 1.0
+    U = _upper_inverse_factor(Hf, percdamp)
+    del Hf
+    if factor_cache is not None:
+        factor_cache.update(key=key, dead=dead, U=U)
+    return dead, U
+
+
+def _unstructured_block_mask(Wb: torch.Tensor, d1: torch.Tensor, b: int, e: int, s: float,
+                             mask_group: str) -> torch.Tensor:
+    """**Pruned** mask of the column block ``[b, e)`` (``Wb`` its current weights, ``d1``
+    the diagonal of ``U`` there) from the saliency ``W^2 / d^2``: per row the lowest
+    ``floor(e s) - floor(b s)``, or jointly over the block (``mask_group="block"``)."""
+    rows = Wb.shape[0]
+    sal = Wb.square() / d1.square()[None, :]
+    if mask_group == "row":
+        return ~prune_lowest_k(sal, prune_count(e, s) - prune_count(b, s))
+    k = prune_count(rows * e, s) - prune_count(rows * b, s)
+    return ~prune_lowest_k(sal.reshape(1, -1), k).reshape(sal.shape)
+
+
+def _sweep_columns(T: torch.Tensor, gone: torch.Tensor, U1: torch.Tensor,
+                   nm: tuple[int, int] | None, rows: int) -> torch.Tensor:
+    """The OBS sweep over one column block, in place; returns the scaled errors.
+
+    ``T``: the block's weights column-major (column ``i`` is the contiguous row
+    ``T[i]``); ``gone``: its pruned mask, same layout (with N:M filled in here, group by
+    group, from the updated weights). Per column, two ops: ``err = w * (pruned / U_ii)``,
+    then the rank-1 update of the later columns of the block (row ``i`` itself is zeroed
+    where pruned at the end, and kept entries of row ``i`` are unchanged by its own
+    update)."""
+    d1 = U1.diagonal()
+    inv_d = d1.reciprocal()
+    scale = torch.empty_like(T)  # pruned / U_ii, per column
+    if nm is None:
+        torch.mul(gone, inv_d[:, None], out=scale)
+    errs = torch.empty_like(T)
+    t_rows, e_rows, s_rows, u_rows = T.unbind(0), errs.unbind(0), scale.unbind(0), \
+        U1.unbind(0)
+    width = T.shape[0]
+    with _threads(_column_threads(rows)):
+        for i in range(width):
+            if nm is not None and i % nm[1] == 0:  # this group's mask, per row
+                m = nm[1]
+                sal = T[i:i + m].square().div_(d1[i:i + m, None].square())
+                gone[i:i + m] = pruned_lowest_k_down(sal, m - nm[0])
+                torch.mul(gone[i:i + m], inv_d[i:i + m, None], out=scale[i:i + m])
+            torch.mul(t_rows[i], s_rows[i], out=e_rows[i])
+            if i + 1 < width:
+                T[i + 1:].addr_(u_rows[i][i + 1:], e_rows[i], alpha=-1.0)
+    T.masked_fill_(gone, 0.0)
+    return errs
+
+
 def hessian_blend(xtx: torch.Tensor, taylor: torch.Tensor, alpha: float) -> torch.Tensor:
     """MOONSHOT-style curvature: ``(1 - a) * xtx / tr(xtx) + a * taylor / tr(taylor)``.
 
@@ -229,7 +257,7 @@ def hessian_blend(xtx: torch.Tensor, taylor: torch.Tensor, alpha: float) -> torc
     layer output at token ``t``, computed by the caller); ``alpha`` in ``[0, 1]``. Computed
     in float64, returned in the promoted input dtype (at least float32); feed it to
     :func:`sparsegpt_prune`. A term with weight 0 is skipped; a used term needs a positive
-    trace. Source: MOONSHOT (derived; prunelab methods.md section 3).
+    trace. Source: MOONSHOT (derived in prunelab).
     """
     a = float(alpha)
     if not (0.0 <= a <= 1.0):
