@@ -20,7 +20,7 @@ from prunelab.cli import cli_main
 
 from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
 
-M, T, O = "{m}", "{t}", "{o}"
+M, T, O = "{m}", "{t}", "{o}"  # noqa: E741 (model, text, output)
 PD = ["prune", "depth", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
 PS = ["prune", "sparsity", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
 PW = ["prune", "width", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
@@ -63,6 +63,12 @@ CASES = {
     "sparsity batch size negative": PS + ["--batch-size", "-3"],
     "sparsity samples 0": PS + ["--samples", "0"],
     "sparsity selects nothing": PS + ["--targets", "no.such.*", "--samples", "2"],
+    "method option for another method": PS + ["--method", "wanda", "--scope", "block"],
+    "allocation option for another allocation": PS + ["--owl-m", "3"],
+    "unknown --set key": PS + ["--set", "bogus=1"],
+    "--set without =": PS + ["--set", "percdamp"],
+    "--set value out of range": PS + ["--method", "sparsegpt", "--set", "percdamp=2"],
+    "qk-wanda with a pattern": PS + ["--method", "qk-wanda", "--pattern", "2:4"],
     # depth options
     "depth without amount": PD,
     "depth remove 0": PD + ["--remove", "0"],

@@ -26,9 +26,38 @@ from prunelab.cli.common import (
     out,
     parse_blocks,
     parse_list,
+    parse_settings,
     writing,
 )
 from prunelab.errors import ConfigError
+
+
+def _registry_help(kind: str) -> str:
+    """``name | name | ...`` of the registered sparsity methods or allocations (the list a
+    command accepts is read again at run time, so methods registered later work too)."""
+    from prunelab.pruning.sparsity.config import ALLOCATIONS, sparsity_methods
+
+    names = list(sparsity_methods()) if kind == "sparsity" else ALLOCATIONS.names()
+    return " | ".join(names)
+
+
+def build_config(cls: type, label: str, flat: dict, settings: list[str] | None = None,
+                 **fixed):
+    """``cls(**options)`` from the flags given (``flat``: field -> (flag, value); ``None``
+    means not given, so the class default holds) and ``--set`` items; a flag given for a
+    field ``cls`` does not have is an error naming it, never ignored."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)}
+    opts = dict(fixed)
+    for name, (flag, value) in flat.items():
+        if value is None:
+            continue
+        if name not in fields:
+            raise ConfigError(f"{flag} does not apply to {label}")
+        opts[name] = value
+    opts.update(parse_settings(settings, cls))
+    return cls(**opts)
 
 
 def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data: str,
@@ -129,33 +158,41 @@ def prune_sparsity_cmd(
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        method: str = typer.Option("wanda", help="magnitude | wanda | sparsegpt | rose | "
-                                   "qk-wanda"),
-        sparsity: float = typer.Option(0.5, help="unstructured target (mean over layers)"),
-        pattern: Optional[str] = typer.Option(None, help="N:M pattern, e.g. 2:4"),
-        allocation: str = typer.Option("uniform", help="uniform | owl | pals | ramp"),
-        owl_m: float = typer.Option(5.0, help="owl: outlier threshold M"),
-        owl_lambda: float = typer.Option(0.08, help="owl: lambda"),
-        pals_delta: float = typer.Option(0.05, help="pals: delta"),
-        ramp_span: float = typer.Option(0.1, help="ramp: +- span around the target"),
+        method: str = typer.Option("wanda", help=_registry_help("sparsity")),
+        sparsity: Optional[float] = typer.Option(None, help="unstructured target (mean over "
+                                                 "layers; default 0.5)"),
+        pattern: Optional[str] = typer.Option(None, help="N:M pattern, e.g. 2:4 (instead of "
+                                              "--sparsity)"),
+        allocation: str = typer.Option("uniform", help=_registry_help("allocation")),
+        owl_m: Optional[float] = typer.Option(None, help="owl: outlier threshold M "
+                                              "(default 5)"),
+        owl_lambda: Optional[float] = typer.Option(None, help="owl: lambda (default 0.08)"),
+        pals_delta: Optional[float] = typer.Option(None, help="pals: delta (default 0.05)"),
+        ramp_span: Optional[float] = typer.Option(None, help="ramp: +- span around the "
+                                                  "target (default 0.1)"),
         ramp_down: bool = typer.Option(False, "--ramp-down", help="ramp: sparsity falls "
                                        "with depth"),
-        group: str = typer.Option("row", help="unstructured comparison group: row or layer"),
+        group: Optional[str] = typer.Option(None, help="unstructured comparison group: row "
+                                            "(default) or layer"),
         targets: Optional[str] = typer.Option(None, help="glob patterns of linears to prune"),
         ignore: Optional[str] = typer.Option(None, help="glob patterns of linears to keep"),
         propagate: Optional[str] = typer.Option(
-            None, help="modified or dense block outputs passed on (default: dense for "
-            "wanda, modified otherwise)"),
+            None, help="modified or dense block outputs passed on (default: the method's; "
+            "dense for wanda, modified otherwise)"),
         within_block: Optional[str] = typer.Option(
             None, help="sequential (each sublayer group calibrated after the earlier ones "
-            "were pruned) or dense (the whole block calibrated dense); default: dense for "
-            "wanda, sequential otherwise"),
-        scope: str = typer.Option("qk", help="qk-wanda: qk or block"),
-        qk_variant: str = typer.Option("unmasked", help="qk-wanda: unmasked (every "
-                                       "query-key pair) or causal (pairs the mask keeps)"),
+            "were pruned) or dense (the whole block calibrated dense); default: the "
+            "method's (dense for wanda, sequential otherwise)"),
+        scope: Optional[str] = typer.Option(None, help="qk-wanda: qk (default) or block"),
+        qk_variant: Optional[str] = typer.Option(None, help="qk-wanda: unmasked (default: "
+                                                 "every query-key pair) or causal (pairs "
+                                                 "the mask keeps)"),
         no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
-        hessian_alpha: float = typer.Option(0.0, help="sparsegpt/rose: Taylor blend "
-                                            "(MOONSHOT)"),
+        hessian_alpha: Optional[float] = typer.Option(None, help="sparsegpt/rose: Taylor "
+                                                      "blend (MOONSHOT; default 0)"),
+        settings: Optional[list[str]] = typer.Option(
+            None, "--set", help="KEY=VALUE: any option of the method's config (repeatable; "
+            "e.g. --set percdamp=0.02, or the options of a method you registered)"),
         samples: int = typer.Option(64, help="calibration windows"),
         seqlen: int = typer.Option(512, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling seed"),
@@ -165,28 +202,26 @@ def prune_sparsity_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
     """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude)."""
-    from prunelab.pruning.sparsity.config import CLASSES, Owl, Pals, Ramp, Uniform
+    from prunelab.pruning.sparsity.config import ALLOCATIONS, sparsity_methods
 
-    if method not in CLASSES:
-        raise ConfigError(f"--method must be one of {', '.join(CLASSES)}, got {method!r}")
-    allocs = {"uniform": lambda: Uniform(), "owl": lambda: Owl(m=owl_m, lam=owl_lambda),
-              "pals": lambda: Pals(delta=pals_delta),
-              "ramp": lambda: Ramp(span=ramp_span, increasing=not ramp_down)}
-    if allocation not in allocs:
-        raise ConfigError(f"--allocation must be one of {', '.join(allocs)}, "
-                          f"got {allocation!r}")
-    kw = dict(sparsity=sparsity, pattern=pattern, allocation=allocs[allocation](),
-              group=group, targets=parse_list(targets), ignore=parse_list(ignore),
-              **{k: v for k, v in (("propagate", propagate), ("within_block", within_block))
-                 if v is not None})
-    if method in ("sparsegpt", "rose"):
-        kw["hessian_alpha"] = hessian_alpha
-    if method == "rose":
-        kw["reorder"] = not no_reorder
-    if method == "qk-wanda":
-        kw["scope"] = scope
-        kw["variant"] = qk_variant
-    cfg = CLASSES[method](**kw)
+    methods = sparsity_methods()
+    if method not in methods:
+        raise ConfigError(f"--method must be one of {', '.join(methods)}, got {method!r}")
+    cls = methods[method]
+    alloc_cls = ALLOCATIONS.get(allocation)
+    alloc = build_config(alloc_cls, f"--allocation {allocation}", {
+        "m": ("--owl-m", owl_m), "lam": ("--owl-lambda", owl_lambda),
+        "delta": ("--pals-delta", pals_delta), "span": ("--ramp-span", ramp_span),
+        "increasing": ("--ramp-down", False if ramp_down else None)})
+    flat = {"sparsity": ("--sparsity", sparsity), "pattern": ("--pattern", pattern),
+            "group": ("--group", group), "targets": ("--targets", parse_list(targets) or None),
+            "ignore": ("--ignore", parse_list(ignore) or None),
+            "propagate": ("--propagate", propagate),
+            "within_block": ("--within-block", within_block),
+            "scope": ("--scope", scope), "variant": ("--qk-variant", qk_variant),
+            "reorder": ("--no-reorder", False if no_reorder else None),
+            "hessian_alpha": ("--hessian-alpha", hessian_alpha)}
+    cfg = build_config(cls, f"--method {method}", flat, settings, allocation=alloc)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -335,29 +335,6 @@ def from_dict(d: dict | str) -> SparsityConfig:
         raise ConfigError(f"{METHODS.name_of(cfg)!r} is not a sparsity method")
     return cfg
 
-
-class _CliClasses(Mapping):
-    """Temporary bridge for ``cli.py`` (``CLASSES[method](**kw)`` with ``sparsity=0.5``
-    always given) until the CLI is generated from :func:`sparsity_methods`: the CLI's
-    default sparsity is dropped when a pattern is given."""
-
-    def __getitem__(self, name: str) -> Callable[..., SparsityConfig]:
-        cls = sparsity_methods()[name]
-
-        def make(**kw):
-            if kw.get("pattern") and kw.get("sparsity") == 0.5:
-                kw.pop("sparsity")
-            return cls(**kw)
-        return make
-
-    def __iter__(self):
-        return iter(sparsity_methods())
-
-    def __len__(self) -> int:
-        return len(sparsity_methods())
-
-
-CLASSES = _CliClasses()
 
 __all__ = ["ALLOCATIONS", "Allocation", "BlockStage", "Owl", "Pals", "Ramp",
            "SparsityConfig", "Uniform", "config_options", "find", "from_dict", "sparsity_methods",
