@@ -65,29 +65,19 @@ _FFN_SCORES = ["flap", "wanda-sp", Putri(), "magnitude-profile", AblationKL(samp
                                                                             channel_group=16)]
 
 
-def _neox_remote(arch, cfg):
-    """gpt_neox saved with remote code (head_dim changes; per-block widths) reloads with a
-    random LM head: a known defect of io/remote.py, expected to fail until fixed."""
-    if arch == "gpt_neox" and (cfg.unit == "heads" or not cfg.allocation.uniform):
-        return pytest.param(arch, cfg, marks=pytest.mark.xfail(strict=True, reason=(
-            "io/remote.py's modeling file names the head lm_head where gpt_neox has "
-            "embed_out: the LM head reloads randomly initialised")))
-    return arch, cfg
-
-
 def _width_cases():
     cases = []
     for k, arch in enumerate(ARCHS):
         hs, fs = _HEAD_SCORES[k % 5], _FFN_SCORES[k % 5]
         if arch == "bert":  # no LM head: no loss-based score
             hs, fs = "wanda-sp", "flap"
-        cases.append(_neox_remote(arch, Width(
+        cases.append((arch, Width(
             unit="heads", score=hs, ratio=0.5, allocation="global" if k % 3 == 1 else
             "uniform", compensate=k % 2 == 0)))
         # global FFN widths are rounded per block to the nearest multiple of round_to,
         # which can land below the budget: round_to=1 here
         ffn_global = k % 3 == 2
-        cases.append(_neox_remote(arch, Width(
+        cases.append((arch, Width(
             unit="ffn", score=fs, ratio=0.3, allocation="global" if ffn_global else
             "uniform", round_to=1 if ffn_global else 8, compensate=k % 2 == 1)))
     for arch, score in (("qwen2", "wanda-sp"), ("gemma3_text", "magnitude-profile"),

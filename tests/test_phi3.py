@@ -127,7 +127,6 @@ def test_per_block_heads_reload_with_remote_code(tmp_path):
     torch.testing.assert_close(logits(again), logits(lm.model), rtol=0, atol=0)
 
 
-@pytest.mark.skip(reason="lead: enable after merge")
 @pytest.mark.parametrize("cfg", [Wanda(sparsity=0.5, within_block="sequential",
                                        propagate="modified"), Magnitude(sparsity=0.5)],
                          ids=lambda c: type(c).__name__)
@@ -144,7 +143,6 @@ def test_sparsity_prunes_every_phi3_linear(cfg):
     assert torch.isfinite(logits(lm.model)).all()
 
 
-@pytest.mark.skip(reason="lead: enable after merge")
 def test_ffn_width_on_phi3_saves_a_plain_checkpoint(tmp_path):
     lm = wrap(tiny_model("phi3"), char_tokenizer(), spec="tiny-phi3")
     prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.25), CALIB, batch_size=3)

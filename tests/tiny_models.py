@@ -8,11 +8,8 @@ import transformers as tf
 VOCAB = 131  # 0..127 = ASCII code points, 128 = <s>, 129 = [UNK], 130 = <pad>
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
-         "gpt2", "gpt_neox", "opt", "bert")
-# Families whose pruners are not yet wired for them everywhere (phi3: fused qkv_proj and
-# gate_up_proj); the runner and adapter tests cover ALL_ARCHS.
-NEW_ARCHS = ("phi3",)
-ALL_ARCHS = ARCHS + NEW_ARCHS
+         "gpt2", "gpt_neox", "opt", "bert", "phi3")  # phi3: fused qkv_proj and gate_up_proj
+ALL_ARCHS = ARCHS
 
 
 def tiny_config(arch: str):

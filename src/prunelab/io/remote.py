@@ -73,6 +73,25 @@ class PrunelabBridgedConfig(_BaseConfig):
     model_type = "{model_type}"
 
 
+def _share_weight_renames():
+    """Checkpoints hold the base class's key names (transformers renames some on save, e.g.
+    gpt_neox's lm_head -> embed_out); custom code gets no renames unless registered."""
+    try:
+        from transformers import conversion_mapping as cm
+    except ImportError:
+        return
+    get = getattr(cm, "get_checkpoint_conversion_mapping", None)
+    register = getattr(cm, "register_checkpoint_conversion_mapping", None)
+    if get is None or register is None:
+        return
+    renames = get(_BaseModel.__name__) or get(_BaseConfig.model_type)
+    if renames:
+        register("PrunelabBridgedModel", renames, overwrite=True)
+
+
+_share_weight_renames()
+
+
 class PrunelabBridgedModel(_BaseModel):
     config_class = PrunelabBridgedConfig
 

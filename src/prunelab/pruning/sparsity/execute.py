@@ -33,8 +33,6 @@ from prunelab.pruning.base import MethodReport, method_name
 from prunelab.pruning.sparsity import masks
 from prunelab.pruning.sparsity.config import BlockStage, SparsityConfig
 
-ROLE_ORDER = (("q", "k", "v", "qkv"), ("o",), ("gate", "up"), ("down",))
-
 
 def _blocks_prefix(lm) -> str:
     blocks = lm.adapter.blocks()
@@ -65,14 +63,9 @@ def check_sparsity_config(lm, cfg: SparsityConfig) -> None:
 
 
 def role_groups(lm, index: int, chosen: dict) -> list[dict[str, torch.nn.Module]]:
-    """Selected linears grouped by the sublayer order they are pruned in."""
-    roles = {**lm.adapter.spec.attn_proj, **lm.adapter.spec.mlp_proj}
-    groups = []
-    for names in ROLE_ORDER:
-        g = {roles[r]: chosen[roles[r]] for r in names if r in roles and roles[r] in chosen}
-        if g:
-            groups.append(g)
-    return groups
+    """Selected linears grouped by the sublayer order they are pruned in (the adapter's
+    :meth:`~prunelab.models.adapters.Adapter.linear_groups`: fused gate/up included)."""
+    return lm.adapter.linear_groups(index, chosen)
 
 
 def allocate(lm, cfg: SparsityConfig, runner: BlockRunner) -> list[float]:
