@@ -40,7 +40,7 @@ from tiny_models import ARCHS, char_tokenizer, tiny_model, tiny_tokens
 IDS = tiny_tokens(4, 12)
 CALIB = TokenBatches(input_ids=IDS, spec="tiny", seqlen=12, samples=4, seed=0, mode="calib",
                      total_windows=4, sha256="0")
-GQA = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+GQA = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 
 # one (strategy x recovery) combination per family: every strategy and recovery is met
 # (foldable / boundary only where the residual branches are additive and block 0 stays)
@@ -56,6 +56,7 @@ DEPTH = {
     "gpt_neox": Depth(remove=2, select=Iterative(), recovery="none"),
     "opt": Depth(remove=1, select=LastN(), recovery="boundary"),
     "bert": Depth(remove=1, probe="leave-one-out", recovery=Ghost()),
+    "phi3": Depth(remove=2, select=NoAdjacent(), probe="interchange", recovery="foldable"),
 }
 
 # width: heads (KV groups, or heads without GQA), FFN channels, and query heads on a few
