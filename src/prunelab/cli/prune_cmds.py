@@ -32,6 +32,25 @@ from prunelab.cli.common import (
 from prunelab.errors import ConfigError
 
 
+def _choices(kind: str, describe: bool = True) -> str:
+    """The registered names of ``kind`` with their one-line descriptions (width scores
+    grouped by the units they rank), for a command's --help."""
+    from prunelab.pruning import RECOVERIES, STRATEGIES, WIDTH_ALLOCATIONS, WIDTH_SCORES
+
+    reg = {"strategies": STRATEGIES, "recoveries": RECOVERIES, "width scores": WIDTH_SCORES,
+           "width allocations": WIDTH_ALLOCATIONS}[kind]
+
+    def one(name: str) -> str:
+        doc = (reg.get(name).__doc__ or "").strip().splitlines()
+        return f"{name} ({doc[0].rstrip('.')})" if describe and doc else name
+
+    if kind != "width scores":
+        return " | ".join(one(n) for n in reg.names())
+    groups = [f"{u}: " + " | ".join(n for n in reg.names() if u in reg.get(n).units)
+              for u in ("heads", "ffn", "joint")]
+    return "; ".join(groups)
+
+
 def _registry_help(kind: str) -> str:
     """``name | name | ...`` of the registered sparsity methods or allocations (the list a
     command accepts is read again at run time, so methods registered later work too)."""
@@ -90,10 +109,9 @@ def prune_depth_cmd(
         probe_name: str = typer.Option("block-influence", "--probe", help="probe that ranks "
                                        "blocks (run on the calibration data)"),
         from_probe: Optional[Path] = typer.Option(None, help="a saved DIR/NAME.json instead"),
-        strategy: Optional[str] = typer.Option(None, help="one-shot | no-adjacent | span | "
-                                               "iterative | beam | blend | last-n | random "
-                                               "(default from the probe kind)"),
-        recovery: str = typer.Option("none", help="none | foldable | boundary | ghost | lra"),
+        strategy: Optional[str] = typer.Option(None, help=_choices("strategies") + " (default "
+                                               "from the probe kind)"),
+        recovery: str = typer.Option("none", help=_choices("recoveries")),
         rank: Optional[int] = typer.Option(None, help="lra: rank of the adapter"),
         token_aware: bool = typer.Option(False, "--token-aware", help="ghost/lra: separate "
                                          "map for the first position"),
@@ -245,15 +263,12 @@ def prune_width_cmd(
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         unit: str = typer.Option("ffn", help="heads | ffn | joint"),
-        score: str = typer.Option("wanda-sp", help="heads: wanda-sp | magnitude-profile | flap "
-                                  "| ablation-kl | putri; ffn: wanda-sp | flap | putri | "
-                                  "ablation-kl | magnitude-profile; joint: cocurve"),
+        score: str = typer.Option("wanda-sp", help=_choices("width scores")),
         ratio: Optional[float] = typer.Option(None, help="fraction of the unit's parameters "
                                               "removed"),
         target_params: Optional[float] = typer.Option(None, help="parameters the model keeps: "
                                                       "a fraction (<= 1) or a count"),
-        allocation: str = typer.Option("uniform", help="uniform (plain config) | global "
-                                       "(per-block widths, needs trust_remote_code)"),
+        allocation: str = typer.Option("uniform", help=_choices("width allocations")),
         heads: str = typer.Option("groups", help="groups (KV groups; heads without GQA) | "
                                   "query (query heads inside every group)"),
         compensate: bool = typer.Option(False, "--compensate", help="least-squares refit of "
@@ -328,7 +343,8 @@ def sweep_depth_cmd(
         probes: str = typer.Option("block-influence", help="comma-separated probes; "
                                    "last-n and random are baselines"),
         remove: str = typer.Option("1..4", help="N..M or a list N,M,..."),
-        recovery: str = typer.Option("none,foldable", help="comma-separated recoveries"),
+        recovery: str = typer.Option("none,foldable", help="comma-separated: " +
+                                     _choices("recoveries", describe=False)),
         out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
         strategy: Optional[str] = typer.Option(None, help="override the per-probe default"),
         window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
