@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from prunelab import log
-from prunelab.cli import app
+from prunelab.cli.apps import app
 from prunelab.cli.common import (
     BatchOpt,
     DeviceOpt,

@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from prunelab import log
-from prunelab.cli import prune_app, sweep_app
+from prunelab.cli.apps import prune_app, sweep_app
 from prunelab.cli.common import (
     BatchOpt,
     DeviceOpt,

@@ -41,10 +41,12 @@ def top1_agreement(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tens
     return (ref_logits.argmax(-1) == logits.argmax(-1)).float()
 
 
-def token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+def token_nll(logits: torch.Tensor, input_ids: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Negative log-likelihood of each next token, ``[B, T, V], [B, T] -> [B, T-1]``:
-    ``-log p(input_ids[:, t+1] | logits[:, t])`` (float32 log-softmax)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    ``-log p(input_ids[:, t+1] | logits[:, t])`` (log-softmax in ``dtype``: float32 for
+    perplexity, float64 where loss differences are compared)."""
+    logp = torch.log_softmax(logits[:, :-1].to(dtype), dim=-1)
     target = input_ids[:, 1:].to(logp.device).unsqueeze(-1)
     return -logp.gather(-1, target).squeeze(-1)
 

@@ -17,11 +17,6 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
-def is_linear_like(module: nn.Module) -> bool:
-    """True for ``nn.Linear`` and ``Conv1D``."""
-    return isinstance(module, nn.Linear) or is_conv1d(module)
-
-
 def in_out_features(module: nn.Module) -> tuple[int, int]:
     """``(d_in, d_out)`` of a linear-like layer."""
     if is_conv1d(module):

@@ -1,4 +1,5 @@
-"""Contraction ratio rho per block (derived; methods.md section 1).
+"""Contraction ratio rho per block (derived: prunelab's own finite-difference estimate of
+how far a block's map is from the identity; no reference paper or code).
 
 Perturb the cached block input by noise ``eps`` whose norm per token is ``scale`` times the
 token's norm (seeded Gaussian direction), run block ``i`` on the clean and perturbed input:

@@ -1,4 +1,5 @@
-"""Forward-free weight redundancy (WRP-style; derived, methods.md section 1).
+"""Forward-free weight redundancy (derived from the weight-redundancy pruning idea, WRP:
+redundant blocks have small outputs that resemble another block's; no reference code).
 
 From weights alone, no data: for every pair of blocks the cosine similarity of their
 flattened attention output projections ``W_O`` and MLP down projections ``W_down``

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from prunelab.calib.runner import BlockRunner, StateStore
+from prunelab.eval.divergence import kl_from_logits_float64, token_nll
 from prunelab.log import progress
 from prunelab.models.linear import weight_out_in
 
@@ -48,22 +49,6 @@ def masked(units: Sequence[Unit]):
             for module, cols, old in reversed(saved):
                 w = weight_out_in(module)  # fetched anew: offloading replaces the storage
                 w[:, cols] = old.to(w.device)
-
-
-def _kl_float64(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """``KL(p_ref || p)`` per position in float64, ``q`` clamped ``>= 1e-40``
-    (private: the lead replaces it by ``eval.divergence.kl_from_logits_float64``)."""
-    p = torch.softmax(ref_logits.double(), dim=-1)
-    q = torch.softmax(logits.double(), dim=-1).clamp_min(1e-40)
-    logp = torch.log(p.clamp_min(1e-300))
-    return torch.where(p > 0, p * (logp - torch.log(q)), torch.zeros_like(p)).sum(-1)
-
-
-def _token_nll_float64(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``-log p(ids[:, t+1] | logits[:, t])`` in float64, ``[B, T-1]`` (private: an
-    ``eval.divergence.token_nll`` with a float64 option would replace it)."""
-    logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
-    return -logp.gather(-1, input_ids[:, 1:].to(logp.device).unsqueeze(-1)).squeeze(-1)
 
 
 class Ablator:
@@ -127,7 +112,7 @@ class Ablator:
 
     def token_nll(self, logits: list[torch.Tensor]) -> torch.Tensor:
         """Flattened float64 next-token NLL of every predicted position (``[N * (T-1)]``)."""
-        return torch.cat([_token_nll_float64(lg, ids).reshape(-1).cpu()
+        return torch.cat([token_nll(lg, ids, torch.float64).reshape(-1).cpu()
                           for lg, ids in zip(logits, self.batches, strict=True)])
 
 
@@ -141,7 +126,7 @@ def ablation_kl(lm, ids: torch.Tensor, units: Sequence[Unit], batch_size: int = 
         scores = []
         for unit in progress(units, total=len(units), desc=desc):
             got = ab.masked_logits([unit])
-            total = sum(float(_kl_float64(p, q).sum()) for p, q in zip(dense, got,
+            total = sum(float(kl_from_logits_float64(p, q).sum()) for p, q in zip(dense, got,
                                                                       strict=True))
             tokens = sum(p.shape[0] * p.shape[1] for p in dense)
             scores.append(total / max(tokens, 1))
