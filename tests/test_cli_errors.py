@@ -8,17 +8,21 @@ codes that are not 2: ``--verbose`` (traceback, still exit 2), Ctrl-C (130, one 
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from prunelab.cli import cli_main
 
-from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, char_tokenizer, save_tiny_checkpoint, tiny_model
 
 M, T, O = "{m}", "{t}", "{o}"  # noqa: E741 (model, text, output)
 PD = ["prune", "depth", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
@@ -122,7 +126,14 @@ CASES = {
     "eval unknown dtype": EV + ["--dtype", "bogus"],
     "eval unknown device": EV + ["--device", "bogus"],
     "eval missing reference": EV + ["--samples", "2", "--kl-reference", "/nonexistent/ref"],
+    # corrupt or unsafe checkpoints (made in the assets fixture)
+    "truncated safetensors": ["info", "--model", "{a}/truncated"],
+    "config with extra blocks": ["eval", "--model", "{a}/extra_blocks", "--samples", "1"],
+    "checkpoint missing a tensor": ["info", "--model", "{a}/missing_tensor"],
+    "weights only as a pickle": ["info", "--model", "{a}/pickle_only"],
+    "empty gguf": ["info", "--model", "{a}/empty.gguf"],
     # outputs
+    "output name the file system cannot encode": PS + ["--out", "bad\udcffname"],
     "info json parent is a file": ["info", "--model", M, "--json", f"{T}/x.json"],
     "prune out is the current folder": PS + ["--out", "."],
     "probe out parent is a file": PR + ["--probe", "cka", "--out", f"{T}/sub"],
@@ -145,7 +156,27 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_errors")
     save_tiny_checkpoint("llama", root / "model")
     (root / "text.txt").write_text(SAMPLE_TEXT * 4)
+    for name in ("truncated", "extra_blocks", "missing_tensor"):
+        shutil.copytree(root / "model", root / name)
+    weights = (root / "truncated" / "model.safetensors").read_bytes()
+    (root / "truncated" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    cfg = json.loads((root / "model" / "config.json").read_text())
+    (root / "extra_blocks" / "config.json").write_text(json.dumps(
+        {**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 2}))
+    tensors = load_file(root / "model" / "model.safetensors")
+    tensors.pop("model.layers.1.mlp.down_proj.weight")
+    save_file(tensors, root / "missing_tensor" / "model.safetensors", metadata={"format": "pt"})
+    _pickle_checkpoint(root / "pickle_only")
+    (root / "empty.gguf").write_bytes(b"")
     return root
+
+
+def _pickle_checkpoint(path):
+    model = tiny_model("llama")
+    path.mkdir()
+    model.config.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
 
 
 def _snapshot(folder):
@@ -155,7 +186,7 @@ def _snapshot(folder):
 
 def _run(argv, assets, case_dir, capsys):
     args = ["--quiet"] + [a.format(m=assets / "model", t=assets / "text.txt",
-                                   o=case_dir / "out") for a in argv]
+                                   o=case_dir / "out", a=assets) for a in argv]
     before = _snapshot(case_dir)
     cwd = os.getcwd()
     os.chdir(case_dir)
