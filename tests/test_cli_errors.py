@@ -271,3 +271,29 @@ def test_ctrl_c_exits_130_with_one_line(assets, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("interrupted: "), proc.stderr
     assert "rerun the same command to resume" in lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+_HOLDER = textwrap.dedent("""
+    import sys, time
+    from prunelab.io.lock import output_lock
+    with output_lock(sys.argv[1]):
+        print("held", flush=True)
+        sys.stdin.readline()
+""")
+
+
+def test_a_second_writer_of_the_same_output_is_refused(assets, tmp_path, capsys):
+    """Another process holds the output's lock (it is writing it): the command is refused
+    in one line before any work, and nothing is written."""
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, cap, before = _run(PD + ["--remove", "1", "--samples", "2"], assets, tmp_path,
+                                 capsys)
+        _assert_one_error_line(code, cap)
+        assert "another prunelab process is writing" in cap.err
+        assert not out.exists()
+    finally:
+        holder.communicate("\n", timeout=60)
