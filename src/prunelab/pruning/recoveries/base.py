@@ -52,13 +52,13 @@ class Recovery:
                       ) -> tuple[list[torch.Tensor], dict]:
         """Repair a cut at the embeddings' output ``xs``: the new block-0 inputs and fit
         statistics (``error_before``, ``error_after``)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define at_embeddings()")
 
     def at_block(self, runner, index: int, inputs: list[torch.Tensor],
                  targets: list[torch.Tensor]) -> dict:
         """Repair the cut after block ``index`` (its inputs over every batch); returns fit
         statistics (``error_before``, ``error_after``: summed squared error at the cut)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define at_block()")
 
 
 def check_ridge(ridge: float) -> None:

@@ -56,12 +56,12 @@ class Allocation:
     def block_value(self, weights: dict[str, torch.Tensor], accs: dict) -> float:
         """One number for a block from its selected weights ``[d_out, d_in]`` and their
         accumulators (called only when :meth:`accumulators` is not ``None``)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define block_value()")
 
     def sparsities(self, target: float, weights: list[float],
                    values: list[float] | None) -> list[float]:
         """Per-block sparsities; ``weights``: parameter counts per block."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define sparsities()")
 
 
 @ALLOCATIONS.register("uniform")
@@ -277,7 +277,7 @@ class SparsityConfig:
         """The pruned ``[d_out, d_in]`` weight from ``w`` (detached; do not change it in
         place), the linear's accumulators (``None`` without statistics) and its block's
         sparsity (for an N:M pattern use :meth:`keep_mask`)."""
-        raise NotImplementedError(f"{type(self).__name__} must define prune_weight")
+        raise TypeError(f"{type(self).__name__} must define prune_weight")
 
     def joint_key(self, w: torch.Tensor, accs: list | None) -> Hashable | None:
         """Linears of one group with the same key are pruned together by

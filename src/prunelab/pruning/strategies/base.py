@@ -53,7 +53,7 @@ class Strategy:
 
     def choose(self, job: SelectJob) -> tuple[list[int], dict]:
         """Sorted 0-based blocks to remove and how they were chosen."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define choose()")
 
 
 @dataclass(frozen=True)
@@ -69,4 +69,4 @@ class ScoredStrategy(Strategy):
 
     def pick(self, job: SelectJob, result, values: list, how: dict) -> list[int]:
         """The blocks (``how`` may gain entries)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define pick()")

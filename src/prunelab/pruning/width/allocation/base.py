@@ -27,4 +27,4 @@ class WidthAllocation:
 
     def counts(self, job, steps: list, kind: str) -> list[int]:
         """Steps removed in every block (``kind``: ``heads`` or ``ffn``)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define counts()")

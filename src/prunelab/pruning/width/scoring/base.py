@@ -64,7 +64,7 @@ class WidthScore:
     def block_scores(self, job: WidthJob, kind: str) -> list[tuple[torch.Tensor, object]]:
         """``(scores of the block's units, protect mask or None)`` per block, low =
         removed first."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define block_scores()")
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class ColumnScore(WidthScore):
     def columns(self, w: torch.Tensor, accs: list | None, job: WidthJob) -> torch.Tensor:
         """Per input column of a consumer weight ``w`` ``[d_out, d_in]`` given its input
         statistics ``accs`` (``[SumSquares, MeanVar(, Gram)]`` or ``None``)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define columns()")
 
     def channel_values(self, columns: torch.Tensor) -> torch.Tensor:
         """FFN channel scores from the ``down`` projection's column scores."""
