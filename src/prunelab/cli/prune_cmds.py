@@ -81,9 +81,10 @@ def build_config(cls: type, label: str, flat: dict, settings: list[str] | None =
 
 def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data: str,
                    seqlen: int, samples: int, seed: int, batch_size: int,
-                   metrics: tuple[str, ...]):
+                   metrics: tuple[str, ...], show=None):
     """Guard ``out_dir``, load, prune with ``cfg``, save the checkpoint with its manifest
-    (the report, and ``metrics`` of it as the manifest's metrics); returns ``(lm, report)``."""
+    (the report, and ``metrics`` of it as the manifest's metrics), then ``show(lm,
+    report)`` prints the family's table; returns ``(lm, report)``."""
     from prunelab import api
 
     check_positive("--batch-size", batch_size)
@@ -95,6 +96,8 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
         api.save(lm, out_dir, overwrite=overwrite, data=rep["data"],
                  before=rep["size_before"], metrics={k: rep[k] for k in metrics},
                  extra={"report": rep.to_dict()})
+    if show is not None:
+        show(lm, rep)
     return lm, rep
 
 
@@ -143,32 +146,11 @@ def prune_depth_cmd(
                          beam_seeds=beam_seeds, beam_score=beam_score, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                             samples=samples, seed=seed, batch_size=batch_size,
-                             metrics=("calib_kl_before_recovery",
-                                      "calib_kl_after_recovery"))
-    t = Table(title=f"depth pruning of {model}", show_header=False)
-    div = "1 - cos (pooled)" if lm.is_encoder else "KL"
-    b, a = rep["size_before"], rep["size_after"]
-    rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
-            ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
-            ("selection", ", ".join(f"{k}={v}" for k, v in rep["selection"].items()
-                                    if v is not None and k != "beam")),
-            ("recovery", rep["recovery"]),
-            ("parameters", f"{b['params']:,} -> {a['params']:,} "
-                           f"({a['params'] / b['params']:.1%})"),
-            ("bytes", f"{fmt_bytes(b['bytes'])} -> {fmt_bytes(a['bytes'])}"),
-            (f"calibration {div} before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
-            (f"calibration {div} after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
-            ("checkpoint", str(out_dir))]
-    for k, v in rows:
-        t.add_row(k, v)
-    out.print(t)
-    if rep["needs_remote_code"]:
-        from prunelab.io.remote import load_hint
-
-        out.print(f"note: {recovery} adds linear bridges: load the checkpoint with "
-                  f"{load_hint(lm.model)}")
+    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                   samples=samples, seed=seed, batch_size=batch_size,
+                   metrics=("calib_kl_before_recovery",
+                            "calib_kl_after_recovery"),
+                   show=lambda lm, rep: _show_depth(lm, rep, model, out_dir, recovery))
 
 
 @prune_app.command("sparsity")
@@ -242,19 +224,10 @@ def prune_sparsity_cmd(
     cfg = build_config(cls, f"--method {method}", flat, settings, allocation=alloc)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                             samples=samples, seed=seed, batch_size=batch_size,
-                             metrics=("achieved_sparsity",))
-    t = Table(title=f"{method} sparsity of {model} (blocks 0-based)")
-    for col in ("block", "target", "achieved (mean over linears)"):
-        t.add_column(col)
-    for layer in rep["layers"]:
-        vals = list(layer["linears"].values())
-        t.add_row(str(layer["block"]), f"{layer['target']:.4f}",
-                  f"{sum(vals) / max(len(vals), 1):.4f}")
-    out.print(t)
-    out.print(f"achieved sparsity over pruned linears: {rep['achieved_sparsity']:.4f}; "
-              f"{rep['seconds']:.1f} s; checkpoint {out_dir} (plain transformers)")
+    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                   samples=samples, seed=seed, batch_size=batch_size,
+                   metrics=("achieved_sparsity",),
+                   show=lambda lm, rep: _show_sparsity(lm, rep, model, out_dir, method))
 
 
 @prune_app.command("width")
@@ -301,9 +274,55 @@ def prune_width_cmd(
                          channel_group=channel_group)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    lm, rep = prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                             samples=samples, seed=seed, batch_size=batch_size,
-                             metrics=("removed_params",))
+    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                   samples=samples, seed=seed, batch_size=batch_size,
+                   metrics=("removed_params",),
+                   show=lambda lm, rep: _show_width(lm, rep, model, out_dir, unit, score,
+                                                    allocation))
+
+
+def _show_depth(lm, rep, model: str, out_dir: Path, recovery: str) -> None:
+    """Print what depth pruning did (0-based blocks)."""
+    t = Table(title=f"depth pruning of {model}", show_header=False)
+    div = "1 - cos (pooled)" if lm.is_encoder else "KL"
+    b, a = rep["size_before"], rep["size_after"]
+    rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
+            ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
+            ("selection", ", ".join(f"{k}={v}" for k, v in rep["selection"].items()
+                                    if v is not None and k != "beam")),
+            ("recovery", rep["recovery"]),
+            ("parameters", f"{b['params']:,} -> {a['params']:,} "
+                           f"({a['params'] / b['params']:.1%})"),
+            ("bytes", f"{fmt_bytes(b['bytes'])} -> {fmt_bytes(a['bytes'])}"),
+            (f"calibration {div} before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
+            (f"calibration {div} after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
+            ("checkpoint", str(out_dir))]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+    if rep["needs_remote_code"]:
+        from prunelab.io.remote import load_hint
+
+        out.print(f"note: {recovery} adds linear bridges: load the checkpoint with "
+                  f"{load_hint(lm.model)}")
+
+
+def _show_sparsity(lm, rep, model: str, out_dir: Path, method: str) -> None:
+    """Print what sparsity pruning did (0-based blocks)."""
+    t = Table(title=f"{method} sparsity of {model} (blocks 0-based)")
+    for col in ("block", "target", "achieved (mean over linears)"):
+        t.add_column(col)
+    for layer in rep["layers"]:
+        vals = list(layer["linears"].values())
+        t.add_row(str(layer["block"]), f"{layer['target']:.4f}",
+                  f"{sum(vals) / max(len(vals), 1):.4f}")
+    out.print(t)
+    out.print(f"achieved sparsity over pruned linears: {rep['achieved_sparsity']:.4f}; "
+              f"{rep['seconds']:.1f} s; checkpoint {out_dir} (plain transformers)")
+
+
+def _show_width(lm, rep, model: str, out_dir: Path, unit: str, score: str, allocation: str) -> None:
+    """Print what width pruning did (0-based blocks)."""
     t = Table(title=f"width pruning of {model}: {unit} by {score}, {allocation} "
                     "(blocks 0-based)")
     for col in ("block", "heads (q/kv)", "ffn", "removed"):
