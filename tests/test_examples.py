@@ -97,3 +97,41 @@ def test_the_cli_runs_the_registered_methods(ex, tmp_path, capsys):
     assert cli_main(["--quiet", "prune", "width", *common, "--unit", "ffn", "--score",
                      "column-norm", "--ratio", "0.25", "--out", str(tmp_path / "w")]) == 0
     capsys.readouterr()
+
+
+def test_a_new_family_with_its_own_pruner_goes_through_the_one_wrapper():
+    """The pattern of pruning/base.py's docstring: a config in METHODS, a Pruner for it
+    returning a DictReport; api.prune adds the shared fields and the history."""
+    from dataclasses import dataclass
+
+    from prunelab.pruning import DictReport, Pruner, register_pruner
+    from prunelab.pruning.base import _PRUNERS
+
+    @METHODS.register("drop-first")
+    @dataclass(frozen=True)
+    class DropFirst:
+        remove: int = 1
+
+    @register_pruner(DropFirst)
+    class DropFirstPruner(Pruner):
+        operation = "prune-depth"
+
+        def run(self, lm, config, input_ids, *, batch_size):
+            lm.adapter.delete_blocks(list(range(config.remove)))
+            return DictReport({"removed_blocks": list(range(config.remove))},
+                              history_keys=("removed_blocks",))
+
+    try:
+        lm = wrap(tiny_model("llama"), char_tokenizer())
+        rep = prunelab.prune(lm, DropFirst(remove=2), CALIB, batch_size=2)
+        assert lm.adapter.num_blocks == 2 and rep["removed_blocks"] == [0, 1]
+        assert rep["method"] == "drop-first" and rep["config"] == {"name": "drop-first",
+                                                                   "remove": 2}
+        assert rep["size_after"]["params"] < rep["size_before"]["params"]
+        assert lm.history[-1] == {"operation": "prune-depth", "method": "drop-first",
+                                  "config": {"name": "drop-first", "remove": 2},
+                                  "removed_blocks": [0, 1]}
+        assert METHODS.from_dict(lm.history[-1]["config"]) == DropFirst(remove=2)
+    finally:
+        METHODS.unregister("drop-first")
+        _PRUNERS.pop(DropFirst, None)
