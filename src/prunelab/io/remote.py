@@ -31,6 +31,7 @@ Load with ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``
 """
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -45,6 +46,23 @@ BRIDGE_ATTR = "{attr}"
 {first_source}
 
 {hook_source}
+
+{custom_source}
+
+_PRUNELAB_KINDS = {{cls.prunelab_kind: cls for cls in ({custom_classes})}}
+
+
+def _prunelab_build_modules(model, specs):
+    """Rebuild prunelab's custom modules (factorized linears, shared dictionaries,
+    shortcut maps) at their recorded paths, then let each wire itself in."""
+    built = []
+    for spec in specs:
+        module = _PRUNELAB_KINDS[spec["kind"]].prunelab_build(spec["spec"])
+        set_module(model, spec["module"], module)
+        built.append((spec["module"], module))
+    for path, module in built:
+        head = path.rpartition(".")[0]
+        module.prunelab_attach(model.get_submodule(head) if head else model, model)
 
 def _prunelab_resize(model, widths):
     """Give every recorded projection its pruned shape and every attention module its
@@ -98,6 +116,7 @@ class PrunelabBridgedModel(_BaseModel):
     def __init__(self, config):
         super().__init__(config)
         _prunelab_resize(self, getattr(config, "prunelab_widths", None) or {{}})
+        _prunelab_build_modules(self, getattr(config, "prunelab_modules", None) or [])
         for spec in getattr(config, "prunelab_bridges", []):
             module = self.get_submodule(spec["module"])
             bridge = LinearBridge(spec["dim"], rank=spec["rank"], bias=spec["bias"],
@@ -118,11 +137,46 @@ def has_bridges(model: nn.Module) -> bool:
     return bool(bridged_modules(model))
 
 
+def has_custom_modules(model: nn.Module) -> bool:
+    """True when ``model`` holds prunelab custom modules (:mod:`prunelab.models.custom`)."""
+    from prunelab.models.custom import custom_modules
+
+    return bool(custom_modules(model))
+
+
+def needs_remote_code(model: nn.Module) -> bool:
+    """True when a checkpoint of ``model`` needs the generated modeling file."""
+    return has_bridges(model) or has_custom_modules(model) or needs_width_code(model)
+
+
+def _custom_sources(model: nn.Module) -> tuple[str, str]:
+    """The source of :class:`PrunelabModule`, ``set_module`` and every custom module class
+    ``model`` uses (each class once), and the tuple of their names."""
+    from prunelab.models import custom
+
+    classes: list[type] = []
+    for _, module in custom.custom_modules(model):
+        for cls in type(module).__mro__:
+            if cls is custom.PrunelabModule:
+                break
+            if cls not in classes and issubclass(cls, custom.PrunelabModule):
+                classes.append(cls)
+    classes.reverse()  # bases before subclasses
+    parts = ["def register_module(cls):  # registration happens in _PRUNELAB_KINDS below\n"
+             "    return cls",
+             inspect.getsource(custom.PrunelabModule), inspect.getsource(custom.set_module)]
+    parts += [inspect.getsource(cls) for cls in classes]
+    names = "".join(f"{cls.__name__}, " for cls in classes)
+    return "\n\n".join(parts), names
+
+
 def modeling_source(model: nn.Module, model_type: str) -> str:
     import prunelab
 
     cfg_cls = type(model.config)
+    custom_source, custom_classes = _custom_sources(model)
     return _TEMPLATE.format(
+        custom_source=custom_source, custom_classes=custom_classes,
         version=prunelab.__version__, base_model=type(model).__name__,
         base_config=cfg_cls.__name__, attr=bridges.BRIDGE_ATTR, model_type=model_type,
         bridge_source=inspect.getsource(bridges.LinearBridge),
@@ -184,6 +238,12 @@ def write_remote_code(model: nn.Module, directory: Path) -> dict:
     cfg = json.loads(cfg_path.read_text())
     cfg["model_type"] = model_type
     cfg["prunelab_bridges"] = specs
+    from prunelab.models.custom import custom_modules
+
+    modules = [{"module": path, "kind": m.prunelab_kind, "spec": m.prunelab_spec()}
+               for path, m in custom_modules(model)]
+    if modules:
+        cfg["prunelab_modules"] = modules
     widths = width_specs(model) if needs_width_code(model) else None
     if widths is not None:
         cfg["prunelab_widths"] = widths
@@ -193,4 +253,5 @@ def write_remote_code(model: nn.Module, directory: Path) -> dict:
     cfg["architectures"] = ["PrunelabBridgedModel"]
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return {"trust_remote_code": True, "modeling_file": MODELING_FILE, "bridges": specs,
+            "modules": [{"module": m["module"], "kind": m["kind"]} for m in modules],
             "per_block_widths": widths is not None}

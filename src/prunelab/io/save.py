@@ -262,7 +262,7 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     recovery) get a modeling file and ``auto_map`` and load with
     ``trust_remote_code=True`` (see :mod:`prunelab.io.remote`).
     """
-    from prunelab.io.remote import has_bridges, load_hint, write_remote_code
+    from prunelab.io.remote import has_bridges, has_custom_modules, load_hint, write_remote_code
 
     out = Path(out_dir)
     _check_target(out, overwrite, "checkpoint")
@@ -275,7 +275,7 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
         lm.model.config.num_hidden_layers = lm.adapter.num_blocks
     else:
         lm.adapter.sync_config()
-    remote = has_bridges(lm.model) or widths
+    remote = has_bridges(lm.model) or has_custom_modules(lm.model) or widths
     if getattr(lm.model, "hf_quantizer", None) is not None:
         raise PrunelabError("a quantized (GGUF) model cannot be saved; load it by prunelab "
                             "spec so it is converted to a float checkpoint first")

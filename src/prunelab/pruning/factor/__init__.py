@@ -1,0 +1,8 @@
+"""Factorization: residual-stream slicing (SliceGPT, one global rotation,
+sensitivity-aware), whitened low-rank factorization (SVD-LLM) and cross-layer shared
+dictionaries (Basis Sharing and an optimized pairing), one config class per method on
+:class:`~prunelab.pruning.factor.config.FactorConfig`."""
+
+from prunelab.pruning.factor.config import FactorConfig, factor_methods, factorized_modules
+
+__all__ = ["FactorConfig", "factor_methods", "factorized_modules"]
