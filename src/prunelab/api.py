@@ -57,8 +57,10 @@ def _as_loaded(model, tokenizer=None) -> LoadedModel:
 
 def info(model) -> dict[str, Any]:
     """Architecture summary: family, blocks, hidden size, heads, KV heads, head dim, FFN
-    width, parameters and bytes, and per block its attention/MLP projection shapes
-    (``[d_out, d_in]``) and attention type."""
+    width, parameters and bytes, FLOPs per token (linear maps only), per block its
+    attention/MLP projection shapes (``[d_out, d_in]``; a factorized projection shows the
+    shape it stands for) and attention type, and ``factorized``: every prunelab custom
+    module (factors, shared dictionaries, shortcut maps) with its kind and shapes."""
     lm = _as_loaded(model)
     ad = lm.adapter
     geo = ad.head_geometry(0)
@@ -76,7 +78,12 @@ def info(model) -> dict[str, Any]:
                     for r, m in ad.mlp_projections(i).items()},
         })
     size = model_size(lm.model)
+    from prunelab.models.custom import flops_per_token
+    from prunelab.pruning.factor.config import factorized_modules
+
     return {
+        "flops_per_token": flops_per_token(lm.model),
+        "factorized": factorized_modules(lm.model),
         "model": lm.spec, "source": lm.source, "family": ad.family,
         "model_type": lm.model.config.model_type, "encoder": ad.is_encoder,
         "blocks": ad.num_blocks, "hidden_size": ad.hidden_size(),

@@ -12,7 +12,7 @@ import sys
 import typer
 
 from prunelab import log
-from prunelab.cli import inspect_cmds, prune_cmds  # noqa: F401  (register the commands)
+from prunelab.cli import factor_cmds, inspect_cmds, prune_cmds  # noqa: F401  (register)
 from prunelab.cli.apps import app
 from prunelab.cli.common import state
 from prunelab.errors import PrunelabError

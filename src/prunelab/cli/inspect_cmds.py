@@ -55,6 +55,7 @@ def _print_info(d: dict) -> None:
             ("FFN width", f"{d['ffn']} ({'gated' if d['gated_mlp'] else 'plain'})"),
             ("vocabulary", d["vocab_size"]), ("tied embeddings", d["tied_embeddings"]),
             ("encoder", d["encoder"]), ("parameters", f"{d['params']:,}"),
+            ("FLOPs per token (linear maps)", f"{d['flops_per_token']:,}"),
             ("bytes", f"{d['bytes']:,} ({fmt_bytes(d['bytes'])}, {d['dtype']})")]
     for k, v in rows:
         t.add_row(k, str(v))
@@ -68,6 +69,14 @@ def _print_info(d: dict) -> None:
         span = str(first) if first == last else f"{first}-{last}"
         bt.add_row(span, b["attention_type"], f"{b['heads']}/{b['kv_heads']}", att, mlp)
     out.print(bt)
+    if d.get("factorized"):
+        ft = Table(title="factorized modules (prunelab custom modules; remote code)")
+        for col in ("module", "kind", "shapes"):
+            ft.add_column(col, overflow="fold")
+        for m in d["factorized"]:
+            shapes = ", ".join(f"{k}={v}" for k, v in m.items() if k not in ("module", "kind"))
+            ft.add_row(m["module"], m["kind"], shapes)
+        out.print(ft)
 
 
 def _group_blocks(blocks: list[dict]):

@@ -22,6 +22,7 @@ from prunelab.pruning.base import (
     register_pruner,
 )
 from prunelab.pruning.depth import Depth, depth_from_cli
+from prunelab.pruning.factor import FactorConfig, factor_methods
 from prunelab.pruning.recoveries import (
     RECOVERIES,
     Boundary,
@@ -66,8 +67,8 @@ from prunelab.pruning.width import (
 from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
 
 __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",
-           "WIDTH_SCORES", "Beam", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
-           "DictReport", "Foldable", "Ghost", "Iterative", "LastN", "Lra", "Magnitude",
+           "WIDTH_SCORES", "Beam", "factor_methods", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
+           "DictReport", "FactorConfig", "Foldable", "Ghost", "Iterative", "LastN", "Lra", "Magnitude",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
            "Pruner", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
            "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",

@@ -1,0 +1,132 @@
+"""``prunelab prune factor``: residual-stream slicing, whitened low-rank factorization and
+cross-layer shared dictionaries (one command; ``--method`` picks the registered method)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from prunelab.cli.apps import prune_app
+from prunelab.cli.common import (
+    BatchOpt,
+    DeviceOpt,
+    DtypeOpt,
+    LoadArgs,
+    MissingOpt,
+    ModelOpt,
+    OffloadOpt,
+    PickleOpt,
+    RemoteOpt,
+    out,
+    parse_list,
+)
+from prunelab.cli.prune_cmds import build_config, prune_and_save
+from prunelab.errors import ConfigError
+
+
+def _methods_help() -> str:
+    from prunelab.pruning.factor import factor_methods
+
+    parts = []
+    for name, cls in factor_methods().items():
+        doc = (cls.__doc__ or "").strip().splitlines()
+        parts.append(f"{name} ({doc[0].rstrip('.')})" if doc else name)
+    return " | ".join(parts)
+
+
+@prune_app.command("factor")
+def prune_factor_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        method: str = typer.Option("slicegpt", help=_methods_help()),
+        ratio: Optional[float] = typer.Option(
+            None, help="slicegpt: fraction of the hidden size removed; svd-llm / "
+            "basis-sharing / shared-dict: fraction of the targeted linears' parameters "
+            "removed"),
+        target_params: Optional[float] = typer.Option(
+            None, help="fraction of the model's parameters to keep, everything the "
+            "checkpoint stores counted (instead of --ratio)"),
+        rotation: Optional[str] = typer.Option(
+            None, help="slicegpt: per-layer (SliceGPT, remote code) or global (one Q: a "
+            "plain checkpoint of the same family where the family allows)"),
+        basis: Optional[str] = typer.Option(
+            None, help="slicegpt: pca (activation energy) or sensitivity (output Fisher)"),
+        multiple: Optional[int] = typer.Option(
+            None, help="slicegpt: kept hidden size rounded to a multiple of this (default 8)"),
+        allocation: Optional[str] = typer.Option(
+            None, help="svd-llm: uniform (same kept fraction per linear) or spectrum "
+            "(ranks by the whitened spectra under one budget)"),
+        refit: Optional[bool] = typer.Option(
+            None, "--refit/--no-refit", help="svd-llm: least-squares refit of the second "
+            "factor on the compressed stream"),
+        group: Optional[int] = typer.Option(None, help="basis-sharing: layers per shared "
+                                            "basis"),
+        types: Optional[str] = typer.Option(
+            None, help="basis-sharing / shared-dict: projection types to share, e.g. "
+            "q,k,v,gate,up"),
+        targets: Optional[str] = typer.Option(None, help="svd-llm: glob patterns of linears "
+                                              "to factorize"),
+        ignore: Optional[str] = typer.Option(None, help="svd-llm: glob patterns of linears "
+                                             "to keep dense"),
+        damping: Optional[float] = typer.Option(None, help="damping of the Grams (times "
+                                                "their mean diagonal)"),
+        settings: Optional[list[str]] = typer.Option(
+            None, "--set", help="KEY=VALUE: any option of the method's config (repeatable)"),
+        samples: int = typer.Option(64, help="calibration windows"),
+        seqlen: int = typer.Option(512, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """Factorization: slice the residual stream (SliceGPT, global rotation,
+    sensitivity-aware), whitened low-rank (SVD-LLM) or shared dictionaries across layers
+    (Basis Sharing, optimized pairing)."""
+    from prunelab.pruning.factor import factor_methods
+
+    methods = factor_methods()
+    if method not in methods:
+        raise ConfigError(f"--method must be one of {', '.join(methods)}, got {method!r}")
+    flat = {"ratio": ("--ratio", ratio), "target_params": ("--target-params", target_params),
+            "rotation": ("--rotation", rotation), "basis": ("--basis", basis),
+            "multiple": ("--multiple", multiple), "allocation": ("--allocation", allocation),
+            "refit": ("--refit/--no-refit", refit), "group": ("--group", group),
+            "types": ("--types", parse_list(types) or None),
+            "targets": ("--targets", parse_list(targets) or None),
+            "ignore": ("--ignore", parse_list(ignore) or None),
+            "damping": ("--damping", damping)}
+    cfg = build_config(methods[method], f"--method {method}", flat, settings)
+    load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                    allow_missing_weights, offload)
+    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                   samples=samples, seed=seed, batch_size=batch_size,
+                   metrics=("kept_params", "params_after", "flops_per_token_after"),
+                   show=lambda lm, rep: _show_factor(lm, rep, model, out_dir, method))
+
+
+def _show_factor(lm, rep, model: str, out_dir: Path, method: str) -> None:
+    """Print what the factorization did."""
+    from prunelab.io.remote import load_hint
+
+    t = Table(title=f"{method} factorization of {model}", show_header=False)
+    rows = [("parameters (as stored)", f"{rep['params_before']:,} -> {rep['params_after']:,} "
+                                       f"({rep['kept_params']:.1%} kept)"),
+            ("FLOPs per token (linear maps)", f"{rep['flops_per_token_before']:,} -> "
+                                              f"{rep['flops_per_token_after']:,} "
+                                              f"({rep['flops_per_token_after'] / max(rep['flops_per_token_before'], 1):.1%})"),
+            ("factorized modules", str(rep["factorized_modules"]))]
+    for key in ("hidden_size_before", "hidden_size_after", "rotation", "basis", "path"):
+        if key in rep:
+            rows.append((key.replace("_", " "), str(rep[key])))
+    rows.append(("seconds", f"{rep['seconds']:.1f}"))
+    rows.append(("checkpoint", str(out_dir)))
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+    out.print("loads with: " + (load_hint(lm.model) if rep["needs_remote_code"]
+                                else "plain transformers (no remote code)"))
