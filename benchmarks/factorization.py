@@ -21,6 +21,7 @@ Run (defaults are the issue's protocol: 64 x 512 calibration, 32 x 512 test)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import subprocess
@@ -74,7 +75,9 @@ def one_point(args) -> dict:
     rep = prunelab.prune(lm, cfg, calib, batch_size=args.batch_size)
     seconds = time.perf_counter() - t0
     res = prunelab.evaluate(lm, test, reference=dense, batch_size=args.batch_size)
-    cal = prunelab.evaluate(lm, calib, reference=dense, batch_size=args.batch_size)
+    sub = dataclasses.replace(calib, input_ids=calib.input_ids[:args.kl_windows],
+                              samples=min(args.kl_windows, calib.samples))
+    cal = prunelab.evaluate(lm, sub, reference=dense, batch_size=args.batch_size)
     point = {"method": args.one, "keep_target": args.keep,
              "kept_params": rep["size_after"]["params"] / rep["size_before"]["params"],
              "params": rep["size_after"]["params"],
@@ -124,6 +127,8 @@ def main() -> None:
     ap.add_argument("--test", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--kl-windows", type=int, default=16,
+                    help="calibration windows the calibration KL is measured on")
     ap.add_argument("--speed", action="store_true", help="prefill speed of global slices")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -141,7 +146,8 @@ def main() -> None:
     keeps = [float(k) for k in args.keeps.split(",")]
     base = [sys.executable, __file__, "--model", args.model, "--calib", str(args.calib),
             "--test", str(args.test), "--seqlen", str(args.seqlen),
-            "--batch-size", str(args.batch_size), "--rounds", str(args.rounds)]
+            "--batch-size", str(args.batch_size), "--rounds", str(args.rounds),
+            "--kl-windows", str(args.kl_windows)]
     if args.speed:
         base.append("--speed")
     jobs = [("dense", 1.0)] + [(m, k) for k in keeps for m in methods]
