@@ -22,15 +22,19 @@ Spectral bound (exact). Relax ``P`` to any rank-``k`` map ``R``:
 ``R = F^{-1/2} U_k U_k^T F^{1/2}``, ``U_k`` the top eigenvectors of ``F^{1/2} C F^{1/2}``.
 ``R``'s range ``F^{-1/2} U_k`` (the top eigenvectors of ``C F``) and its row space
 ``F^{1/2} U_k`` (the top eigenvectors of ``F C``, equivalently ``C^{-1/2}`` times those of
-``C^{1/2} F C^{1/2}``) are the two orthogonal projectors closest to it.
+``C^{1/2} F C^{1/2}``) give the two natural orthogonal projectors: keep the range of ``R``,
+or keep the space ``R`` reads from.
 
 Heuristic. Neither is optimal for an orthogonal ``P`` unless ``C`` and ``F`` commute, and
 either can lose to PCA. :func:`sensitivity_basis` therefore (1) builds both candidates,
 orthonormalised in order by QR (which keeps every prefix's span, so the basis stays nested),
-(2) keeps, among them and PCA, the one with the smallest area under the proxy curve
-``sum_k J(P_k)``, and (3) given the width ``k`` that will be used, refines the first ``k``
-columns by Riemannian gradient descent on the Grassmann manifold with an Armijo line search
+(2) keeps, among them and PCA, the one with the smallest geometric mean of
+``J(P_k) / J(P_k^PCA)`` over the widths ``k``, and (3) given the width ``k`` that will be
+used, refines the first ``k`` columns by Riemannian gradient descent on the Grassmann manifold with an Armijo line search
 (monotone, so never worse than its start), starting from the best of the three at ``k``.
+The refinement is a local method on a non-convex problem: it improves the start, it does
+not certify the optimum, and it converges slowly when the spectra are ill-conditioned
+(``steps`` bounds its cost, ``O(d^2 (d - k))`` per step).
 The optimised objective uses ``F`` damped by ``damping * mean(diag F) * I`` (``F`` is
 estimated from few tokens and often ill-conditioned; the damping also blends in the PCA
 objective); the final result is compared with PCA on the undamped proxy and PCA's basis is
@@ -133,11 +137,11 @@ def _damped(f: Tensor, damping: float) -> Tensor:
     scale = float(f.diagonal().mean().clamp_min(0))
     if scale == 0.0:
         scale = 1.0
-    return f + damping * scale * torch.eye(f.shape[0], dtype=f.dtype)
+    return f + damping * scale * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
 
 
 def sensitivity_basis(cov: Tensor, fisher: Tensor, damping: float = 0.01, *,
-                      k: int | None = None, steps: int = 200) -> SubspaceBasis:
+                      k: int | None = None, steps: int = 100) -> SubspaceBasis:
     """An orthonormal ``d x d`` basis whose first ``k`` columns are the kept subspace for
     every ``k`` (nested), chosen to reduce :func:`kl_proxy`, and per-direction scores.
 
@@ -186,10 +190,8 @@ def _scores(curve: Tensor) -> Tensor:
 def _complete(c: Tensor, u: Tensor) -> Tensor:
     """``[U | V]`` orthonormal: ``U`` (kept) and its complement ``V``, each ordered by
     decreasing energy ``x^T C x`` inside its subspace."""
-    d, k = u.shape
-    full = torch.linalg.qr(torch.cat([u, torch.eye(d, dtype=u.dtype)], 1))[0]
     parts = []
-    for basis in (u, full[:, k:d]):
+    for basis in (u, _complement(u)):
         if basis.shape[1] == 0:
             parts.append(basis)
             continue
@@ -198,48 +200,61 @@ def _complete(c: Tensor, u: Tensor) -> Tensor:
     return _fix_signs(torch.cat(parts, 1))
 
 
-def refine_subspace(cov: Tensor, fisher: Tensor, u: Tensor, *, steps: int = 200,
-                    tol: float = 1e-9) -> Tensor:
-    """Decrease ``J(U) = 1/2 tr((I - UU^T) F (I - UU^T) C)`` over orthonormal ``d x k``
-    ``U`` from ``u``: Riemannian gradient descent on the Grassmann manifold (gradient
-    ``-(I - P)(C (I - P) F + F (I - P) C) U``, QR retraction), Barzilai-Borwein trial steps
-    and Armijo backtracking, so every accepted step lowers ``J``. Stops after ``steps``
-    steps or when a step gains less than ``tol`` relative."""
+def refine_subspace(cov: Tensor, fisher: Tensor, u: Tensor, *, steps: int = 100,
+                    tol: float = 1e-7) -> Tensor:
+    """Decrease ``J = 1/2 tr((I - UU^T) F (I - UU^T) C)`` over orthonormal ``d x k`` ``U``
+    from ``u``; returns the new ``U``.
+
+    Works on the dropped subspace ``V`` (``I - UU^T = VV^T``, ``J = 1/2 tr((V^T F V)
+    (V^T C V))``, no cancellation, ``O(d^2 (d - k))`` per step): Riemannian gradient
+    descent on the Grassmann manifold (gradient ``(I - VV^T)(F V B + C V A)``, ``A = V^T F
+    V``, ``B = V^T C V``), QR retraction, Barzilai-Borwein (second form) trial steps and Armijo
+    backtracking, so every accepted step lowers ``J``. Stops after ``steps`` steps or when
+    a step gains less than ``tol`` relative."""
     c, f = _sym64(cov), _sym64(fisher)
     u = u.to(torch.float64)
-    if u.shape[1] in (0, c.shape[0]):
+    d, k = u.shape
+    if k in (0, d):
         return u
-    value, grad = _proxy(c, f, u), _grassmann_grad(c, f, u)
-    t = 1.0 / max(float(torch.linalg.matrix_norm(c, 2) * torch.linalg.matrix_norm(f, 2)),
-                  1e-300)
+    v = _complement(u)
+    state = _dropped_state(c, f, v)
+    t = 1.0 / max(float(c.trace() * f.trace()), 1e-300)  # <= 1 / (||C||_2 ||F||_2)
     for _ in range(steps):
+        grad = state[2]
         gnorm = float((grad * grad).sum())
         if gnorm <= 1e-300:
             break
         while True:
-            trial = torch.linalg.qr(u - t * grad)[0]
-            new = _proxy(c, f, trial)
-            if new <= value - 1e-4 * t * gnorm or t < 1e-30:
+            trial = _dropped_state(c, f, torch.linalg.qr(state[0] - t * grad)[0])
+            if trial[1] <= state[1] - 1e-4 * t * gnorm or t < 1e-30:
                 break
             t /= 2
-        if new > value:
+        if trial[1] > state[1]:
             break
-        new_grad = _grassmann_grad(c, f, trial)
-        s, y = trial - u, new_grad - grad
-        done = value - new <= tol * max(abs(value), 1e-300)
-        u, value, grad = trial, new, new_grad
+        s_, y_ = trial[0] - state[0], trial[2] - grad
+        done = state[1] - trial[1] <= tol * max(abs(state[1]), 1e-300)
+        state = trial
         if done:
             break
-        sy = float((s * y).sum())
-        t = float((s * s).sum()) / sy if sy > 0 else 2 * t
-    return u
+        sy = float((s_ * y_).sum())
+        t = sy / float((y_ * y_).sum()) if sy > 0 else 2 * t
+    return _complement(state[0])
 
 
-def _grassmann_grad(c: Tensor, f: Tensor, u: Tensor) -> Tensor:
-    def perp(x: Tensor) -> Tensor:
-        return x - u @ (u.T @ x)
+def _dropped_state(c: Tensor, f: Tensor, v: Tensor) -> tuple[Tensor, float, Tensor]:
+    """``(V, J(V), Riemannian gradient)`` for the dropped basis ``V``."""
+    fv, cv = f @ v, c @ v
+    a, b = v.T @ fv, v.T @ cv
+    grad = fv @ b + cv @ a
+    grad = grad - v @ (v.T @ grad)
+    return v, 0.5 * float((a * b).sum()), grad
 
-    return -perp(c @ perp(f @ u) + f @ perp(c @ u))
+
+def _complement(u: Tensor) -> Tensor:
+    """An orthonormal basis of the orthogonal complement of ``u``'s columns."""
+    d, k = u.shape
+    full = torch.linalg.qr(torch.cat([u, torch.eye(d, dtype=u.dtype, device=u.device)], 1))[0]
+    return full[:, k:d]
 
 
 def widths_for_budget(spectra: list[Tensor], cost_per_dim: list[int], budget: int,
