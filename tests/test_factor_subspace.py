@@ -20,6 +20,7 @@ from prunelab.pruning.factor.subspace import (
     widths_for_budget,
     widths_for_energy,
 )
+
 from tiny_models import VOCAB, char_tokenizer, tiny_model, tiny_tokens
 
 D64 = torch.float64
@@ -306,7 +307,7 @@ def _kl_with_projection(lm, block: int, proj: torch.Tensor, ids: torch.Tensor) -
     return float((ref.exp() * (ref - out)).sum(-1).mean())
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "opt"])
 def test_sensitivity_subspace_lowers_true_kl_than_pca(arch):
     """At one boundary, on held-out windows: projecting the stream onto the sensitivity
     subspace costs less output KL than PCA's, averaged over three widths."""

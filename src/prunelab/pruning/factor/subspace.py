@@ -30,8 +30,9 @@ either can lose to PCA. :func:`sensitivity_basis` therefore (1) builds both cand
 orthonormalised in order by QR (which keeps every prefix's span, so the basis stays nested),
 (2) keeps, among them and PCA, the one with the smallest geometric mean of
 ``J(P_k) / J(P_k^PCA)`` over the widths ``k``, and (3) given the width ``k`` that will be
-used, refines the first ``k`` columns by Riemannian gradient descent on the Grassmann manifold with an Armijo line search
-(monotone, so never worse than its start), starting from the best of the three at ``k``.
+used, refines the first ``k`` columns by Riemannian gradient descent on the Grassmann
+manifold with an Armijo line search (monotone, so never worse than its start), starting from
+the best of the three at ``k``.
 The refinement is a local method on a non-convex problem: it improves the start, it does
 not certify the optimum, and it converges slowly when the spectra are ill-conditioned
 (``steps`` bounds its cost, ``O(d^2 (d - k))`` per step).
@@ -74,7 +75,7 @@ def _sym64(a: Tensor) -> Tensor:
 def _fix_signs(q: Tensor) -> Tensor:
     """Each column's largest-magnitude entry made positive (a deterministic basis)."""
     idx = q.abs().argmax(dim=0)
-    signs = torch.sign(q[idx, torch.arange(q.shape[1])])
+    signs = torch.sign(q[idx, torch.arange(q.shape[1], device=q.device)])
     return q * torch.where(signs == 0, torch.ones_like(signs), signs)
 
 
