@@ -146,6 +146,26 @@ def test_sensitivity_never_worse_than_pca_on_random_pairs():
     assert better >= 0.9 * total, (better, total)
 
 
+def test_one_rotation_for_several_boundaries_sums_the_proxies():
+    pairs = list(_random_pairs(3, d=10, seed=8))
+    covs, fishers = [c for c, _ in pairs], [f for _, f in pairs]
+    pq, _ = pca_basis(sum(covs))
+    u = pq[:, :4]
+    assert kl_proxy(covs, fishers, u) == pytest.approx(
+        sum(kl_proxy(c, f, u) for c, f in pairs), rel=1e-12)
+    torch.testing.assert_close(proxy_curve(covs, fishers, pq)[4],
+                               torch.tensor(kl_proxy(covs, fishers, u), dtype=D64))
+    for k in (3, 7):
+        res = sensitivity_basis(covs, fishers, k=k)
+        assert res.pca_proxy == pytest.approx(kl_proxy(covs, fishers, pq[:, :k]), rel=1e-9)
+        assert res.proxy == pytest.approx(kl_proxy(covs, fishers, res[0][:, :k]), rel=1e-9)
+        assert res.proxy < 0.99 * res.pca_proxy
+    one = sensitivity_basis([covs[0]], [fishers[0]], k=5)
+    torch.testing.assert_close(one[0], sensitivity_basis(covs[0], fishers[0], k=5)[0])
+    with pytest.raises(ValueError, match="2 covariances for 3"):
+        kl_proxy(covs[:2], fishers, u)
+
+
 def test_refine_subspace_decreases_the_proxy():
     for cov, fisher in _random_pairs(3, d=10, seed=2):
         u0 = pca_basis(cov)[0][:, :4]

@@ -44,6 +44,8 @@ returned whenever it is at least as good, which the returned ``source`` says.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -86,11 +88,29 @@ def pca_basis(cov: Tensor) -> tuple[Tensor, Tensor]:
     return _fix_signs(vecs.flip(1)), vals.flip(0)
 
 
-def kl_proxy(cov: Tensor, fisher: Tensor, q_kept: Tensor) -> float:
+Mats = Tensor | Sequence[Tensor]
+
+
+def _pairs(cov: Mats, fisher: Mats) -> list[tuple[Tensor, Tensor]]:
+    """``[(C_l, F_l)]`` symmetrised in float64: one pair, or one per boundary sharing a
+    rotation (then every objective here is the sum over the pairs)."""
+    covs = [cov] if isinstance(cov, Tensor) else list(cov)
+    fishers = [fisher] if isinstance(fisher, Tensor) else list(fisher)
+    if not covs or len(covs) != len(fishers):
+        raise ValueError(f"{len(covs)} covariances for {len(fishers)} Fisher matrices")
+    pairs = [(_sym64(c), _sym64(f)) for c, f in zip(covs, fishers, strict=True)]
+    shape = pairs[0][0].shape
+    if any(c.shape != shape or f.shape != shape for c, f in pairs):
+        raise ValueError("the covariances and Fisher matrices differ in shape")
+    return pairs
+
+
+def kl_proxy(cov: Mats, fisher: Mats, q_kept: Tensor) -> float:
     """``1/2 tr((I - P) F (I - P) C)``, ``P`` the orthogonal projector on the columns of
-    ``q_kept`` (orthonormal, ``d x k``; ``k = 0`` allowed)."""
-    c, f = _sym64(cov), _sym64(fisher)
-    return _proxy(c, f, q_kept.to(torch.float64))
+    ``q_kept`` (orthonormal, ``d x k``; ``k = 0`` allowed). Lists of ``C_l`` and ``F_l``
+    (one rotation for several boundaries): the sum over ``l``."""
+    u = q_kept.to(torch.float64)
+    return sum(_proxy(c, f, u) for c, f in _pairs(cov, fisher))
 
 
 def _proxy(c: Tensor, f: Tensor, u: Tensor) -> float:
@@ -99,12 +119,12 @@ def _proxy(c: Tensor, f: Tensor, u: Tensor) -> float:
     return 0.5 * float((f * rcr).sum())
 
 
-def proxy_curve(cov: Tensor, fisher: Tensor, q: Tensor) -> Tensor:
+def proxy_curve(cov: Mats, fisher: Mats, q: Tensor) -> Tensor:
     """``J_k`` = :func:`kl_proxy` of ``q[:, :k]`` for ``k = 0 .. d`` (float64, length
     ``d + 1``), in ``O(d^3)`` for all ``k`` at once: in the basis ``q``,
     ``J_k = 1/2 sum_{i, j >= k} (Q^T F Q)_{ij} (Q^T C Q)_{ij}``."""
     q = q.to(torch.float64)
-    e = (q.T @ _sym64(fisher) @ q) * (q.T @ _sym64(cov) @ q)
+    e = sum((q.T @ f @ q) * (q.T @ c @ q) for c, f in _pairs(cov, fisher))
     tail = e.flip(0).flip(1).cumsum(0).cumsum(1).flip(0).flip(1).diagonal()
     return 0.5 * torch.cat([tail, tail.new_zeros(1)])
 
@@ -141,26 +161,29 @@ def _damped(f: Tensor, damping: float) -> Tensor:
     return f + damping * scale * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
 
 
-def sensitivity_basis(cov: Tensor, fisher: Tensor, damping: float = 0.01, *,
+def sensitivity_basis(cov: Mats, fisher: Mats, damping: float = 0.01, *,
                       k: int | None = None, steps: int = 100) -> SubspaceBasis:
     """An orthonormal ``d x d`` basis whose first ``k`` columns are the kept subspace for
     every ``k`` (nested), chosen to reduce :func:`kl_proxy`, and per-direction scores.
 
     ``scores[i] = J(P_i) - J(P_{i+1})``: the proxy (with the damped Fisher) saved by
-    keeping column ``i`` on top of the previous ones (for ``F = I`` the eigenvalues of
-    ``C`` / 2; it can be negative: adding a direction to an orthogonal projector can raise
-    the Fisher-weighted error). With ``k``, the first ``k`` columns are refined for that
-    width (at most ``steps`` line-search steps) and are never worse than PCA's on the
-    undamped proxy; the other prefixes are then only ordered by energy inside the kept and
-    the dropped subspaces. See the module docstring for the derivation."""
-    c, f = _sym64(cov), _sym64(fisher)
-    d = c.shape[0]
-    if f.shape != c.shape:
-        raise ValueError(f"cov {tuple(c.shape)} and fisher {tuple(f.shape)} differ in shape")
+    keeping column ``i`` on top of the previous ones (for ``F = I``: ``(1 + damping) / 2``
+    times the eigenvalues of ``C``; it can be negative: adding a direction to an orthogonal
+    projector can raise the Fisher-weighted error). With ``k``, the first ``k`` columns
+    are refined for that width (at most ``steps`` line-search steps) and are never worse
+    than PCA's on the undamped proxy; the other prefixes are then only ordered by energy
+    inside the kept and the dropped subspaces. See the module docstring for the derivation.
+
+    One rotation for several boundaries (SliceGPT's global rotation): pass lists of
+    ``C_l`` and ``F_l``; the candidates come from ``sum C_l`` and ``sum F_l`` and every
+    proxy (refinement, comparison with PCA of ``sum C_l``) is ``sum_l J_l``."""
     if not damping >= 0:
         raise ValueError(f"damping must be >= 0, got {damping}")
-    fd = _damped(f, damping)
-    cands = _candidates(c, fd)
+    pairs = _pairs(cov, fisher)
+    c, f = [p[0] for p in pairs], [p[1] for p in pairs]
+    fd = [_damped(x, damping) for x in f]
+    d = c[0].shape[0]
+    cands = _candidates(sum(c), sum(fd))
     curves = {name: proxy_curve(c, fd, q) for name, q in cands.items()}
     if k is None:
         name = min(cands, key=lambda n: (_log_ratio(curves[n], curves["pca"]), n != "pca"))
@@ -169,11 +192,11 @@ def sensitivity_basis(cov: Tensor, fisher: Tensor, damping: float = 0.01, *,
         raise ValueError(f"k must be in [0, {d}], got {k}")
     name = min(cands, key=lambda n: (float(curves[n][k]), n != "pca"))
     u = refine_subspace(c, fd, cands[name][:, :k], steps=steps)
-    q = _complete(c, u)
-    proxy, pca_proxy = _proxy(c, f, q[:, :k]), _proxy(c, f, cands["pca"][:, :k])
+    q = _complete(sum(c), u)
+    proxy, pca_proxy = kl_proxy(c, f, q[:, :k]), kl_proxy(c, f, cands["pca"][:, :k])
     if pca_proxy <= proxy:
         q, proxy, name = cands["pca"], pca_proxy, "pca"
-    elif _proxy(c, fd, u) < float(curves[name][k]):
+    elif kl_proxy(c, fd, u) < float(curves[name][k]):
         name += "+refined"
     return SubspaceBasis(q, _scores(proxy_curve(c, fd, q)), name, k, proxy, pca_proxy)
 
@@ -201,7 +224,7 @@ def _complete(c: Tensor, u: Tensor) -> Tensor:
     return _fix_signs(torch.cat(parts, 1))
 
 
-def refine_subspace(cov: Tensor, fisher: Tensor, u: Tensor, *, steps: int = 100,
+def refine_subspace(cov: Mats, fisher: Mats, u: Tensor, *, steps: int = 100,
                     tol: float = 1e-7) -> Tensor:
     """Decrease ``J = 1/2 tr((I - UU^T) F (I - UU^T) C)`` over orthonormal ``d x k`` ``U``
     from ``u``; returns the new ``U``.
@@ -211,22 +234,23 @@ def refine_subspace(cov: Tensor, fisher: Tensor, u: Tensor, *, steps: int = 100,
     descent on the Grassmann manifold (gradient ``(I - VV^T)(F V B + C V A)``, ``A = V^T F
     V``, ``B = V^T C V``), QR retraction, Barzilai-Borwein (second form) trial steps and Armijo
     backtracking, so every accepted step lowers ``J``. Stops after ``steps`` steps or when
-    a step gains less than ``tol`` relative."""
-    c, f = _sym64(cov), _sym64(fisher)
+    a step gains less than ``tol`` relative. Lists of ``C_l``, ``F_l``: ``sum_l J_l``."""
+    pairs = _pairs(cov, fisher)
     u = u.to(torch.float64)
     d, k = u.shape
     if k in (0, d):
         return u
     v = _complement(u)
-    state = _dropped_state(c, f, v)
-    t = 1.0 / max(float(c.trace() * f.trace()), 1e-300)  # <= 1 / (||C||_2 ||F||_2)
+    state = _dropped_state(pairs, v)
+    # <= 1 / sum ||C_l||_2 ||F_l||_2
+    t = 1.0 / max(sum(float(c.trace() * f.trace()) for c, f in pairs), 1e-300)
     for _ in range(steps):
         grad = state[2]
         gnorm = float((grad * grad).sum())
         if gnorm <= 1e-300:
             break
         while True:
-            trial = _dropped_state(c, f, torch.linalg.qr(state[0] - t * grad)[0])
+            trial = _dropped_state(pairs, torch.linalg.qr(state[0] - t * grad)[0])
             if trial[1] <= state[1] - 1e-4 * t * gnorm or t < 1e-30:
                 break
             t /= 2
@@ -242,13 +266,16 @@ def refine_subspace(cov: Tensor, fisher: Tensor, u: Tensor, *, steps: int = 100,
     return _complement(state[0])
 
 
-def _dropped_state(c: Tensor, f: Tensor, v: Tensor) -> tuple[Tensor, float, Tensor]:
+def _dropped_state(pairs: list[tuple[Tensor, Tensor]], v: Tensor
+                   ) -> tuple[Tensor, float, Tensor]:
     """``(V, J(V), Riemannian gradient)`` for the dropped basis ``V``."""
-    fv, cv = f @ v, c @ v
-    a, b = v.T @ fv, v.T @ cv
-    grad = fv @ b + cv @ a
-    grad = grad - v @ (v.T @ grad)
-    return v, 0.5 * float((a * b).sum()), grad
+    value, grad = 0.0, torch.zeros_like(v)
+    for c, f in pairs:
+        fv, cv = f @ v, c @ v
+        a, b = v.T @ fv, v.T @ cv
+        grad += fv @ b + cv @ a
+        value += 0.5 * float((a * b).sum())
+    return v, value, grad - v @ (v.T @ grad)
 
 
 def _complement(u: Tensor) -> Tensor:
