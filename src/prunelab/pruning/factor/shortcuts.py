@@ -9,7 +9,10 @@ add lives inside the Hugging Face decoder layer, so instead of rewriting its for
 stream captures the residual ``x``, and a forward hook on the branch output (the attention
 or MLP module, or Gemma 2/3's post-norm) returns ``y R + x M - x``, so the layer's own
 ``residual + branch`` becomes ``x M + y R``. ``R`` (``out_map``) maps a branch output that
-could not be rotated before the post-norm (Gemma 2/3) into the kept coordinates.
+could not be rotated before the post-norm (Gemma 2/3) into the kept coordinates; that
+branch's writer and post-norm keep the full width ``d_branch``, which a model built from a
+config with the sliced ``hidden_size`` does not give them: :meth:`prunelab_attach` resizes
+them (before the checkpoint's weights load; a no-op when they have that width already).
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ class ResidualShortcut(PrunelabModule):
     ``reads``: path (from the model root) of the norm whose input is the residual ``x``;
     ``d_in``: width of ``x``; ``d_out``: width of the stream after the branch;
     ``d_branch``: width of the branch output ``y`` when it is mapped by ``out_map``
-    (``0`` = not mapped); ``shortcut``: whether ``M`` is stored (``False`` = identity).
+    (``0`` = not mapped); ``shortcut``: whether ``M`` is stored (``False`` = identity);
+    ``writer``: path of the linear writing ``y`` (with ``out_map``: it and the owner, a
+    post-norm, keep ``d_branch`` outputs).
     """
 
     prunelab_kind = "residual_shortcut"
 
     def __init__(self, reads: str, d_in: int, d_out: int, d_branch: int = 0,
-                 shortcut: bool = True):
+                 shortcut: bool = True, writer: str = ""):
         super().__init__()
+        self.writer = writer
         self.reads, self.d_in, self.d_out = reads, d_in, d_out
         self.d_branch, self.has_shortcut = d_branch, shortcut
         self.shortcut = nn.Parameter(torch.eye(d_in, d_out)) if shortcut else None
@@ -43,12 +49,29 @@ class ResidualShortcut(PrunelabModule):
 
     def prunelab_spec(self) -> dict:
         return {"reads": self.reads, "d_in": self.d_in, "d_out": self.d_out,
-                "d_branch": self.d_branch, "shortcut": self.has_shortcut}
+                "d_branch": self.d_branch, "shortcut": self.has_shortcut,
+                "writer": self.writer}
 
     def prunelab_attach(self, owner: nn.Module, root: nn.Module) -> None:
+        if self.d_branch and self.writer:
+            self._keep_branch_width(owner, root)
         if self.has_shortcut:
             root.get_submodule(self.reads).register_forward_pre_hook(self._capture)
         owner.register_forward_hook(self._on_output)
+
+    def _keep_branch_width(self, owner: nn.Module, root: nn.Module) -> None:
+        """Give the writer ``d_branch`` outputs and the post-norm ``owner`` ``d_branch``
+        channels when they have another width (a model built with the sliced config)."""
+        old = root.get_submodule(self.writer)
+        if old.out_features != self.d_branch:
+            head, _, name = self.writer.rpartition(".")
+            new = nn.Linear(old.in_features, self.d_branch, bias=old.bias is not None)
+            new = new.to(device=old.weight.device, dtype=old.weight.dtype)
+            setattr(root.get_submodule(head) if head else root, name, new)
+        w = owner.weight
+        if w.shape[0] != self.d_branch:
+            owner.weight = nn.Parameter(torch.zeros(self.d_branch, device=w.device,
+                                                    dtype=w.dtype))
 
     def set_maps(self, shortcut: torch.Tensor | None = None,
                  out_map: torch.Tensor | None = None) -> None:

@@ -260,7 +260,9 @@ def _per_layer(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list
     mods = []
     for br in branches:
         ref = br.writer.weight
-        mod = ResidualShortcut(names[id(br.norm)], d, d, d if br.post_norm is not None else 0)
+        post = br.post_norm is not None
+        mod = ResidualShortcut(names[id(br.norm)], d, d, d if post else 0,
+                               writer=names[id(br.writer)] if post else "")
         mods.append(install(lm.model, f"{names[id(br.owner)]}.{SHORTCUT_ATTR}",
                             mod.to(ref.device, ref.dtype)))
     energies: list[float] = []
@@ -344,7 +346,8 @@ def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[fl
             rotate_outputs(br.writer, r)
             continue
         ref = br.writer.weight
-        mod = ResidualShortcut(names[id(br.norm)], width, width, d, shortcut=False)
+        mod = ResidualShortcut(names[id(br.norm)], width, width, d, shortcut=False,
+                               writer=names[id(br.writer)])
         mod = install(lm.model, f"{names[id(br.owner)]}.{SHORTCUT_ATTR}",
                       mod.to(ref.device, ref.dtype))
         mod.set_maps(out_map=r)
