@@ -99,8 +99,8 @@ def test_smaller_width_gives_larger_calibration_kl(arch, rotation):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gemma"])
 def test_global_rotation_is_a_plain_checkpoint(arch, tmp_path):
     lm = _lm(arch)
-    rep = prunelab.prune(lm, SliceGPT(rotation="global", ratio=0.25, multiple=4), CALIB,
-                         batch_size=2)
+    cfg = SliceGPT(rotation="global", ratio=0.25, multiple=4)
+    rep = prunelab.prune(lm, cfg, CALIB, batch_size=2)
     assert (rep["d"], rep["d_kept"], rep["path"]) == (32, 24, "plain")
     assert rep["needs_remote_code"] is False and custom_modules(lm.model) == []
     want = (32 / 24) ** 0.5 - (1.0 if arch == "gemma" else 0.0)
@@ -108,8 +108,11 @@ def test_global_rotation_is_a_plain_checkpoint(arch, tmp_path):
         torch.testing.assert_close(norm.weight, torch.full((24,), want), rtol=0, atol=1e-7)
     ref = _logits(lm.model)
     out = prunelab.save(lm, tmp_path / "ckpt")
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == arch and "auto_map" not in cfg
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_type"] == arch and "auto_map" not in saved
+    man = json.loads((out / "manifest.json").read_text())
+    assert METHODS.from_dict(man["operations"][-1]["config"]) == cfg
+    assert man["operations"][-1]["d_kept"] == 24
     again = tf.AutoModelForCausalLM.from_pretrained(
         out, attn_implementation=lm.model.config._attn_implementation).eval()
     assert again.config.hidden_size == 24 and again.config.head_dim == 8
@@ -240,3 +243,36 @@ def test_sensitivity_basis_gets_each_boundarys_covariance_and_fisher(monkeypatch
     slice_stream(_lm("llama"), SliceGPT(rotation="global", basis="sensitivity"), IDS,
                  batch_size=2)
     assert calls["basis"] == [float(sum(range(1, 10)))]  # global: the summed Fisher
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_per_layer_bases_come_from_the_already_sliced_stream(arch):
+    """Each boundary's basis is the PCA of the stream with every earlier boundary already
+    sliced: in the sliced model, the stream at every boundary has a diagonal covariance
+    with decreasing variances (one global rotation does not)."""
+    def stream_grams(lm):
+        grams = {}
+
+        def hook(k):
+            def pre(_m, args):
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                grams[k] = x.t() @ x
+            return pre
+        handles = [n.register_forward_pre_hook(hook(k))
+                   for k, n in enumerate(stream_boundaries(lm))]
+        _logits(lm.model, IDS)
+        for h in handles:
+            h.remove()
+        return [grams[k] for k in range(len(handles))]
+
+    for rotation, diagonal in (("per-layer", True), ("global", False)):
+        lm = _lm(arch)
+        slice_stream(lm, SliceGPT(rotation=rotation, ratio=0.25, multiple=4), IDS,
+                     batch_size=2)
+        offdiag = []
+        for g in stream_grams(lm):
+            diag = g.diagonal()
+            offdiag.append(float((g - torch.diag(diag)).abs().max() / diag.max()))
+            if diagonal:
+                assert bool((diag[:-1] >= diag[1:] * (1 - 1e-6)).all())
+        assert (max(offdiag) < 1e-4) == diagonal, offdiag
