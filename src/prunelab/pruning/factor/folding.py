@@ -114,6 +114,32 @@ def rotate_inputs(module: nn.Module, r: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+def scale_inputs(module: nn.Module, scale: torch.Tensor) -> None:
+    """A reader ``W`` becomes ``W diag(scale)``."""
+    w = module.weight
+    module.weight = _param(w, w.double() * scale.to(w.device, torch.float64))
+
+
+@torch.no_grad()
+def cut_inputs(module: nn.Module, width: int) -> None:
+    """Keep a reader's first ``width`` input columns (an embedding's first channels)."""
+    module.weight = _param(module.weight, module.weight[:, :width])
+    if isinstance(module, nn.Linear):
+        module.in_features = width
+    elif isinstance(module, nn.Embedding):
+        module.embedding_dim = width
+
+
+@torch.no_grad()
+def cut_outputs(module: nn.Module, width: int) -> None:
+    """Keep a writer's first ``width`` outputs (and bias entries)."""
+    module.weight = _param(module.weight, module.weight[:width])
+    if getattr(module, "bias", None) is not None:
+        module.bias = _param(module.bias, module.bias[:width])
+    module.out_features = width
+
+
+@torch.no_grad()
 def rotate_outputs(module: nn.Module, r: torch.Tensor) -> None:
     """A writer ``W`` (``[d, in]``) becomes ``r^T W`` and its bias ``r^T b``."""
     w = module.weight
@@ -167,10 +193,10 @@ def fold_norms(lm) -> None:
     for br in stream_branches(lm):
         scale = norm_scale(lm, br.norm)
         for reader in br.readers:
-            rotate_inputs(reader, torch.diag(scale))
+            scale_inputs(reader, scale)
         set_norm_scale(lm, br.norm, 1.0, d)
     final = lm.adapter.final_norm()
-    rotate_inputs(lm.adapter.head(), torch.diag(norm_scale(lm, final)))
+    scale_inputs(lm.adapter.head(), norm_scale(lm, final))
     set_norm_scale(lm, final, 1.0, d)
 
 

@@ -43,6 +43,8 @@ from prunelab.pruning.factor.folding import (
     POST_NORM_TYPES,
     base_type,
     check_sliceable,
+    cut_inputs,
+    cut_outputs,
     fold_norms,
     rescale_embedding,
     rotate_inputs,
@@ -195,7 +197,7 @@ def _basis(cfg: SliceGPT, cov: torch.Tensor, fisher: torch.Tensor | None) -> tor
 def _energy(cov: torch.Tensor, r: torch.Tensor) -> float:
     """Share of ``trace(cov)`` the columns of ``r`` keep."""
     cov = cov.double()
-    kept = torch.einsum("ij,ik,kj->", r, cov, r)
+    kept = ((cov @ r.to(cov)) * r.to(cov)).sum()
     return float(kept / cov.trace().clamp_min(1e-300))
 
 
@@ -359,18 +361,17 @@ def _finish(lm, d: int, width: int) -> None:
     the norms), set the norms' constant scale and the config."""
     from prunelab.models.custom import custom_modules
 
-    cut = torch.eye(d, dtype=torch.float64)[:, :width]
     branches = stream_branches(lm)
     emb, head = lm.adapter.embeddings(), lm.adapter.head()
     if emb.weight.shape[1] == d and width < d:  # per-layer: still full width
         for module in (emb, head, *(r for br in branches for r in br.readers)):
-            rotate_inputs(module, cut)
+            cut_inputs(module, width)
         for br in branches:
             if br.post_norm is None:
-                rotate_outputs(br.writer, cut)
+                cut_outputs(br.writer, width)
         for _, mod in custom_modules(lm.model):
             if isinstance(mod, ResidualShortcut):
-                _cut_maps(mod, cut)
+                _cut_maps(mod, width)
     for norm in stream_boundaries(lm):
         set_norm_scale(lm, norm, (d / width) ** 0.5, width)
     rescale_embedding(lm, width)
@@ -379,9 +380,8 @@ def _finish(lm, d: int, width: int) -> None:
     cfg.hidden_size = width
 
 
-def _cut_maps(mod: ResidualShortcut, cut: torch.Tensor) -> None:
+def _cut_maps(mod: ResidualShortcut, width: int) -> None:
     if mod.shortcut is not None:
-        m = mod.shortcut.detach().double()
-        mod.set_maps(shortcut=cut.t().to(m.device) @ m @ cut.to(m.device))
+        mod.set_maps(shortcut=mod.shortcut.detach()[:width, :width].clone())
     if mod.out_map is not None:
-        mod.set_maps(out_map=mod.out_map.detach().double() @ cut.to(mod.out_map.device))
+        mod.set_maps(out_map=mod.out_map.detach()[:, :width].clone())
