@@ -1,0 +1,387 @@
+"""Residual-stream slicing: SliceGPT with a rotation per boundary, or one global rotation.
+
+SliceGPT (Ashkboos et al., "SliceGPT: Compress Large Language Models by Deleting Rows and
+Columns", ICLR 2024): with the norms folded (:mod:`.folding`), the residual stream can be
+rotated by any orthogonal ``Q`` without changing the model (readers ``W Q``, writers
+``Q^T W``; the RMS norm is rotation invariant). Keeping only the first ``d'`` columns of
+``Q`` (the principal directions of the stream's ``C = sum X^T X``, float64 ``eigh``,
+damped by ``damping`` x the mean diagonal) slices the hidden size to ``d'``. Each norm then
+sees ``d'`` channels; its constant weight ``sqrt(d / d')`` makes Hugging Face's mean over
+``d'`` reproduce the original mean over ``d``.
+
+``rotation="per-layer"`` (SliceGPT proper): block by block on the already-sliced model, one
+``Q`` at each boundary (attention input, MLP input, final norm), computed in the original
+coordinates of that boundary; the residual skipping a branch is mapped by
+``Q_prev[:, :d']^T Q_next[:, :d']`` (a :class:`~.shortcuts.ResidualShortcut`, so the
+checkpoint needs remote code). Until its next boundary is known, a branch writes in
+original coordinates; the model meanwhile keeps its full width with the dropped
+directions zeroed, and is cut to ``d'`` at the end.
+
+``rotation="global"``: one ``Q`` from the summed covariances of every boundary of the dense
+model; no shortcut maps. For llama, mistral, qwen2, qwen3, phi3 and gemma the result is an
+ordinary checkpoint of the same family with ``hidden_size = d'``; Gemma 2/3 norm the branch
+outputs before the residual add, so their writers cannot be rotated and a map after each
+post-norm (remote code) does it.
+
+``basis="sensitivity"`` picks each kept subspace from the activation covariance and the
+Fisher of the model output at the same boundary (computed on the dense model) through
+:func:`prunelab.pruning.factor.subspace.sensitivity_basis`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from prunelab.errors import ConfigError
+from prunelab.log import info
+from prunelab.pruning.base import METHODS
+from prunelab.pruning.factor.config import FactorConfig
+from prunelab.pruning.factor.folding import (
+    POST_NORM_TYPES,
+    base_type,
+    check_sliceable,
+    cut_inputs,
+    cut_outputs,
+    fold_norms,
+    rescale_embedding,
+    rotate_inputs,
+    rotate_outputs,
+    set_norm_scale,
+    stream_boundaries,
+    stream_branches,
+)
+from prunelab.pruning.factor.shortcuts import ResidualShortcut
+from prunelab.registry import check_range
+
+ROTATIONS = ("per-layer", "global")
+BASES = ("pca", "sensitivity")
+SHORTCUT_ATTR = "prunelab_shortcut"
+
+__all__ = ["SliceGPT", "stream_boundaries", "pca_basis", "width_for_ratio", "params_at"]
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@METHODS.register("slicegpt")
+@dataclass(frozen=True)
+class SliceGPT(FactorConfig):
+    """Residual-stream slicing (SliceGPT, Ashkboos et al. 2024); see the module docstring.
+
+    ``target_params``, when given, decides ``d'`` (the largest multiple of ``multiple``
+    whose model keeps at most that fraction of the parameters) and ``ratio`` is ignored.
+    """
+
+    rotation: str = field(default="per-layer", metadata=_help(
+        "per-layer: one rotation per boundary with shortcut maps (remote code); global: one "
+        "rotation for the whole stream (a plain checkpoint where the family allows)"))
+    ratio: float = field(default=0.25, metadata=_help(
+        "fraction of the hidden size removed (d' rounded to a multiple of --multiple)"))
+    multiple: int = field(default=8, metadata=_help("the kept hidden size is a multiple of this"))
+    basis: str = field(default="pca", metadata=_help(
+        "pca: keep the stream's principal directions; sensitivity: weight them by the "
+        "Fisher of the model output at each boundary"))
+    damping: float = field(default=0.01, metadata=_help(
+        "added to the covariance's diagonal, times its mean diagonal"))
+
+    history_keys: ClassVar[tuple] = ("d", "d_kept", "rotation", "basis", "path")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rotation not in ROTATIONS:
+            raise ConfigError(f"rotation must be one of {', '.join(ROTATIONS)}, "
+                              f"got {self.rotation!r}")
+        if self.basis not in BASES:
+            raise ConfigError(f"basis must be one of {', '.join(BASES)}, got {self.basis!r}")
+        check_range("ratio", self.ratio, 0.0, 0.99)
+        check_range("multiple", self.multiple, 1, None, integer=True)
+        check_range("damping", self.damping, 0.0, 1.0)
+
+    def precheck(self, lm) -> None:
+        check_sliceable(lm)
+        if self.basis == "sensitivity":
+            try:
+                from prunelab.pruning.factor import fisher, subspace  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError("basis 'sensitivity' needs prunelab.pruning.factor.fisher "
+                                  f"and .subspace, which this installation lacks ({exc})") \
+                    from None
+        d = lm.adapter.hidden_size()
+        if self.multiple > d:
+            raise ConfigError(f"multiple {self.multiple} exceeds the hidden size {d}")
+        choose_width(self, lm)  # an unreachable target_params fails before any data
+
+    def apply(self, lm, input_ids, *, batch_size: int) -> dict:
+        return slice_stream(lm, self, input_ids, batch_size=batch_size)
+
+
+# ---------------------------------------------------------------------- budget
+def width_for_ratio(d: int, ratio: float, multiple: int) -> int:
+    """``d'`` for removing ``ratio`` of ``d``: rounded to a multiple of ``multiple``
+    (``d`` itself when ``ratio`` is 0), at least ``multiple``."""
+    if ratio == 0:
+        return d
+    w = int(round((1.0 - ratio) * d / multiple)) * multiple
+    return min(max(w, multiple), d)
+
+
+def params_at(lm, width: int, rotation: str) -> int:
+    """Parameters the sliced model will store at hidden size ``width`` (head untied,
+    shortcut maps and Gemma 2/3's post-norm maps counted), from the current shapes."""
+    from prunelab.models.size import model_size
+
+    ad = lm.adapter
+    d = ad.hidden_size()
+    emb, head = ad.embeddings(), ad.head()
+    tied = head.weight.data_ptr() == emb.weight.data_ptr()
+    branches = stream_branches(lm)
+    per_w = emb.weight.shape[0] + head.weight.shape[0] + len(branches) + 1  # norms
+    for br in branches:
+        per_w += sum(r.weight.shape[0] for r in br.readers)
+        if br.post_norm is None:
+            per_w += br.writer.weight.shape[1] + (br.writer.bias is not None)
+    now = model_size(lm.model)["params"]
+    fixed = now - per_w * d + (head.weight.numel() if tied else 0)
+    posts = sum(br.post_norm is not None for br in branches)
+    extra = posts * d * width
+    if rotation == "per-layer":
+        extra += len(branches) * width * width
+    return fixed + per_w * width + extra
+
+
+def choose_width(cfg: SliceGPT, lm) -> int:
+    """The kept hidden size: from ``ratio``, or the largest multiple of ``multiple`` that
+    keeps at most ``target_params`` of the parameters (they grow with the width)."""
+    from prunelab.models.size import model_size
+
+    d = lm.adapter.hidden_size()
+    if cfg.target_params is None:
+        return width_for_ratio(d, cfg.ratio, cfg.multiple)
+    limit = cfg.target_params * model_size(lm.model)["params"]
+    widths = range(d - d % cfg.multiple, 0, -cfg.multiple)
+    for w in widths:
+        if params_at(lm, w, cfg.rotation) <= limit:
+            return w
+    low = params_at(lm, cfg.multiple, cfg.rotation) / model_size(lm.model)["params"]
+    raise ConfigError(f"target_params {cfg.target_params} is below what slicing reaches "
+                      f"({low:.4f} at d'={cfg.multiple})")
+
+
+# ---------------------------------------------------------------------- bases
+def pca_basis(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvectors of the symmetric ``cov`` by decreasing eigenvalue (float64)."""
+    vals, vecs = torch.linalg.eigh(cov.double())
+    return vecs.flip(-1), vals.flip(-1)
+
+
+def _basis(cfg: SliceGPT, cov: torch.Tensor, fisher: torch.Tensor | None) -> torch.Tensor:
+    cov = cov.double()
+    damped = cov + cfg.damping * cov.diagonal().mean() * torch.eye(
+        cov.shape[0], dtype=cov.dtype, device=cov.device)
+    if cfg.basis == "sensitivity":
+        from prunelab.pruning.factor.subspace import sensitivity_basis
+
+        q, _ = sensitivity_basis(damped, fisher.to(damped))
+        return q.double()
+    try:
+        from prunelab.pruning.factor.subspace import pca_basis as shared_pca
+    except ImportError:
+        shared_pca = pca_basis
+    return shared_pca(damped)[0].double()
+
+
+def _energy(cov: torch.Tensor, r: torch.Tensor) -> float:
+    """Share of ``trace(cov)`` the columns of ``r`` keep."""
+    cov = cov.double()
+    kept = ((cov @ r.to(cov)) * r.to(cov)).sum()
+    return float(kept / cov.trace().clamp_min(1e-300))
+
+
+def _gram(states) -> torch.Tensor:
+    g = None
+    for x in states:
+        x = x.reshape(-1, x.shape[-1]).double()
+        g = x.t() @ x if g is None else g.addmm_(x.t(), x)
+    return g
+
+
+def _fishers(cfg: SliceGPT, lm, input_ids, batch_size: int) -> list | None:
+    if cfg.basis != "sensitivity":
+        return None
+    from prunelab.pruning.factor.fisher import output_fisher
+
+    return output_fisher(lm, input_ids, stream_boundaries(lm), batch_size=batch_size)
+
+
+# ---------------------------------------------------------------------- slicing
+def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int) -> dict:
+    """Slice ``lm``'s residual stream in place (see the module docstring); the report."""
+    d = lm.adapter.hidden_size()
+    width = choose_width(cfg, lm)
+    fold_norms(lm)
+    fishers = _fishers(cfg, lm, input_ids, batch_size)
+    run = _per_layer if cfg.rotation == "per-layer" else _global
+    energies = run(cfg, lm, input_ids, batch_size, width, fishers)
+    _finish(lm, d, width)
+    mt = base_type(lm.model)
+    if cfg.rotation == "per-layer":
+        path, note = "remote code", "per-layer rotations need shortcut maps (remote code)"
+    elif mt in POST_NORM_TYPES:
+        path, note = "remote code", (f"{mt} norms the branch outputs before the residual "
+                                     "add: their rotation is a map after each post-norm "
+                                     "(remote code)")
+    else:
+        path, note = "plain", f"an ordinary {mt} checkpoint with hidden_size {width}"
+    info(f"slicegpt: hidden size {d} -> {width}; {note}")
+    return {"d": d, "d_kept": width, "rotation": cfg.rotation, "basis": cfg.basis,
+            "path": path, "path_note": note, "kept_energy": energies,
+            "min_kept_energy": min(energies)}
+
+
+def _zeroed(q: torch.Tensor, width: int) -> torch.Tensor:
+    """``q`` with the columns from ``width`` on zeroed (a slice that keeps the width)."""
+    r = q.clone()
+    r[:, width:] = 0
+    return r
+
+
+def _per_layer(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[float]:
+    """SliceGPT block by block (full width, dropped directions zeroed); the kept energy at
+    every boundary."""
+    from prunelab.calib.runner import BlockRunner
+    from prunelab.calib.stats import Gram
+    from prunelab.models.custom import install
+
+    branches = stream_branches(lm)
+    d = lm.adapter.hidden_size()
+    names = {id(m): n for n, m in lm.model.named_modules()}
+    mods = []
+    for br in branches:
+        ref = br.writer.weight
+        post = br.post_norm is not None
+        mod = ResidualShortcut(names[id(br.norm)], d, d, d if post else 0,
+                               writer=names[id(br.writer)] if post else "")
+        mods.append(install(lm.model, f"{names[id(br.owner)]}.{SHORTCUT_ATTR}",
+                            mod.to(ref.device, ref.dtype)))
+    energies: list[float] = []
+
+    def boundary(k: int, cov: torch.Tensor) -> torch.Tensor:
+        q = _basis(cfg, cov, fishers[k] if fishers else None)
+        r = _zeroed(q, width)
+        energies.append(_energy(cov, q[:, :width]))
+        if k == 0:
+            rotate_inputs(lm.adapter.embeddings(), r)
+        else:
+            _write_into(branches[k - 1], mods[k - 1], r)
+        if k < len(branches):
+            for reader in branches[k].readers:
+                rotate_inputs(reader, r)
+            mods[k].set_maps(shortcut=r.t())  # to original coordinates until the next Q
+        else:
+            rotate_inputs(lm.adapter.head(), r)
+        return r
+
+    runner = BlockRunner(lm, input_ids, batch_size=batch_size)
+
+    def on_block(i: int, hidden: list) -> list:
+        r = boundary(2 * i, _gram(hidden))
+        rotated = [(x.double() @ r.to(x.device)).to(x.dtype) for x in hidden]
+        accs = runner.collect(i, rotated, {"mlp_in": branches[2 * i + 1].norm},
+                              make=lambda _name: Gram())
+        boundary(2 * i + 1, accs["mlp_in"][0].xtx)
+        return runner.run_block(i, rotated)
+
+    out = runner.run(on_block, desc="slicegpt")
+    boundary(len(branches), _gram(out))
+    return energies
+
+
+def _write_into(br, mod: ResidualShortcut, r: torch.Tensor) -> None:
+    """The branch ``br`` (and its shortcut) now write into the coordinates ``r``."""
+    if br.post_norm is None:
+        rotate_outputs(br.writer, r)
+    else:
+        mod.set_maps(out_map=mod.out_map.detach().double() @ r.to(mod.out_map.device))
+    if mod.shortcut is not None:
+        mod.set_maps(shortcut=mod.shortcut.detach().double() @ r.to(mod.shortcut.device))
+
+
+def boundary_grams(lm, input_ids, batch_size: int) -> list[torch.Tensor]:
+    """``sum X^T X`` (float64) of the stream at every boundary of the current model."""
+    from prunelab.calib.runner import BlockRunner
+    from prunelab.calib.stats import Gram
+
+    branches = stream_branches(lm)
+    runner = BlockRunner(lm, input_ids, batch_size=batch_size)
+    grams: list[torch.Tensor] = []
+
+    def on_block(i: int, hidden: list) -> None:
+        grams.append(_gram(hidden))
+        accs = runner.collect(i, hidden, {"mlp_in": branches[2 * i + 1].norm},
+                              make=lambda _name: Gram())
+        grams.append(accs["mlp_in"][0].xtx)
+
+    out = runner.run(on_block, desc="slicegpt covariances")
+    grams.append(_gram(out))
+    return grams
+
+
+def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[float]:
+    """One rotation for every boundary, cut to ``width`` at once."""
+    from prunelab.models.custom import install
+
+    grams = boundary_grams(lm, input_ids, batch_size)
+    q = _basis(cfg, sum(grams), sum(fishers) if fishers else None)
+    r = q[:, :width]
+    rotate_inputs(lm.adapter.embeddings(), r)
+    rotate_inputs(lm.adapter.head(), r)
+    names = {id(m): n for n, m in lm.model.named_modules()}
+    d = lm.adapter.hidden_size()
+    for br in stream_branches(lm):
+        for reader in br.readers:
+            rotate_inputs(reader, r)
+        if br.post_norm is None:
+            rotate_outputs(br.writer, r)
+            continue
+        ref = br.writer.weight
+        mod = ResidualShortcut(names[id(br.norm)], width, width, d, shortcut=False,
+                               writer=names[id(br.writer)])
+        mod = install(lm.model, f"{names[id(br.owner)]}.{SHORTCUT_ATTR}",
+                      mod.to(ref.device, ref.dtype))
+        mod.set_maps(out_map=r)
+    return [_energy(g, r) for g in grams]
+
+
+def _finish(lm, d: int, width: int) -> None:
+    """Cut what is still full width to ``width`` (per-layer: every stream tensor; both:
+    the norms), set the norms' constant scale and the config."""
+    from prunelab.models.custom import custom_modules
+
+    branches = stream_branches(lm)
+    emb, head = lm.adapter.embeddings(), lm.adapter.head()
+    if emb.weight.shape[1] == d and width < d:  # per-layer: still full width
+        for module in (emb, head, *(r for br in branches for r in br.readers)):
+            cut_inputs(module, width)
+        for br in branches:
+            if br.post_norm is None:
+                cut_outputs(br.writer, width)
+        for _, mod in custom_modules(lm.model):
+            if isinstance(mod, ResidualShortcut):
+                _cut_maps(mod, width)
+    for norm in stream_boundaries(lm):
+        set_norm_scale(lm, norm, (d / width) ** 0.5, width)
+    rescale_embedding(lm, width)
+    cfg = lm.model.config
+    cfg.head_dim = int(lm.adapter.spec.head_dim(cfg))
+    cfg.hidden_size = width
+
+
+def _cut_maps(mod: ResidualShortcut, width: int) -> None:
+    if mod.shortcut is not None:
+        mod.set_maps(shortcut=mod.shortcut.detach()[:width, :width].clone())
+    if mod.out_map is not None:
+        mod.set_maps(out_map=mod.out_map.detach()[:, :width].clone())
