@@ -54,6 +54,7 @@ from prunelab.pruning.factor.folding import (
     stream_branches,
 )
 from prunelab.pruning.factor.shortcuts import ResidualShortcut
+from prunelab.pruning.factor.subspace import pca_basis
 from prunelab.registry import check_range
 
 ROTATIONS = ("per-layer", "global")
@@ -87,6 +88,14 @@ class SliceGPT(FactorConfig):
         "Fisher of the model output at each boundary"))
     damping: float = field(default=0.01, metadata=_help(
         "added to the covariance's diagonal, times its mean diagonal"))
+    fisher_samples: int = field(default=1, metadata=_help(
+        "sensitivity: labels drawn per window for the output Fisher"))
+    fisher_damping: float = field(default=0.01, metadata=_help(
+        "sensitivity: Fisher damping, times its mean diagonal"))
+    refine_steps: int = field(default=30, metadata=_help(
+        "sensitivity: Grassmann refinement steps per boundary (0: the spectral candidate, "
+        "or PCA when that is better on the proxy)"))
+    seed: int = field(default=0, metadata=_help("sensitivity: label sampling seed"))
 
     history_keys: ClassVar[tuple] = ("d", "d_kept", "rotation", "basis", "path")
 
@@ -100,16 +109,13 @@ class SliceGPT(FactorConfig):
         check_range("ratio", self.ratio, 0.0, 0.99)
         check_range("multiple", self.multiple, 1, None, integer=True)
         check_range("damping", self.damping, 0.0, 1.0)
+        check_range("fisher_samples", self.fisher_samples, 1, None, integer=True)
+        check_range("fisher_damping", self.fisher_damping, 0.0, 1.0)
+        check_range("refine_steps", self.refine_steps, 0, None, integer=True)
+        check_range("seed", self.seed, 0, None, integer=True)
 
     def precheck(self, lm) -> None:
         check_sliceable(lm)
-        if self.basis == "sensitivity":
-            try:
-                from prunelab.pruning.factor import fisher, subspace  # noqa: F401
-            except ImportError as exc:
-                raise ConfigError("basis 'sensitivity' needs prunelab.pruning.factor.fisher "
-                                  f"and .subspace, which this installation lacks ({exc})") \
-                    from None
         d = lm.adapter.hidden_size()
         if self.multiple > d:
             raise ConfigError(f"multiple {self.multiple} exceeds the hidden size {d}")
@@ -172,26 +178,24 @@ def choose_width(cfg: SliceGPT, lm) -> int:
 
 
 # ---------------------------------------------------------------------- bases
-def pca_basis(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvectors of the symmetric ``cov`` by decreasing eigenvalue (float64)."""
-    vals, vecs = torch.linalg.eigh(cov.double())
-    return vecs.flip(-1), vals.flip(-1)
-
-
-def _basis(cfg: SliceGPT, cov: torch.Tensor, fisher: torch.Tensor | None) -> torch.Tensor:
+def _damp(cfg: SliceGPT, cov: torch.Tensor) -> torch.Tensor:
     cov = cov.double()
-    damped = cov + cfg.damping * cov.diagonal().mean() * torch.eye(
+    return cov + cfg.damping * cov.diagonal().mean() * torch.eye(
         cov.shape[0], dtype=cov.dtype, device=cov.device)
+
+
+def _basis(cfg: SliceGPT, cov, fisher, width: int) -> torch.Tensor:
+    """The rotation at a boundary (``cov``, ``fisher``: matrices, or lists of them for one
+    global rotation over several boundaries); ``width`` columns are kept."""
     if cfg.basis == "sensitivity":
         from prunelab.pruning.factor.subspace import sensitivity_basis
 
-        q, _ = sensitivity_basis(damped, fisher.to(damped))
+        covs = [_damp(cfg, c) for c in cov] if isinstance(cov, list) else _damp(cfg, cov)
+        fishers = [f.double() for f in fisher] if isinstance(fisher, list) else fisher.double()
+        q, _ = sensitivity_basis(covs, fishers, cfg.fisher_damping, k=width,
+                                 steps=cfg.refine_steps)
         return q.double()
-    try:
-        from prunelab.pruning.factor.subspace import pca_basis as shared_pca
-    except ImportError:
-        shared_pca = pca_basis
-    return shared_pca(damped)[0].double()
+    return pca_basis(_damp(cfg, sum(cov) if isinstance(cov, list) else cov))[0].double()
 
 
 def _energy(cov: torch.Tensor, r: torch.Tensor) -> float:
@@ -214,7 +218,8 @@ def _fishers(cfg: SliceGPT, lm, input_ids, batch_size: int) -> list | None:
         return None
     from prunelab.pruning.factor.fisher import output_fisher
 
-    return output_fisher(lm, input_ids, stream_boundaries(lm), batch_size=batch_size)
+    return output_fisher(lm, input_ids, stream_boundaries(lm), batch_size=batch_size,
+                         samples=cfg.fisher_samples, seed=cfg.seed)
 
 
 # ---------------------------------------------------------------------- slicing
@@ -270,7 +275,7 @@ def _per_layer(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list
     energies: list[float] = []
 
     def boundary(k: int, cov: torch.Tensor) -> torch.Tensor:
-        q = _basis(cfg, cov, fishers[k] if fishers else None)
+        q = _basis(cfg, cov, fishers[k] if fishers else None, width)
         r = _zeroed(q, width)
         energies.append(_energy(cov, q[:, :width]))
         if k == 0:
@@ -335,7 +340,7 @@ def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[fl
     from prunelab.models.custom import install
 
     grams = boundary_grams(lm, input_ids, batch_size)
-    q = _basis(cfg, sum(grams), sum(fishers) if fishers else None)
+    q = _basis(cfg, list(grams), list(fishers) if fishers else None, width)
     r = q[:, :width]
     rotate_inputs(lm.adapter.embeddings(), r)
     rotate_inputs(lm.adapter.head(), r)
