@@ -243,8 +243,11 @@ def min_weight_pairing(cost, single=None) -> list[tuple[int, ...]]:
     if odd:  # a dummy node: pairing with it = staying alone
         if single is None:
             raise ValueError("odd number of layers needs single costs")
-        big = [[float(cost[i][j]) if i < n and j < n else
-                float(single[i if j == n else j]) for j in range(n + 1)] for i in range(n + 1)]
+        def entry(i: int, j: int) -> float:
+            if i < n and j < n:
+                return float(cost[i][j])
+            return 0.0 if i == j else float(single[min(i, j)])
+        big = [[entry(i, j) for j in range(n + 1)] for i in range(n + 1)]
     else:
         big = [[float(cost[i][j]) for j in range(n)] for i in range(n)]
     m = len(big)
