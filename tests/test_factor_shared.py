@@ -20,6 +20,7 @@ from prunelab.models.loading import wrap
 from prunelab.models.size import model_size
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.factor import shared as sh
+from prunelab.pruning.factor import shared_math as sm
 from prunelab.pruning.factor.config import FactorPruner
 from prunelab.pruning.factor.shared import BasisSharing, SharedDict
 from prunelab.pruning.factor.shared_modules import SharedBasisLinear, SharedDictionary
@@ -52,7 +53,7 @@ def _problem(n_layers=3, out=6, d_in=8, tokens=40, seed=0):
     for _ in range(n_layers):
         x = torch.randn(tokens, d_in, generator=g, dtype=torch.float64) \
             * torch.linspace(0.2, 3, d_in, dtype=torch.float64)
-        hs.append(sh.damped(x.t() @ x, 1e-3))
+        hs.append(sm.damped(x.t() @ x, 1e-3))
     return ws, hs
 
 
@@ -64,7 +65,7 @@ def test_methods_are_registered():
 # ------------------------------------------------------------------ maths
 def test_basis_sharing_matches_the_whitened_svd_by_hand():
     ws, hs = _problem(2)
-    d, cs = sh.basis_sharing(ws, hs, 3)
+    d, cs = sm.basis_sharing(ws, hs, 3)
     s = torch.linalg.cholesky(hs[0] + hs[1])
     m = torch.cat([w.t() for w in ws], 1)
     u, sig, vh = torch.linalg.svd(s.t() @ m, full_matrices=False)
@@ -79,12 +80,12 @@ def test_basis_sharing_matches_the_whitened_svd_by_hand():
 @pytest.mark.parametrize("n_layers", [1, 2, 3])
 def test_each_step_solves_its_normal_equations(n_layers):
     ws, hs = _problem(n_layers)
-    d, cs = sh.basis_sharing(ws, hs, 4)
-    new_cs = [sh.coefficient_step(w, h, d) for w, h in zip(ws, hs)]
+    d, cs = sm.basis_sharing(ws, hs, 4)
+    new_cs = [sm.coefficient_step(w, h, d) for w, h in zip(ws, hs)]
     for w, h, c in zip(ws, hs, new_cs):  # d/dC tr((W - C D) H (W - C D)^T) = 0
         torch.testing.assert_close((w - c @ d) @ h @ d.t(), torch.zeros(6, 4, dtype=d.dtype),
                                    atol=1e-9, rtol=0)
-    new_d = sh.dictionary_step(ws, hs, new_cs, d)
+    new_d = sm.dictionary_step(ws, hs, new_cs, d)
     grad = sum(c.t() @ (w - c @ new_d) @ h for w, h, c in zip(ws, hs, new_cs))
     assert float(grad.abs().max()) < 1e-7
     # against the vectorised (Kronecker) solve of sum_l A_l D H_l = B
@@ -97,18 +98,18 @@ def test_each_step_solves_its_normal_equations(n_layers):
 @pytest.mark.parametrize("n_layers", [2, 3])
 def test_alternating_objective_never_increases_and_beats_basis_sharing(n_layers):
     ws, hs = _problem(n_layers, seed=4)
-    d, cs = sh.basis_sharing(ws, hs, 3)
-    start = sh.objective(ws, hs, d, cs)
-    d2, cs2, hist = sh.alternate(ws, hs, d, cs, iters=15)
+    d, cs = sm.basis_sharing(ws, hs, 3)
+    start = sm.objective(ws, hs, d, cs)
+    d2, cs2, hist = sm.alternate(ws, hs, d, cs, iters=15)
     assert hist[0] == start
     assert all(b <= a for a, b in zip(hist, hist[1:]))
     assert hist[-1] < 0.99 * start  # each layer's own Gram: strictly better here
-    assert sh.objective(ws, hs, d2, cs2) == pytest.approx(hist[-1], rel=1e-12)
+    assert sm.objective(ws, hs, d2, cs2) == pytest.approx(hist[-1], rel=1e-12)
     # every half step is a minimiser, so unguarded steps decrease too
-    c_only = [sh.coefficient_step(w, h, d) for w, h in zip(ws, hs)]
-    mid = sh.objective(ws, hs, d, c_only)
+    c_only = [sm.coefficient_step(w, h, d) for w, h in zip(ws, hs)]
+    mid = sm.objective(ws, hs, d, c_only)
     assert mid <= start
-    assert sh.objective(ws, hs, sh.dictionary_step(ws, hs, c_only, d), c_only) <= mid * (1 + 1e-12)
+    assert sm.objective(ws, hs, sm.dictionary_step(ws, hs, c_only, d), c_only) <= mid * (1 + 1e-12)
 
 
 def _brute_force(cost, single):
@@ -133,10 +134,10 @@ def _brute_force(cost, single):
 def test_matching_is_exact_on_a_hand_made_cost_matrix():
     # greedy takes (0, 1) = 1 and is left with (2, 3) = 100; the optimum is 2 + 2
     cost = [[0, 1, 2, 50], [1, 0, 50, 2], [2, 50, 0, 100], [50, 2, 100, 0]]
-    assert sh.min_weight_pairing(cost) == [(0, 2), (1, 3)]
-    assert sh.pairing_cost(cost, sh.min_weight_pairing(cost)) == 4
-    assert sh._greedy(cost, 4) == [(0, 1), (2, 3)]
-    assert sorted(sh._two_opt(cost, [(0, 1), (2, 3)])) == [(0, 2), (1, 3)]
+    assert sm.min_weight_pairing(cost) == [(0, 2), (1, 3)]
+    assert sm.pairing_cost(cost, sm.min_weight_pairing(cost)) == 4
+    assert sm._greedy(cost, 4) == [(0, 1), (2, 3)]
+    assert sorted(sm._two_opt(cost, [(0, 1), (2, 3)])) == [(0, 2), (1, 3)]
 
 
 @pytest.mark.parametrize("n", [4, 5, 6, 7])
@@ -145,25 +146,25 @@ def test_matching_equals_brute_force_and_odd_layers_stay_alone_once(n):
     c = torch.rand(n, n, generator=g, dtype=torch.float64)
     cost = ((c + c.t()) / 2).tolist()
     single = torch.rand(n, generator=g, dtype=torch.float64).tolist()
-    pairs = sh.min_weight_pairing(cost, single)
+    pairs = sm.min_weight_pairing(cost, single)
     assert sorted(i for p in pairs for i in p) == list(range(n))
     assert sum(len(p) == 1 for p in pairs) == n % 2
-    assert sh.pairing_cost(cost, pairs, single) == pytest.approx(_brute_force(cost, single))
+    assert sm.pairing_cost(cost, pairs, single) == pytest.approx(_brute_force(cost, single))
 
 
 def test_heuristic_matching_for_many_layers_is_never_worse_than_adjacent(monkeypatch):
-    monkeypatch.setattr(sh, "EXACT_MAX", 2)
+    monkeypatch.setattr(sm, "EXACT_MAX", 2)
     g = torch.Generator().manual_seed(0)
     for n in (8, 9, 12):
         c = torch.rand(n, n, generator=g, dtype=torch.float64)
         cost = ((c + c.t()) / 2).tolist()
         single = [0.5] * n
-        pairs = sh.min_weight_pairing(cost, single)
+        pairs = sm.min_weight_pairing(cost, single)
         assert sorted(i for p in pairs for i in p) == list(range(n))
-        got = sh.pairing_cost(cost, pairs, single)
-        assert got <= sh.pairing_cost(cost, sh.adjacent_pairs(n), single)
+        got = sm.pairing_cost(cost, pairs, single)
+        assert got <= sm.pairing_cost(cost, sm.adjacent_pairs(n), single)
         if n % 2 == 0:  # greedy then 2-opt: never above greedy
-            assert got <= sh.pairing_cost(cost, sh._greedy(cost, n)) + 1e-12
+            assert got <= sm.pairing_cost(cost, sm._greedy(cost, n)) + 1e-12
 
 
 # ------------------------------------------------------------------ on models
@@ -366,3 +367,59 @@ def test_errors():
         BasisSharing(types="q").precheck(lm)
     with pytest.raises(ConfigError, match="target_params"):
         _run(_lm("llama"), BasisSharing(target_params=0.01))
+
+
+# ------------------------------------------------------------------ coefficient sparsity
+def test_choose_atoms_respects_the_budget_and_gives_every_layer_one():
+    ws, hs = _problem(3, out=6, d_in=8)
+    d, cs = sm.basis_sharing(ws, hs, 6)
+    for budget in (18, 40, 6 * 18):
+        atoms = sm.choose_atoms(ws, hs, d, cs, budget)
+        assert all(len(a) >= 1 for a in atoms)
+        assert 6 * sum(len(a) for a in atoms) <= max(budget, 18)
+    assert [len(a) for a in sm.choose_atoms(ws, hs, d, cs, 6 * 18)] == [6, 6, 6]
+
+
+def test_sparse_coefficients_share_disjoint_subspaces_exactly_within_the_dense_budget():
+    """Two layers whose rows span orthogonal 4-dim subspaces: a rank-8 dictionary where
+    each layer uses its own 4 atoms reproduces both at the budget of a dense rank 5
+    (5 * (32 + 2*48) = 640 = 8*32 + 48*(4+4)); the dense rank-5 dictionary cannot."""
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(32, 32, generator=g, dtype=torch.float64))
+    scales = torch.linspace(1, 2, 8, dtype=torch.float64)
+    ws = [torch.randn(48, 4, generator=g, dtype=torch.float64) @ (q[:, 4 * i:4 * i + 4]
+          * scales[4 * i:4 * i + 4]).t() for i in range(2)]
+    hs = [torch.eye(32, dtype=torch.float64)] * 2
+    d, cs, hist, atoms = SharedDict(expand=1.6, iters=5)._sparse(ws, hs, 5)
+    assert d.shape == (8, 32) and [len(a) for a in atoms] == [4, 4]
+    assert d.numel() + sum(c.numel() for c in cs) == 640
+    assert all(b <= a for a, b in zip(hist, hist[1:]))
+    for w, c, a in zip(ws, cs, atoms):
+        torch.testing.assert_close(c @ d[a], w, atol=1e-8, rtol=1e-8)
+    dd, dcs, dense_hist, _ = SharedDict(iters=5)._factor(ws, hs, 5)
+    assert dd.numel() + sum(c.numel() for c in dcs) == 640
+    assert dense_hist[-1] > 1.0 and hist[-1] < 1e-12
+
+
+def test_sparse_shared_dict_on_a_model_budget_flops_and_reload(tmp_path):
+    lm = _lm("llama")
+    dense = _run(_lm("llama"), SharedDict(ratio=0.5, iters=3, pairing="adjacent"))
+    values = _run(lm, SharedDict(ratio=0.5, iters=3, expand=1.5, pairing="adjacent"))
+    assert values["params_after"] <= dense["params_after"]
+    basis = [m for _, m in custom_modules(lm.model) if isinstance(m, SharedBasisLinear)]
+    assert any(m.rank < m.dictionary_rank for m in basis)
+    expected = sum(2 * (m.rank * m.in_features + m.out_features * m.rank) for m in basis)
+    dense_flops = sum(2 * in_out_features(m)[0] * in_out_features(m)[1]
+                      for m in _targets(_lm("llama"), sh.DEFAULT_TYPES.split(",")))
+    assert values["flops_per_token_after"] == values["flops_per_token_before"] \
+        - dense_flops + expected
+    for hist in values["objective_history"].values():
+        assert all(b <= a for a, b in zip(hist, hist[1:]))
+    ref = _logits(lm)
+    out = prunelab.save(lm, tmp_path / "ckpt")
+    again = tf.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True,
+        attn_implementation=lm.model.config._attn_implementation).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS, use_cache=False).logits, ref,
+                                   rtol=0, atol=0)

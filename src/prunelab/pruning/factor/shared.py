@@ -22,8 +22,15 @@ layers becomes ``C_l D`` with one dictionary ``D`` (``k x in``) per group, store
 
 Grams are collected once on the dense model (``propagate="dense"``): pairing and
 factorization of every type see the original inputs, not earlier compressions (a stated
-simplification of the seed's sequential pairing). The coefficient sparsity of the seed
-(whole rows / columns of ``C_l`` zeroed) is not implemented.
+simplification of the seed's sequential pairing).
+
+(c) Structured coefficient sparsity (``shared-dict --expand E > 1``): the group's budget
+``k (in + sum out_l)`` buys a larger dictionary of ``k' = floor(E k)`` atoms, and each layer
+keeps only its most useful atoms (whole columns of ``C_l``; the rest are zero and not
+stored: the layer holds ``C_l`` as ``out x k_l`` and the indices of its atoms, and computes
+only those rows of ``D x``) so that ``k' in + sum_l out_l k_l`` stays within the budget;
+the alternating minimisation then runs with those columns fixed at zero. Pairs are still
+scored at the dense rank ``k``.
 
 Budget: ``ratio`` is the fraction of the targeted linears' weights removed, the dictionary
 counted once per group (biases are kept and not counted): per type
@@ -45,219 +52,22 @@ from torch import nn
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.factor.config import FactorConfig
+from prunelab.pruning.factor.shared_math import (
+    adjacent_pairs,
+    alternate,
+    basis_sharing,
+    choose_atoms,
+    damped,
+    masked_coefficients,
+    min_weight_pairing,
+    objective,
+    pair_error,
+    pairing_cost,
+)
 from prunelab.registry import check_range
 
-#: largest number of layers matched exactly (bitmask dynamic programme)
-EXACT_MAX = 16
 ROLES = ("q", "k", "v", "o", "qkv", "gate", "up", "gate_up", "down")
 DEFAULT_TYPES = "q,k,v,qkv,gate,up,gate_up"
-
-
-# ------------------------------------------------------------------ maths
-def damped(h: torch.Tensor, damping: float) -> torch.Tensor:
-    """``H + damping * mean(diag H) I`` in float64 (``1e-12`` when ``H`` is zero)."""
-    h = h.to(torch.float64)
-    lam = damping * float(h.diagonal().mean()) or 1e-12
-    return h + lam * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-
-
-def objective(weights, grams, d: torch.Tensor, cs) -> float:
-    """``sum_l tr((W_l - C_l D) H_l (W_l - C_l D)^T)`` (= ``sum_l ||X_l (W_l^T -
-    D^T C_l^T)||_F^2`` for undamped ``H_l``)."""
-    total = 0.0
-    for w, h, c in zip(weights, grams, cs):
-        e = w - c @ d
-        total += float(((e @ h) * e).sum())
-    return total
-
-
-def basis_sharing(weights, grams, rank: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Basis Sharing on one group: ``D`` (``k x in``) and ``C_l`` (``out_l x k``) from the
-    whitened SVD of the stacked ``W_l^T`` with the summed (damped) Gram; ``k`` is capped
-    at ``min(in, sum out_l)``."""
-    s = torch.linalg.cholesky(sum(grams))
-    m = torch.cat([w.t() for w in weights], dim=1)  # in x sum(out)
-    u, sig, vh = torch.linalg.svd(s.t() @ m, full_matrices=False)
-    k = min(rank, sig.shape[0])
-    # D = U_k^T S^{-1}  <=>  S^T D^T = U_k
-    d = torch.linalg.solve_triangular(s.t(), u[:, :k], upper=True).t()
-    coef = vh[:k].t() * sig[:k]  # sum(out) x k
-    return d, list(coef.split([w.shape[0] for w in weights], dim=0))
-
-
-def coefficient_step(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Least squares ``C = W H D^T (D H D^T)^{-1}``."""
-    hd = h @ d.t()
-    return torch.linalg.solve(d @ hd, (w @ hd).t()).t()
-
-
-def _dictionary_pair(a, hs, b) -> torch.Tensor:
-    """Solve ``A_1 D H_1 + A_2 D H_2 = B``: with ``P^T A_2 P = I, P^T A_1 P = mu`` and
-    ``G^T H_2 G = I, G^T H_1 G = lam``, ``D = P Y G^T``, ``Y_ij = (P^T B G)_ij / (1 +
-    mu_i lam_j)``."""
-    def pencil(x1, x2):
-        r = torch.linalg.cholesky(x2)
-        n = torch.linalg.solve_triangular(r, torch.linalg.solve_triangular(
-            r, x1, upper=False).t(), upper=False)
-        vals, vecs = torch.linalg.eigh((n + n.t()) / 2)
-        return vals, torch.linalg.solve_triangular(r.t(), vecs, upper=True)
-
-    mu, p = pencil(a[0], a[1])
-    lam, g = pencil(hs[0], hs[1])
-    y = (p.t() @ b @ g) / (1 + mu[:, None] * lam[None, :])
-    return p @ y @ g.t()
-
-
-def _dictionary_cg(a, hs, b, d0, steps: int) -> torch.Tensor:
-    """Conjugate gradients on ``T(D) = sum_l A_l D H_l = B`` from ``d0`` (each iterate
-    lowers the quadratic, hence the objective)."""
-    def op(x):
-        return sum(al @ x @ hl for al, hl in zip(a, hs))
-    x, r = d0.clone(), b - op(d0)
-    p, rr = r.clone(), float((r * r).sum())
-    for _ in range(steps):
-        if rr <= 1e-30:
-            break
-        tp = op(p)
-        alpha = rr / float((p * tp).sum())
-        x, r = x + alpha * p, r - alpha * tp
-        rr_new = float((r * r).sum())
-        p, rr = r + (rr_new / rr) * p, rr_new
-    return x
-
-
-def dictionary_step(weights, grams, cs, d0: torch.Tensor, cg_steps: int = 200) -> torch.Tensor:
-    """The ``D`` minimising the objective for fixed coefficients."""
-    a = [c.t() @ c for c in cs]
-    b = sum(c.t() @ w @ h for c, w, h in zip(cs, weights, grams))
-    try:
-        if len(cs) == 1:
-            return torch.linalg.lstsq(cs[0], weights[0]).solution
-        if len(cs) == 2:
-            return _dictionary_pair(a, grams, b)
-    except RuntimeError:  # a singular A_l: fall back to CG
-        pass
-    return _dictionary_cg(a, grams, b, d0, cg_steps)
-
-
-def alternate(weights, grams, d, cs, iters: int, tol: float = 0.0):
-    """Alternating minimisation from ``(d, cs)``: returns ``d, cs, history`` with the
-    objective at the start and after every iteration (``C`` step then ``D`` step; a step
-    that would increase the objective is rejected, so the history never increases). Stops
-    early when an iteration gains less than ``tol`` (relative)."""
-    history = [objective(weights, grams, d, cs)]
-    for _ in range(iters):
-        new_cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams)]
-        cur = objective(weights, grams, d, new_cs)
-        if cur <= history[-1]:
-            cs = new_cs
-        else:
-            cur = history[-1]
-        new_d = dictionary_step(weights, grams, cs, d)
-        val = objective(weights, grams, new_d, cs)
-        if val <= cur:
-            d, cur = new_d, val
-        history.append(cur)
-        if history[-2] - cur <= tol * max(abs(history[-2]), 1e-300):
-            break
-    return d, cs, history
-
-
-def pair_error(weights, grams, rank: int, iters: int = 0) -> float:
-    """Whitened error of sharing a rank-``rank`` dictionary (each layer's own Gram): the
-    Basis Sharing start, a least-squares coefficient step, then ``iters`` iterations."""
-    d, cs = basis_sharing(weights, grams, rank)
-    cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams)]
-    return alternate(weights, grams, d, cs, iters)[2][-1]
-
-
-# ------------------------------------------------------------------ matching
-def pairing_cost(cost: torch.Tensor | list, pairs, single=None) -> float:
-    """Total cost of ``pairs`` (tuples of 1 or 2 indices; ``single[i]`` for a lone one)."""
-    return sum(float(cost[p[0]][p[1]]) if len(p) == 2 else float(single[p[0]])
-               for p in pairs)
-
-
-def adjacent_pairs(n: int) -> list[tuple[int, ...]]:
-    """``(0, 1), (2, 3), ...`` and ``(n-1,)`` when ``n`` is odd."""
-    return [tuple(range(i, min(i + 2, n))) for i in range(0, n, 2)]
-
-
-def _exact_matching(cost, n: int) -> list[tuple[int, int]]:
-    """Minimum-weight perfect matching of ``n`` (even) nodes by a DP over subsets that
-    always pairs the lowest unmatched node."""
-    full = (1 << n) - 1
-    best: dict[int, tuple[float, tuple]] = {full: (0.0, ())}
-
-    def solve(mask: int) -> tuple[float, tuple]:
-        if mask in best:
-            return best[mask]
-        i = (~mask & (mask + 1)).bit_length() - 1  # lowest unmatched node
-        found = (math.inf, ())
-        for j in range(i + 1, n):
-            if not mask >> j & 1:
-                sub_cost, sub = solve(mask | 1 << i | 1 << j)
-                total = float(cost[i][j]) + sub_cost
-                if total < found[0]:
-                    found = (total, ((i, j),) + sub)
-        best[mask] = found
-        return found
-
-    return list(solve(0)[1])
-
-
-def _two_opt(cost, pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Swap partners between two pairs while that lowers the total."""
-    pairs = list(pairs)
-    improved = True
-    while improved:
-        improved = False
-        for x, y in itertools.combinations(range(len(pairs)), 2):
-            (a, b), (c, d) = pairs[x], pairs[y]
-            now = float(cost[a][b]) + float(cost[c][d])
-            for p, q in (((a, c), (b, d)), ((a, d), (b, c))):
-                if float(cost[p[0]][p[1]]) + float(cost[q[0]][q[1]]) < now - 1e-12 * abs(now):
-                    pairs[x], pairs[y] = p, q
-                    improved = True
-                    break
-    return pairs
-
-
-def _greedy(cost, n: int) -> list[tuple[int, int]]:
-    edges = sorted(itertools.combinations(range(n), 2), key=lambda e: float(cost[e[0]][e[1]]))
-    used: set[int] = set()
-    pairs = []
-    for a, b in edges:
-        if a not in used and b not in used:
-            pairs.append((a, b))
-            used.update((a, b))
-    return pairs
-
-
-def min_weight_pairing(cost, single=None) -> list[tuple[int, ...]]:
-    """Pair ``n`` layers minimising the summed ``cost[a][b]`` (symmetric ``n x n``); for
-    odd ``n`` one layer stays alone at ``single[i]``. Exact for ``n <= EXACT_MAX``;
-    above, greedy + 2-opt, and never worse than :func:`adjacent_pairs`."""
-    n = len(cost)
-    odd = n % 2 == 1
-    if odd:  # a dummy node: pairing with it = staying alone
-        if single is None:
-            raise ValueError("odd number of layers needs single costs")
-        def entry(i: int, j: int) -> float:
-            if i < n and j < n:
-                return float(cost[i][j])
-            return 0.0 if i == j else float(single[min(i, j)])
-        big = [[entry(i, j) for j in range(n + 1)] for i in range(n + 1)]
-    else:
-        big = [[float(cost[i][j]) for j in range(n)] for i in range(n)]
-    m = len(big)
-    pairs = _exact_matching(big, m) if n <= EXACT_MAX else _two_opt(big, _greedy(big, m))
-    found = [tuple(sorted(p)) if n not in p else (min(p),) for p in pairs]
-    found.sort()
-    adj = adjacent_pairs(n)
-    if n > EXACT_MAX and pairing_cost(cost, adj, single) < pairing_cost(cost, found, single):
-        return adj
-    return found
 
 
 # ------------------------------------------------------------------ the model
@@ -345,7 +155,10 @@ def rank_for(ratio: float, d_in: int, outs: list[int], group: int) -> tuple[int,
     return math.floor((1 - ratio) * d_in * sum(outs) / per_rank), per_rank
 
 
-def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs) -> None:
+def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs,
+                   atoms=None) -> None:
+    """One dictionary at ``prunelab_dictionaries.<role>_<blocks>`` and each member's
+    coefficients (``atoms``: per layer, the dictionary rows it uses)."""
     from prunelab.models.custom import install
     from prunelab.pruning.factor.shared_modules import (
         DICTIONARY_ROOT, SharedBasisLinear, SharedDictionary)
@@ -356,11 +169,14 @@ def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs) ->
     with torch.no_grad():
         shared.weight.copy_(d)
     install(lm.model, path, shared.to(device=ref.device, dtype=ref.dtype))
-    for layer, c in zip(members, cs):
-        mod = SharedBasisLinear(d.shape[1], c.shape[0], d.shape[0], path,
-                                bias=layer.bias is not None)
+    for i, (layer, c) in enumerate(zip(members, cs)):
+        mod = SharedBasisLinear(d.shape[1], c.shape[0], c.shape[1], path,
+                                bias=layer.bias is not None, dictionary_rank=d.shape[0],
+                                sparse=atoms is not None)
         with torch.no_grad():
             mod.coefficients.weight.copy_(c)
+            if atoms is not None:
+                mod.atoms.copy_(atoms[i])
             if layer.bias is not None:
                 mod.coefficients.bias.copy_(layer.bias)
         install(lm.model, layer.path, mod.to(device=ref.device, dtype=ref.dtype))
@@ -439,13 +255,15 @@ class _SharedConfig(FactorConfig):
                   for l in ls]
             k = self._rank(role, ratio, ls)
             groups = self._groups(role, ls, hs, k, report)
-            histories = []
+            histories, used = [], []
             for g in groups:
                 ws, gh = [ls[i].weight for i in g], [hs[i] for i in g]
-                d, cs, hist = self._factor(ws, gh, k)
+                d, cs, hist, atoms = self._factor(ws, gh, k)
                 histories.append(hist)
-                _install_group(lm, role, [ls[i] for i in g], d, cs)
+                used.append([d.shape[0], [c.shape[1] for c in cs]])
+                _install_group(lm, role, [ls[i] for i in g], d, cs, atoms)
             report["ranks"][role] = k
+            report.setdefault("atoms", {})[role] = used
             report["groups"][role] = [[ls[i].block for i in g] for g in groups]
             n = max(len(h) for h in histories)
             report["objective_history"][role] = [
@@ -468,7 +286,7 @@ class _SharedConfig(FactorConfig):
 
     def _factor(self, ws, hs, k):
         d, cs = basis_sharing(ws, hs, k)
-        return d, cs, [objective(ws, hs, d, cs)]
+        return d, cs, [objective(ws, hs, d, cs)], None
 
 
 @METHODS.register("basis-sharing")
@@ -500,6 +318,9 @@ class SharedDict(_SharedConfig):
         "stop a pair's iterations when one gains less than this (relative)"))
     pair_iters: int = field(default=0, metadata=_help(
         "alternating iterations when scoring each candidate pair"))
+    expand: float = field(default=1.0, metadata=_help(
+        "dictionary atoms as a multiple of the budget's rank; above 1 each layer keeps "
+        "only its most useful atoms (whole columns of its coefficients) within the budget"))
 
     history_keys: ClassVar[tuple] = ("ratio", "ranks", "groups")
 
@@ -510,6 +331,7 @@ class SharedDict(_SharedConfig):
         check_range("iters", self.iters, 0, None, integer=True)
         check_range("pair_iters", self.pair_iters, 0, None, integer=True)
         check_range("tol", self.tol, 0.0, 1.0)
+        check_range("expand", self.expand, 1.0, 8.0)
 
     def _groups(self, role, ls, hs, k, report) -> list[tuple[int, ...]]:
         n = len(ls)
@@ -527,6 +349,24 @@ class SharedDict(_SharedConfig):
         return chosen
 
     def _factor(self, ws, hs, k):
+        if self.expand > 1:
+            return self._sparse(ws, hs, k)
         d, cs = basis_sharing(ws, hs, k)
-        d, cs, hist = alternate(ws, hs, d, cs, self.iters, self.tol)
-        return d, cs, hist
+        return (*alternate(ws, hs, d, cs, self.iters, self.tol), None)
+
+    def _sparse(self, ws, hs, k):
+        """A dictionary of up to ``expand * k`` atoms, each layer keeping its best ones,
+        within the dense group's budget; unused atoms are dropped."""
+        d_in, outs = ws[0].shape[1], [w.shape[0] for w in ws]
+        budget = min(k, d_in, sum(outs)) * (d_in + sum(outs))
+        big = min(d_in, math.floor(self.expand * k), (budget - sum(outs)) // d_in)
+        d, cs = basis_sharing(ws, hs, max(big, 1))
+        d, cs, _ = alternate(ws, hs, d, cs, self.iters, self.tol)
+        atoms = choose_atoms(ws, hs, d, cs, budget - d.shape[0] * d_in)
+        cs = [masked_coefficients(w, h, d, a) for w, h, a in zip(ws, hs, atoms)]
+        d, cs, hist = alternate(ws, hs, d, cs, self.iters, self.tol, atoms)
+        keep = sorted(set().union(*(a.tolist() for a in atoms)))
+        new_index = {old: new for new, old in enumerate(keep)}
+        compact = [c[:, a] for c, a in zip(cs, atoms)]
+        atoms = [torch.tensor([new_index[int(j)] for j in a], dtype=torch.long) for a in atoms]
+        return d[keep], compact, hist, atoms

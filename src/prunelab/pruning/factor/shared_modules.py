@@ -53,26 +53,34 @@ class SharedDictionary(PrunelabModule):
 
 @register_module
 class SharedBasisLinear(PrunelabModule):
-    """``y = C (D x) + b``: a linear layer whose basis ``D`` is the
+    """``y = C (D_S x) + b``: a linear layer whose basis ``D`` is the
     :class:`SharedDictionary` at ``dictionary`` (a path from the model root); the module
-    holds only ``coefficients`` (``C``, ``out x rank``, with the bias)."""
+    holds only ``coefficients`` (``C``, ``out x rank``, with the bias). With ``sparse``,
+    the layer uses only the dictionary rows in its buffer ``atoms`` (``rank`` of the
+    dictionary's ``dictionary_rank``): the other columns of its coefficients are zero and
+    not stored, and the rows it skips are not computed."""
 
     prunelab_kind = "shared_basis_linear"
 
     def __init__(self, in_features: int, out_features: int, rank: int, dictionary: str,
-                 bias: bool = False):
+                 bias: bool = False, dictionary_rank: int | None = None,
+                 sparse: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
         self.dictionary = dictionary
+        self.dictionary_rank = rank if dictionary_rank is None else dictionary_rank
+        self.sparse = sparse
         self.coefficients = nn.Linear(rank, out_features, bias=bias)
+        if sparse:
+            self.register_buffer("atoms", torch.arange(rank))
         self.__dict__["_dictionary"] = None  # set by prunelab_attach; not a submodule
 
     def prunelab_attach(self, owner: nn.Module, root: nn.Module) -> None:
         found = root.get_submodule(self.dictionary)
-        if tuple(found.weight.shape) != (self.rank, self.in_features):
+        if tuple(found.weight.shape) != (self.dictionary_rank, self.in_features):
             raise ValueError(f"dictionary {self.dictionary} has shape "
                              f"{tuple(found.weight.shape)}, expected "
-                             f"{(self.rank, self.in_features)}")
+                             f"{(self.dictionary_rank, self.in_features)}")
         self.__dict__["_dictionary"] = found
 
     def shared(self) -> nn.Module:
@@ -82,17 +90,23 @@ class SharedBasisLinear(PrunelabModule):
             raise RuntimeError(f"SharedBasisLinear: dictionary {self.dictionary} not attached")
         return found
 
+    def basis(self) -> torch.Tensor:
+        """The dictionary rows this layer uses (``rank x in``)."""
+        weight = self.shared().weight
+        return weight.index_select(0, self.atoms) if self.sparse else weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.coefficients(self.shared()(x))
+        return self.coefficients(torch.nn.functional.linear(x, self.basis()))
 
     def dense_weight(self) -> torch.Tensor:
-        """The product ``C D`` as ``[out, in]``."""
-        return self.coefficients.weight @ self.shared().weight
+        """The product ``C D_S`` as ``[out, in]``."""
+        return self.coefficients.weight @ self.basis()
 
     def prunelab_spec(self) -> dict:
         return {"in_features": self.in_features, "out_features": self.out_features,
                 "rank": self.rank, "dictionary": self.dictionary,
-                "bias": self.coefficients.bias is not None}
+                "bias": self.coefficients.bias is not None,
+                "dictionary_rank": self.dictionary_rank, "sparse": self.sparse}
 
     def flops_per_token(self) -> int:
         return 2 * (self.rank * self.in_features + self.out_features * self.rank)
