@@ -4,7 +4,6 @@ checkpoints and budgets."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 
@@ -73,7 +72,7 @@ def test_basis_sharing_matches_the_whitened_svd_by_hand():
     torch.testing.assert_close(torch.cat([(c @ d).t() for c in cs], 1), best)
     # truncation loss in the summed-Gram metric = dropped singular values squared
     err = sum(float(((w - c @ d) @ (hs[0] + hs[1]) * (w - c @ d)).sum())
-              for w, c in zip(ws, cs))
+              for w, c in zip(ws, cs, strict=True))
     assert err == pytest.approx(float((sig[3:] ** 2).sum()), rel=1e-9)
 
 
@@ -81,16 +80,16 @@ def test_basis_sharing_matches_the_whitened_svd_by_hand():
 def test_each_step_solves_its_normal_equations(n_layers):
     ws, hs = _problem(n_layers)
     d, cs = sm.basis_sharing(ws, hs, 4)
-    new_cs = [sm.coefficient_step(w, h, d) for w, h in zip(ws, hs)]
-    for w, h, c in zip(ws, hs, new_cs):  # d/dC tr((W - C D) H (W - C D)^T) = 0
+    new_cs = [sm.coefficient_step(w, h, d) for w, h in zip(ws, hs, strict=True)]
+    for w, h, c in zip(ws, hs, new_cs, strict=True):  # d/dC tr((W - C D) H (W - C D)^T) = 0
         torch.testing.assert_close((w - c @ d) @ h @ d.t(), torch.zeros(6, 4, dtype=d.dtype),
                                    atol=1e-9, rtol=0)
     new_d = sm.dictionary_step(ws, hs, new_cs, d)
-    grad = sum(c.t() @ (w - c @ new_d) @ h for w, h, c in zip(ws, hs, new_cs))
+    grad = sum(c.t() @ (w - c @ new_d) @ h for w, h, c in zip(ws, hs, new_cs, strict=True))
     assert float(grad.abs().max()) < 1e-7
     # against the vectorised (Kronecker) solve of sum_l A_l D H_l = B
-    a = sum(torch.kron(c.t() @ c, h) for c, h in zip(new_cs, hs))  # row-major vec(D)
-    b = sum(c.t() @ w @ h for c, w, h in zip(new_cs, ws, hs))
+    a = sum(torch.kron(c.t() @ c, h) for c, h in zip(new_cs, hs, strict=True))  # row-major vec(D)
+    b = sum(c.t() @ w @ h for c, w, h in zip(new_cs, ws, hs, strict=True))
     torch.testing.assert_close(new_d, torch.linalg.solve(a, b.reshape(-1)).reshape(4, 8),
                                atol=1e-8, rtol=1e-8)
 
@@ -102,11 +101,11 @@ def test_alternating_objective_never_increases_and_beats_basis_sharing(n_layers)
     start = sm.objective(ws, hs, d, cs)
     d2, cs2, hist = sm.alternate(ws, hs, d, cs, iters=15)
     assert hist[0] == start
-    assert all(b <= a for a, b in zip(hist, hist[1:]))
+    assert all(b <= a for a, b in zip(hist, hist[1:], strict=False))
     assert hist[-1] < 0.99 * start  # each layer's own Gram: strictly better here
     assert sm.objective(ws, hs, d2, cs2) == pytest.approx(hist[-1], rel=1e-12)
     # every half step is a minimiser, so unguarded steps decrease too
-    c_only = [sm.coefficient_step(w, h, d) for w, h in zip(ws, hs)]
+    c_only = [sm.coefficient_step(w, h, d) for w, h in zip(ws, hs, strict=True)]
     mid = sm.objective(ws, hs, d, c_only)
     assert mid <= start
     assert sm.objective(ws, hs, sm.dictionary_step(ws, hs, c_only, d), c_only) <= mid * (1 + 1e-12)
@@ -316,10 +315,10 @@ def _lm_with_same_q():
 
 def test_alternating_history_in_the_report_is_monotone_and_below_basis_sharing():
     lm = _lm("qwen3")
-    values = _run(lm, SharedDict(ratio=0.4, iters=10, pairing="adjacent"))
+    values = _run(lm, SharedDict(ratio=0.4, iters=10, pairing="adjacent", sequential=False))
     bs = _run(_lm("qwen3"), BasisSharing(ratio=0.4))
     for role, hist in values["objective_history"].items():
-        assert all(b <= a for a, b in zip(hist, hist[1:])), role
+        assert all(b <= a for a, b in zip(hist, hist[1:], strict=False)), role
         assert hist[-1] < hist[0]
         assert hist[0] == pytest.approx(bs["error"][role], rel=1e-9)  # same start
 
@@ -393,8 +392,8 @@ def test_sparse_coefficients_share_disjoint_subspaces_exactly_within_the_dense_b
     d, cs, hist, atoms = SharedDict(expand=1.6, iters=5)._sparse(ws, hs, 5)
     assert d.shape == (8, 32) and [len(a) for a in atoms] == [4, 4]
     assert d.numel() + sum(c.numel() for c in cs) == 640
-    assert all(b <= a for a, b in zip(hist, hist[1:]))
-    for w, c, a in zip(ws, cs, atoms):
+    assert all(b <= a for a, b in zip(hist, hist[1:], strict=False))
+    for w, c, a in zip(ws, cs, atoms, strict=True):
         torch.testing.assert_close(c @ d[a], w, atol=1e-8, rtol=1e-8)
     dd, dcs, dense_hist, _ = SharedDict(iters=5)._factor(ws, hs, 5)
     assert dd.numel() + sum(c.numel() for c in dcs) == 640
@@ -414,7 +413,7 @@ def test_sparse_shared_dict_on_a_model_budget_flops_and_reload(tmp_path):
     assert values["flops_per_token_after"] == values["flops_per_token_before"] \
         - dense_flops + expected
     for hist in values["objective_history"].values():
-        assert all(b <= a for a, b in zip(hist, hist[1:]))
+        assert all(b <= a for a, b in zip(hist, hist[1:], strict=False))
     ref = _logits(lm)
     out = prunelab.save(lm, tmp_path / "ckpt")
     again = tf.AutoModelForCausalLM.from_pretrained(
@@ -423,3 +422,15 @@ def test_sparse_shared_dict_on_a_model_budget_flops_and_reload(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=IDS, use_cache=False).logits, ref,
                                    rtol=0, atol=0)
+
+
+def test_sequential_grams_see_earlier_stages():
+    """q/k/v come first: the same with and without ``sequential``; gate/up read the MLP
+    input, which changed once attention was compressed."""
+    seq = _run(_lm("llama"), SharedDict(ratio=0.5, iters=2))
+    dense = _run(_lm("llama"), SharedDict(ratio=0.5, iters=2, sequential=False))
+    for role in ("q", "k", "v"):
+        assert seq["groups"][role] == dense["groups"][role]
+        assert seq["error"][role] == pytest.approx(dense["error"][role], rel=1e-9)
+    for role in ("gate", "up"):
+        assert seq["error"][role] != pytest.approx(dense["error"][role], rel=1e-6)

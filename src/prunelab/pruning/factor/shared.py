@@ -20,9 +20,13 @@ layers becomes ``C_l D`` with one dictionary ``D`` (``k x in``) per group, store
   current ``D``). A step is kept only when it does not increase the objective, so the
   recorded objective is monotone.
 
-Grams are collected once on the dense model (``propagate="dense"``): pairing and
-factorization of every type see the original inputs, not earlier compressions (a stated
-simplification of the seed's sequential pairing).
+Grams: with ``sequential`` (the default of ``shared-dict``) the projection types are
+processed by the tensor they read, in execution order (q/k/v, o, gate/up, down), and each
+stage's Grams are collected on the model with the earlier stages already compressed
+(``propagate="modified"``), so later pairings and factors see earlier compressions; within
+a stage (e.g. q, k and v, which read one tensor) the types are independent. Without it
+(the default of ``basis-sharing``, as in the paper) one pass on the dense model collects
+every Gram.
 
 (c) Structured coefficient sparsity (``shared-dict --expand E > 1``): the group's budget
 ``k (in + sum out_l)`` buys a larger dictionary of ``k' = floor(E k)`` atoms, and each layer
@@ -113,7 +117,7 @@ def target_roles(lm, types: str, group: int) -> dict[str, str]:
 def collect_input_grams(lm, input_ids: torch.Tensor, roles: dict[str, str], *,
                         batch_size: int) -> dict[tuple[int, str], torch.Tensor]:
     """``X^T X`` (float64) of every targeted linear's input, ``{(block, role): gram}``, on
-    the dense model (linears that read the same tensor share one Gram)."""
+    the model as it is now (linears that read the same tensor share one Gram)."""
     from prunelab.calib.runner import BlockRunner
     from prunelab.calib.stats import Gram
 
@@ -128,7 +132,7 @@ def collect_input_grams(lm, input_ids: torch.Tensor, roles: dict[str, str], *,
         for role, path in roles.items():
             grams[(i, role)] = accs[path][0].xtx
 
-    runner.run(on_block, propagate="dense", desc="shared: input Grams")
+    runner.run(on_block, propagate="modified", desc="shared: input Grams")
     return grams
 
 
@@ -161,7 +165,10 @@ def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs,
     coefficients (``atoms``: per layer, the dictionary rows it uses)."""
     from prunelab.models.custom import install
     from prunelab.pruning.factor.shared_modules import (
-        DICTIONARY_ROOT, SharedBasisLinear, SharedDictionary)
+        DICTIONARY_ROOT,
+        SharedBasisLinear,
+        SharedDictionary,
+    )
 
     ref = members[0].module.weight
     path = f"{DICTIONARY_ROOT}.{role}_" + "_".join(str(m.block) for m in members)
@@ -169,7 +176,7 @@ def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs,
     with torch.no_grad():
         shared.weight.copy_(d)
     install(lm.model, path, shared.to(device=ref.device, dtype=ref.dtype))
-    for i, (layer, c) in enumerate(zip(members, cs)):
+    for i, (layer, c) in enumerate(zip(members, cs, strict=True)):
         mod = SharedBasisLinear(d.shape[1], c.shape[0], c.shape[1], path,
                                 bias=layer.bias is not None, dictionary_rank=d.shape[0],
                                 sparse=atoms is not None)
@@ -230,7 +237,7 @@ class _SharedConfig(FactorConfig):
         from prunelab.models.size import model_size
 
         total = model_size(lm.model)["params"]
-        targeted = sum(l.weight.numel() for ls in layers.values() for l in ls)
+        targeted = sum(x.weight.numel() for ls in layers.values() for x in ls)
         kept = self.target_params * total - (total - targeted)
         if kept <= 0:
             raise ConfigError(f"target_params {self.target_params} is below what the "
@@ -240,41 +247,51 @@ class _SharedConfig(FactorConfig):
 
     def apply(self, lm, input_ids, *, batch_size: int) -> dict:
         from prunelab.log import progress
+        from prunelab.models.families import INPUT_GROUPS
 
         roles = target_roles(lm, self.types, self._group())
-        raw = collect_input_grams(lm, input_ids, roles, batch_size=batch_size)
         layers = {role: _layers(lm, path) for role, path in roles.items()}
         ratio = self._ratio(lm, layers)
-        damped_by_id: dict[int, torch.Tensor] = {}
         report: dict = {"ratio": ratio, "ranks": {}, "groups": {}, "error": {},
-                        "objective_history": {}}
-        for role in progress(list(layers), total=len(layers), desc="shared: factorize"):
-            ls = layers[role]
-            hs = [damped_by_id.setdefault(id(raw[(l.block, role)]),
-                                          damped(raw[(l.block, role)], self.damping))
-                  for l in ls]
-            k = self._rank(role, ratio, ls)
-            groups = self._groups(role, ls, hs, k, report)
-            histories, used = [], []
-            for g in groups:
-                ws, gh = [ls[i].weight for i in g], [hs[i] for i in g]
-                d, cs, hist, atoms = self._factor(ws, gh, k)
-                histories.append(hist)
-                used.append([d.shape[0], [c.shape[1] for c in cs]])
-                _install_group(lm, role, [ls[i] for i in g], d, cs, atoms)
-            report["ranks"][role] = k
-            report.setdefault("atoms", {})[role] = used
-            report["groups"][role] = [[ls[i].block for i in g] for g in groups]
-            n = max(len(h) for h in histories)
-            report["objective_history"][role] = [
-                sum(h[min(t, len(h) - 1)] for h in histories) for t in range(n)]
-            report["error"][role] = report["objective_history"][role][-1]
+                        "objective_history": {}, "atoms": {}}
+        stages = [[r for r in grp if r in roles] for grp in INPUT_GROUPS] \
+            if self.sequential else [list(roles)]
+        for stage in [s for s in stages if s]:
+            # sequential: the Grams of a stage's inputs see the earlier stages compressed
+            raw = collect_input_grams(lm, input_ids, {r: roles[r] for r in stage},
+                                      batch_size=batch_size)
+            damped_by_id: dict[int, torch.Tensor] = {}
+            for role in progress(stage, total=len(stage), desc="shared: factorize"):
+                hs = [damped_by_id.setdefault(id(raw[(x.block, role)]),
+                                              damped(raw[(x.block, role)], self.damping))
+                      for x in layers[role]]
+                self._factorize_role(lm, role, layers[role], hs, ratio, report)
         return report
+
+    def _factorize_role(self, lm, role: str, ls: list[_Layer], hs, ratio: float,
+                        report: dict) -> None:
+        """Group, factorize and install one projection type; fill its report entries."""
+        k = self._rank(role, ratio, ls)
+        groups = self._groups(role, ls, hs, k, report)
+        histories, used = [], []
+        for g in groups:
+            ws, gh = [ls[i].weight for i in g], [hs[i] for i in g]
+            d, cs, hist, atoms = self._factor(ws, gh, k)
+            histories.append(hist)
+            used.append([d.shape[0], [c.shape[1] for c in cs]])
+            _install_group(lm, role, [ls[i] for i in g], d, cs, atoms)
+        report["ranks"][role] = k
+        report["atoms"][role] = used
+        report["groups"][role] = [[ls[i].block for i in g] for g in groups]
+        n = max(len(h) for h in histories)
+        report["objective_history"][role] = [
+            sum(h[min(t, len(h) - 1)] for h in histories) for t in range(n)]
+        report["error"][role] = report["objective_history"][role][-1]
 
     def _rank(self, role: str, ratio: float, ls: list[_Layer]) -> int:
         if self.rank is not None:
             return self.rank
-        k, _ = rank_for(ratio, ls[0].weight.shape[1], [l.weight.shape[0] for l in ls],
+        k, _ = rank_for(ratio, ls[0].weight.shape[1], [x.weight.shape[0] for x in ls],
                         self._group())
         if k < 1:
             raise ConfigError(f"ratio {ratio:.4f} leaves rank 0 for the {role} projections")
@@ -297,6 +314,9 @@ class BasisSharing(_SharedConfig):
 
     group: int = field(default=2, metadata=_help(
         "consecutive layers sharing one dictionary (1 = independent per-layer SVD-LLM)"))
+    sequential: bool = field(default=False, metadata=_help(
+        "collect each input group's Grams (q/k/v, o, gate/up, down) after the earlier "
+        "groups were compressed, instead of all on the dense model"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -309,6 +329,9 @@ class SharedDict(_SharedConfig):
     """The optimized shared dictionary: pairs chosen by minimum-weight matching of the
     pair errors, then alternating minimisation with each layer's own Gram."""
 
+    sequential: bool = field(default=True, metadata=_help(
+        "collect each input group's Grams (q/k/v, o, gate/up, down) after the earlier "
+        "groups were compressed, so later pairings and factors see earlier compressions"))
     pairing: str = field(default="optimized", metadata=_help(
         "optimized (minimum-weight matching of pair errors) or adjacent (0-1, 2-3, ...)"))
     iters: int = field(default=20, metadata=_help(
@@ -341,7 +364,8 @@ class SharedDict(_SharedConfig):
         for a, b in itertools.combinations(range(n), 2):
             cost[a, b] = cost[b, a] = pair_error([ls[a].weight, ls[b].weight],
                                                  [hs[a], hs[b]], k, self.pair_iters)
-        single = [pair_error([l.weight], [h], k) for l, h in zip(ls, hs)] if n % 2 else None
+        single = None if n % 2 == 0 else [
+            pair_error([x.weight], [h], k) for x, h in zip(ls, hs, strict=True)]
         chosen = min_weight_pairing(cost, single)
         report.setdefault("pairing_error", {})[role] = {
             "chosen": pairing_cost(cost, chosen, single),
@@ -363,10 +387,10 @@ class SharedDict(_SharedConfig):
         d, cs = basis_sharing(ws, hs, max(big, 1))
         d, cs, _ = alternate(ws, hs, d, cs, self.iters, self.tol)
         atoms = choose_atoms(ws, hs, d, cs, budget - d.shape[0] * d_in)
-        cs = [masked_coefficients(w, h, d, a) for w, h, a in zip(ws, hs, atoms)]
+        cs = [masked_coefficients(w, h, d, a) for w, h, a in zip(ws, hs, atoms, strict=True)]
         d, cs, hist = alternate(ws, hs, d, cs, self.iters, self.tol, atoms)
         keep = sorted(set().union(*(a.tolist() for a in atoms)))
         new_index = {old: new for new, old in enumerate(keep)}
-        compact = [c[:, a] for c, a in zip(cs, atoms)]
+        compact = [c[:, a] for c, a in zip(cs, atoms, strict=True)]
         atoms = [torch.tensor([new_index[int(j)] for j in a], dtype=torch.long) for a in atoms]
         return d[keep], compact, hist, atoms

@@ -15,7 +15,7 @@ import math
 import torch
 
 #: largest number of layers matched exactly (bitmask dynamic programme)
-EXACT_MAX = 16
+EXACT_MAX = 20
 
 
 # ------------------------------------------------------------------ maths
@@ -30,7 +30,7 @@ def objective(weights, grams, d: torch.Tensor, cs) -> float:
     """``sum_l tr((W_l - C_l D) H_l (W_l - C_l D)^T)`` (= ``sum_l ||X_l (W_l^T -
     D^T C_l^T)||_F^2`` for undamped ``H_l``)."""
     total = 0.0
-    for w, h, c in zip(weights, grams, cs):
+    for w, h, c in zip(weights, grams, cs, strict=True):
         e = w - c @ d
         total += float(((e @ h) * e).sum())
     return total
@@ -77,7 +77,7 @@ def _dictionary_cg(a, hs, b, d0, steps: int) -> torch.Tensor:
     """Conjugate gradients on ``T(D) = sum_l A_l D H_l = B`` from ``d0`` (each iterate
     lowers the quadratic, hence the objective)."""
     def op(x):
-        return sum(al @ x @ hl for al, hl in zip(a, hs))
+        return sum(al @ x @ hl for al, hl in zip(a, hs, strict=True))
     x, r = d0.clone(), b - op(d0)
     p, rr = r.clone(), float((r * r).sum())
     for _ in range(steps):
@@ -94,7 +94,7 @@ def _dictionary_cg(a, hs, b, d0, steps: int) -> torch.Tensor:
 def dictionary_step(weights, grams, cs, d0: torch.Tensor, cg_steps: int = 200) -> torch.Tensor:
     """The ``D`` minimising the objective for fixed coefficients."""
     a = [c.t() @ c for c in cs]
-    b = sum(c.t() @ w @ h for c, w, h in zip(cs, weights, grams))
+    b = sum(c.t() @ w @ h for c, w, h in zip(cs, weights, grams, strict=True))
     try:
         if len(cs) == 1:
             return torch.linalg.lstsq(cs[0], weights[0]).solution
@@ -114,9 +114,10 @@ def alternate(weights, grams, d, cs, iters: int, tol: float = 0.0, atoms=None):
     history = [objective(weights, grams, d, cs)]
     for _ in range(iters):
         if atoms is None:
-            new_cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams)]
+            new_cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams, strict=True)]
         else:
-            new_cs = [masked_coefficients(w, h, d, a) for w, h, a in zip(weights, grams, atoms)]
+            new_cs = [masked_coefficients(w, h, d, a)
+                      for w, h, a in zip(weights, grams, atoms, strict=True)]
         cur = objective(weights, grams, d, new_cs)
         if cur <= history[-1]:
             cs = new_cs
@@ -136,7 +137,7 @@ def pair_error(weights, grams, rank: int, iters: int = 0) -> float:
     """Whitened error of sharing a rank-``rank`` dictionary (each layer's own Gram): the
     Basis Sharing start, a least-squares coefficient step, then ``iters`` iterations."""
     d, cs = basis_sharing(weights, grams, rank)
-    cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams)]
+    cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams, strict=True)]
     return alternate(weights, grams, d, cs, iters)[2][-1]
 
 
@@ -236,15 +237,15 @@ def choose_atoms(weights, grams, d: torch.Tensor, cs, budget: int) -> list[torch
     parameter (``out_l``) while the coefficients stay within ``budget`` parameters."""
     outs = [w.shape[0] for w in weights]
     energy = [(c ** 2).sum(0) * torch.einsum("ji,ik,jk->j", d, h, d)
-              for c, h in zip(cs, grams)]
+              for c, h in zip(cs, grams, strict=True)]
     chosen: list[set[int]] = [{int(e.argmax())} for e in energy]
     left = budget - sum(outs)
-    ranked = sorted(((float(e[j]) / o, l, j) for l, (e, o) in enumerate(zip(energy, outs))
+    ranked = sorted(((float(e[j]) / outs[i], i, j) for i, e in enumerate(energy)
                      for j in range(e.shape[0])), reverse=True)
-    for _, l, j in ranked:
-        if j not in chosen[l] and outs[l] <= left:
-            chosen[l].add(j)
-            left -= outs[l]
+    for _, i, j in ranked:
+        if j not in chosen[i] and outs[i] <= left:
+            chosen[i].add(j)
+            left -= outs[i]
     return [torch.tensor(sorted(s), dtype=torch.long, device=d.device) for s in chosen]
 
 
