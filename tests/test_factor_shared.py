@@ -28,7 +28,7 @@ from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
 CALIB = tiny_tokens(4, 16, seed=1)
 IDS = tiny_tokens(2, 10, seed=3)
-ARCHS = ["llama", "qwen3", "gpt2"]
+ARCHS = ["llama", "qwen3", "gpt2", "phi3"]
 
 
 def _lm(arch):
@@ -242,7 +242,7 @@ def test_dictionary_stored_and_counted_once(arch):
         assert m.shared() is lm.model.get_submodule(m.dictionary)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_save_reload_gives_identical_logits(arch, tmp_path):
     lm = _lm(arch)
     values = _run(lm, SharedDict(ratio=0.3, iters=3))

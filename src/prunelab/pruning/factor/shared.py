@@ -79,9 +79,9 @@ DEFAULT_TYPES = "q,k,v,qkv,gate,up,gate_up"
 class _Layer:
     block: int
     path: str  # from the model root
-    module: nn.Module
-    weight: torch.Tensor  # out x in, float64
-    bias: torch.Tensor | None
+    module: nn.Module | None
+    shape: tuple[int, int]  # out, in
+    weight: torch.Tensor | None = None  # out x in, float64, while its type is factorized
 
 
 def _type_list(types: str) -> list[str]:
@@ -137,16 +137,15 @@ def collect_input_grams(lm, input_ids: torch.Tensor, roles: dict[str, str], *,
 
 
 def _layers(lm, path: str) -> list[_Layer]:
-    from prunelab.models.linear import weight_out_in
+    from prunelab.models.linear import in_out_features
 
     ad = lm.adapter
     names = {id(m): n for n, m in lm.model.named_modules()}
     found = []
     for i in range(ad.num_blocks):
         m = ad.linears(i)[path]
-        bias = getattr(m, "bias", None)
-        found.append(_Layer(i, names[id(m)], m, weight_out_in(m).detach().to(torch.float64),
-                            None if bias is None else bias.detach().clone()))
+        d_in, d_out = in_out_features(m)
+        found.append(_Layer(i, names[id(m)], m, (int(d_out), int(d_in))))
     return found
 
 
@@ -177,15 +176,16 @@ def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs,
         shared.weight.copy_(d)
     install(lm.model, path, shared.to(device=ref.device, dtype=ref.dtype))
     for i, (layer, c) in enumerate(zip(members, cs, strict=True)):
+        bias = getattr(layer.module, "bias", None)
         mod = SharedBasisLinear(d.shape[1], c.shape[0], c.shape[1], path,
-                                bias=layer.bias is not None, dictionary_rank=d.shape[0],
+                                bias=bias is not None, dictionary_rank=d.shape[0],
                                 sparse=atoms is not None)
         with torch.no_grad():
             mod.coefficients.weight.copy_(c)
             if atoms is not None:
                 mod.atoms.copy_(atoms[i])
-            if layer.bias is not None:
-                mod.coefficients.bias.copy_(layer.bias)
+            if bias is not None:
+                mod.coefficients.bias.copy_(bias)
         install(lm.model, layer.path, mod.to(device=ref.device, dtype=ref.dtype))
 
 
@@ -237,7 +237,7 @@ class _SharedConfig(FactorConfig):
         from prunelab.models.size import model_size
 
         total = model_size(lm.model)["params"]
-        targeted = sum(x.weight.numel() for ls in layers.values() for x in ls)
+        targeted = sum(math.prod(x.shape) for ls in layers.values() for x in ls)
         kept = self.target_params * total - (total - targeted)
         if kept <= 0:
             raise ConfigError(f"target_params {self.target_params} is below what the "
@@ -271,6 +271,10 @@ class _SharedConfig(FactorConfig):
     def _factorize_role(self, lm, role: str, ls: list[_Layer], hs, ratio: float,
                         report: dict) -> None:
         """Group, factorize and install one projection type; fill its report entries."""
+        from prunelab.models.linear import weight_out_in
+
+        for x in ls:
+            x.weight = weight_out_in(x.module).detach().to(torch.float64)
         k = self._rank(role, ratio, ls)
         groups = self._groups(role, ls, hs, k, report)
         histories, used = [], []
@@ -280,6 +284,8 @@ class _SharedConfig(FactorConfig):
             histories.append(hist)
             used.append([d.shape[0], [c.shape[1] for c in cs]])
             _install_group(lm, role, [ls[i] for i in g], d, cs, atoms)
+        for x in ls:  # replaced in the model: let the dense weights go
+            x.weight = x.module = None
         report["ranks"][role] = k
         report["atoms"][role] = used
         report["groups"][role] = [[ls[i].block for i in g] for g in groups]
@@ -291,7 +297,7 @@ class _SharedConfig(FactorConfig):
     def _rank(self, role: str, ratio: float, ls: list[_Layer]) -> int:
         if self.rank is not None:
             return self.rank
-        k, _ = rank_for(ratio, ls[0].weight.shape[1], [x.weight.shape[0] for x in ls],
+        k, _ = rank_for(ratio, ls[0].shape[1], [x.shape[0] for x in ls],
                         self._group())
         if k < 1:
             raise ConfigError(f"ratio {ratio:.4f} leaves rank 0 for the {role} projections")
