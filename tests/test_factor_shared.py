@@ -434,3 +434,22 @@ def test_sequential_grams_see_earlier_stages():
         assert seq["error"][role] == pytest.approx(dense["error"][role], rel=1e-9)
     for role in ("gate", "up"):
         assert seq["error"][role] != pytest.approx(dense["error"][role], rel=1e-6)
+
+
+@pytest.mark.parametrize("masked", ["one layer", "atom unused"])
+def test_dictionary_step_with_zero_coefficient_columns(masked):
+    """A_2 singular (layer 2 skips atoms): the per-column solve; an atom no layer uses:
+    conjugate gradients. Either way the normal equations hold where they can."""
+    ws, hs = _problem(2, seed=7)
+    d, _ = sm.basis_sharing(ws, hs, 4)
+    atoms = [torch.tensor([0, 1, 2, 3]), torch.tensor([1, 3])]
+    if masked == "atom unused":
+        atoms = [torch.tensor([0, 1, 2]), torch.tensor([1])]
+    cs = [sm.masked_coefficients(w, h, d, a) for w, h, a in zip(ws, hs, atoms, strict=True)]
+    before = sm.objective(ws, hs, d, cs)
+    new_d = sm.dictionary_step(ws, hs, cs, d, sm.pencil(hs[0], hs[1]))
+    grad = sum(c.t() @ (w - c @ new_d) @ h for w, h, c in zip(ws, hs, cs, strict=True))
+    assert float(grad.abs().max()) < 1e-6
+    assert sm.objective(ws, hs, new_d, cs) <= before
+    if masked == "atom unused":  # CG from d leaves the unused row alone
+        torch.testing.assert_close(new_d[3], d[3])

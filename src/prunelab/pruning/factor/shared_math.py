@@ -56,19 +56,32 @@ def coefficient_step(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor) -> torch
     return torch.linalg.solve(d @ hd, (w @ hd).t()).t()
 
 
-def _dictionary_pair(a, hs, b) -> torch.Tensor:
-    """Solve ``A_1 D H_1 + A_2 D H_2 = B``: with ``P^T A_2 P = I, P^T A_1 P = mu`` and
-    ``G^T H_2 G = I, G^T H_1 G = lam``, ``D = P Y G^T``, ``Y_ij = (P^T B G)_ij / (1 +
-    mu_i lam_j)``."""
-    def pencil(x1, x2):
-        r = torch.linalg.cholesky(x2)
-        n = torch.linalg.solve_triangular(r, torch.linalg.solve_triangular(
-            r, x1, upper=False).t(), upper=False)
-        vals, vecs = torch.linalg.eigh((n + n.t()) / 2)
-        return vals, torch.linalg.solve_triangular(r.t(), vecs, upper=True)
+def pencil(x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(vals, p)`` with ``p^T x2 p = I`` and ``p^T x1 p = diag(vals)`` (``x2`` positive
+    definite, both symmetric)."""
+    r = torch.linalg.cholesky(x2)
+    n = torch.linalg.solve_triangular(r, torch.linalg.solve_triangular(
+        r, x1, upper=False).t(), upper=False)
+    vals, vecs = torch.linalg.eigh((n + n.t()) / 2)
+    return vals, torch.linalg.solve_triangular(r.t(), vecs, upper=True)
 
-    mu, p = pencil(a[0], a[1])
-    lam, g = pencil(hs[0], hs[1])
+
+def _dictionary_pair(a, b, gram_pencil, chunk: int = 256) -> torch.Tensor:
+    """Solve ``A_1 D H_1 + A_2 D H_2 = B`` given ``G^T H_2 G = I, G^T H_1 G = lam``.
+    With ``A_2`` positive definite (``P^T A_2 P = I, P^T A_1 P = mu``):
+    ``D = P Y G^T``, ``Y_ij = (P^T B G)_ij / (1 + mu_i lam_j)``. Otherwise (a layer that
+    leaves atoms unused) ``D = E G^T`` with ``(lam_j A_1 + A_2) e_j = (B G)_j`` per column."""
+    lam, g = gram_pencil
+    try:
+        mu, p = pencil(a[0], a[1])
+    except RuntimeError:
+        rhs = b @ g
+        e = torch.empty_like(rhs)
+        for j in range(0, rhs.shape[1], chunk):
+            mats = lam[j:j + chunk, None, None] * a[0] + a[1]
+            e[:, j:j + chunk] = torch.linalg.solve(mats, rhs[:, j:j + chunk].t()[..., None])[
+                ..., 0].t()
+        return e @ g.t()
     y = (p.t() @ b @ g) / (1 + mu[:, None] * lam[None, :])
     return p @ y @ g.t()
 
@@ -91,16 +104,22 @@ def _dictionary_cg(a, hs, b, d0, steps: int) -> torch.Tensor:
     return x
 
 
-def dictionary_step(weights, grams, cs, d0: torch.Tensor, cg_steps: int = 200) -> torch.Tensor:
-    """The ``D`` minimising the objective for fixed coefficients."""
+def dictionary_step(weights, grams, cs, d0: torch.Tensor, gram_pencil=None,
+                    cg_steps: int = 200) -> torch.Tensor:
+    """The ``D`` minimising the objective for fixed coefficients (``gram_pencil``: two
+    layers' ``pencil(H_1, H_2)``, computed once per group by :func:`alternate`)."""
     a = [c.t() @ c for c in cs]
     b = sum(c.t() @ w @ h for c, w, h in zip(cs, weights, grams, strict=True))
     try:
-        if len(cs) == 1:
-            return torch.linalg.lstsq(cs[0], weights[0]).solution
+        if len(cs) == 1:  # D = C^+ W on the atoms the layer uses (H cancels)
+            used = cs[0].abs().sum(0) > 0
+            d = d0.clone()
+            d[used] = torch.linalg.pinv(cs[0][:, used]) @ weights[0]
+            return d
         if len(cs) == 2:
-            return _dictionary_pair(a, grams, b)
-    except RuntimeError:  # a singular A_l: fall back to CG
+            return _dictionary_pair(a, b, gram_pencil if gram_pencil is not None
+                                    else pencil(grams[0], grams[1]))
+    except RuntimeError:  # singular systems (an atom no layer uses): conjugate gradients
         pass
     return _dictionary_cg(a, grams, b, d0, cg_steps)
 
@@ -112,6 +131,7 @@ def alternate(weights, grams, d, cs, iters: int, tol: float = 0.0, atoms=None):
     early when an iteration gains less than ``tol`` (relative). ``atoms``: per layer, the
     columns of ``C_l`` allowed to be non-zero (the others stay zero)."""
     history = [objective(weights, grams, d, cs)]
+    gram_pencil = pencil(grams[0], grams[1]) if len(grams) == 2 and iters else None
     for _ in range(iters):
         if atoms is None:
             new_cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams, strict=True)]
@@ -123,7 +143,7 @@ def alternate(weights, grams, d, cs, iters: int, tol: float = 0.0, atoms=None):
             cs = new_cs
         else:
             cur = history[-1]
-        new_d = dictionary_step(weights, grams, cs, d)
+        new_d = dictionary_step(weights, grams, cs, d, gram_pencil)
         val = objective(weights, grams, new_d, cs)
         if val <= cur:
             d, cur = new_d, val
