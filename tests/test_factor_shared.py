@@ -59,6 +59,10 @@ def _problem(n_layers=3, out=6, d_in=8, tokens=40, seed=0):
 def test_methods_are_registered():
     assert METHODS.get("basis-sharing") is BasisSharing
     assert METHODS.get("shared-dict") is SharedDict
+    from prunelab.registry import to_dict
+
+    for cfg in (SharedDict(expand=1.5, pairing="adjacent"), BasisSharing(group=3, rank=5)):
+        assert METHODS.from_dict(to_dict(cfg)) == cfg
 
 
 # ------------------------------------------------------------------ maths
