@@ -38,7 +38,7 @@ class PrunelabModule(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def prunelab_build(cls, spec: dict) -> "PrunelabModule":
+    def prunelab_build(cls, spec: dict) -> PrunelabModule:
         return cls(**spec)
 
     def prunelab_attach(self, owner: nn.Module, root: nn.Module) -> None:
@@ -124,7 +124,7 @@ class LowRankLinear(PrunelabModule):
     @classmethod
     def from_factors(cls, first: torch.Tensor, second: torch.Tensor,
                      bias: torch.Tensor | None = None, like: nn.Module | None = None
-                     ) -> "LowRankLinear":
+                     ) -> LowRankLinear:
         """A module holding ``second @ first`` (``[out, r] @ [r, in]``), on ``like``'s
         device and dtype when given."""
         rank, d_in = first.shape

@@ -3,7 +3,10 @@ sensitivity-aware), whitened low-rank factorization (SVD-LLM) and cross-layer sh
 dictionaries (Basis Sharing and an optimized pairing), one config class per method on
 :class:`~prunelab.pruning.factor.config.FactorConfig`."""
 
-from prunelab.pruning.factor import slicing  # noqa: F401 - registers "slicegpt"
+from prunelab.pruning.factor import (
+    shared,  # noqa: F401 - registers its methods
+    slicing,  # noqa: F401 - registers "slicegpt"
+)
 from prunelab.pruning.factor.config import FactorConfig, factor_methods, factorized_modules
 
 __all__ = ["FactorConfig", "factor_methods", "factorized_modules"]
