@@ -114,11 +114,10 @@ def _show_factor(lm, rep, model: str, out_dir: Path, method: str) -> None:
     from prunelab.io.remote import load_hint
 
     t = Table(title=f"{method} factorization of {model}", show_header=False)
+    f0, f1 = rep["flops_per_token_before"], rep["flops_per_token_after"]
     rows = [("parameters (as stored)", f"{rep['params_before']:,} -> {rep['params_after']:,} "
                                        f"({rep['kept_params']:.1%} kept)"),
-            ("FLOPs per token (linear maps)", f"{rep['flops_per_token_before']:,} -> "
-                                              f"{rep['flops_per_token_after']:,} "
-                                              f"({rep['flops_per_token_after'] / max(rep['flops_per_token_before'], 1):.1%})"),
+            ("FLOPs per token (linear maps)", f"{f0:,} -> {f1:,} ({f1 / max(f0, 1):.1%})"),
             ("factorized modules", str(rep["factorized_modules"]))]
     for key in ("hidden_size_before", "hidden_size_after", "rotation", "basis", "path"):
         if key in rep:

@@ -30,6 +30,8 @@ linear bridges over cuts.
 Load with ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``.
 """
 
+from __future__ import annotations
+
 import copy
 import math
 

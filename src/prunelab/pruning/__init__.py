@@ -67,8 +67,9 @@ from prunelab.pruning.width import (
 from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
 
 __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",
-           "WIDTH_SCORES", "Beam", "factor_methods", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
-           "DictReport", "FactorConfig", "Foldable", "Ghost", "Iterative", "LastN", "Lra", "Magnitude",
+           "WIDTH_SCORES", "Beam", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
+           "DictReport", "FactorConfig", "Foldable", "Ghost", "Iterative", "LastN", "Lra",
+           "Magnitude", "factor_methods",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
            "Pruner", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
            "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",

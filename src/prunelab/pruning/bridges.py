@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prunelab import linalg
 from prunelab.pruning.lstsq import NormalEquations, ridge_solve
 
 BRIDGE_ATTR = "prunelab_bridge"
@@ -143,11 +144,11 @@ def fit_bridge(xs, ys, kind: str, rank: int | None = None, ridge: float = 1e-6,
 
 def reduced_rank(m: torch.Tensor, c: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``M_r = C^{-1/2} SVD_r(C^{1/2} M)`` as factors ``(A [d, r], B [r, d])``."""
-    evals, evecs = torch.linalg.eigh(c.double())
+    evals, evecs = linalg.eigh(c.double())
     evals = evals.clamp_min(evals.max() * 1e-12)
     c_half = (evecs * evals.sqrt()) @ evecs.t()
     c_ihalf = (evecs * evals.rsqrt()) @ evecs.t()
-    u, s, vh = torch.linalg.svd(c_half @ m.double(), full_matrices=False)
+    u, s, vh = linalg.svd(c_half @ m.double(), full_matrices=False)
     r = min(rank, s.numel())
     return c_ihalf @ (u[:, :r] * s[:r]), vh[:r]
 

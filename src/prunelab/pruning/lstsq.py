@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from prunelab import linalg
+
 
 class NormalEquations:
     """Accumulates ``A^T A`` and ``A^T B`` over row batches (float64), optionally with a
@@ -45,8 +47,8 @@ def ridge_solve(ata: torch.Tensor, atb: torch.Tensor, ridge: float = 1e-6,
     lam = ridge * scale
     for _ in range(7):
         system = ata + torch.diag(penalty * lam)
-        chol, info = torch.linalg.cholesky_ex(system)
+        chol, info = linalg.cholesky_ex(system)
         if int(info) == 0:
             return torch.cholesky_solve(atb, chol)
         lam = max(lam * 10, 1e-10 * scale)
-    return torch.linalg.lstsq(ata + torch.diag(penalty * lam), atb).solution
+    return linalg.lstsq(ata + torch.diag(penalty * lam), atb).solution

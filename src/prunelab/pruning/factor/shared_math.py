@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from prunelab import linalg
+
 #: largest number of layers matched exactly (bitmask dynamic programme)
 EXACT_MAX = 20
 
@@ -40,12 +42,12 @@ def basis_sharing(weights, grams, rank: int) -> tuple[torch.Tensor, list[torch.T
     """Basis Sharing on one group: ``D`` (``k x in``) and ``C_l`` (``out_l x k``) from the
     whitened SVD of the stacked ``W_l^T`` with the summed (damped) Gram; ``k`` is capped
     at ``min(in, sum out_l)``."""
-    s = torch.linalg.cholesky(sum(grams))
+    s = linalg.cholesky(sum(grams))
     m = torch.cat([w.t() for w in weights], dim=1)  # in x sum(out)
-    u, sig, vh = torch.linalg.svd(s.t() @ m, full_matrices=False)
+    u, sig, vh = linalg.svd(s.t() @ m, full_matrices=False)
     k = min(rank, sig.shape[0])
     # D = U_k^T S^{-1}  <=>  S^T D^T = U_k
-    d = torch.linalg.solve_triangular(s.t(), u[:, :k], upper=True).t()
+    d = linalg.solve_triangular(s.t(), u[:, :k], upper=True).t()
     coef = vh[:k].t() * sig[:k]  # sum(out) x k
     return d, list(coef.split([w.shape[0] for w in weights], dim=0))
 
@@ -53,17 +55,17 @@ def basis_sharing(weights, grams, rank: int) -> tuple[torch.Tensor, list[torch.T
 def coefficient_step(w: torch.Tensor, h: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Least squares ``C = W H D^T (D H D^T)^{-1}``."""
     hd = h @ d.t()
-    return torch.linalg.solve(d @ hd, (w @ hd).t()).t()
+    return linalg.solve(d @ hd, (w @ hd).t()).t()
 
 
 def pencil(x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(vals, p)`` with ``p^T x2 p = I`` and ``p^T x1 p = diag(vals)`` (``x2`` positive
     definite, both symmetric)."""
-    r = torch.linalg.cholesky(x2)
-    n = torch.linalg.solve_triangular(r, torch.linalg.solve_triangular(
+    r = linalg.cholesky(x2)
+    n = linalg.solve_triangular(r, linalg.solve_triangular(
         r, x1, upper=False).t(), upper=False)
-    vals, vecs = torch.linalg.eigh((n + n.t()) / 2)
-    return vals, torch.linalg.solve_triangular(r.t(), vecs, upper=True)
+    vals, vecs = linalg.eigh((n + n.t()) / 2)
+    return vals, linalg.solve_triangular(r.t(), vecs, upper=True)
 
 
 def _dictionary_pair(a, b, gram_pencil, chunk: int = 256) -> torch.Tensor:
@@ -79,7 +81,7 @@ def _dictionary_pair(a, b, gram_pencil, chunk: int = 256) -> torch.Tensor:
         e = torch.empty_like(rhs)
         for j in range(0, rhs.shape[1], chunk):
             mats = lam[j:j + chunk, None, None] * a[0] + a[1]
-            e[:, j:j + chunk] = torch.linalg.solve(mats, rhs[:, j:j + chunk].t()[..., None])[
+            e[:, j:j + chunk] = linalg.solve(mats, rhs[:, j:j + chunk].t()[..., None])[
                 ..., 0].t()
         return e @ g.t()
     y = (p.t() @ b @ g) / (1 + mu[:, None] * lam[None, :])
@@ -114,7 +116,7 @@ def dictionary_step(weights, grams, cs, d0: torch.Tensor, gram_pencil=None,
         if len(cs) == 1:  # D = C^+ W on the atoms the layer uses (H cancels)
             used = cs[0].abs().sum(0) > 0
             d = d0.clone()
-            d[used] = torch.linalg.pinv(cs[0][:, used]) @ weights[0]
+            d[used] = linalg.pinv(cs[0][:, used]) @ weights[0]
             return d
         if len(cs) == 2:
             return _dictionary_pair(a, b, gram_pencil if gram_pencil is not None

@@ -49,6 +49,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from prunelab import linalg
 from prunelab.errors import ConfigError
 
 
@@ -84,7 +85,7 @@ def _fix_signs(q: Tensor) -> Tensor:
 def pca_basis(cov: Tensor) -> tuple[Tensor, Tensor]:
     """Eigenvectors (columns, float64) of the symmetric PSD ``cov`` by decreasing
     eigenvalue, and the eigenvalues."""
-    vals, vecs = torch.linalg.eigh(_sym64(cov))
+    vals, vecs = linalg.eigh(_sym64(cov))
     return _fix_signs(vecs.flip(1)), vals.flip(0)
 
 
@@ -131,20 +132,20 @@ def proxy_curve(cov: Mats, fisher: Mats, q: Tensor) -> Tensor:
 
 def _psd_powers(a: Tensor) -> tuple[Tensor, Tensor]:
     """``a^{1/2}`` and ``a^{-1/2}`` of a positive definite ``a``."""
-    vals, vecs = torch.linalg.eigh(a)
+    vals, vecs = linalg.eigh(a)
     vals = vals.clamp_min(vals.max() * 1e-15)
     return (vecs * vals.sqrt()) @ vecs.T, (vecs / vals.sqrt()) @ vecs.T
 
 
 def _ordered_qr(m: Tensor) -> Tensor:
     """Orthonormal columns with ``span(q[:, :k]) = span(m[:, :k])`` for every ``k``."""
-    q, r = torch.linalg.qr(m)
+    q, r = linalg.qr(m)
     return q * torch.sign(torch.where(r.diagonal() == 0, 1.0, r.diagonal()))
 
 
 def _candidates(c: Tensor, f_damped: Tensor) -> dict[str, Tensor]:
     half, inv_half = _psd_powers(f_damped)
-    _, u = torch.linalg.eigh(_sym(half @ c @ half))
+    _, u = linalg.eigh(_sym(half @ c @ half))
     u = u.flip(1)
     return {"pca": pca_basis(c)[0], "range": _ordered_qr(inv_half @ u),
             "rowspace": _ordered_qr(half @ u)}
@@ -219,7 +220,7 @@ def _complete(c: Tensor, u: Tensor) -> Tensor:
         if basis.shape[1] == 0:
             parts.append(basis)
             continue
-        _, w = torch.linalg.eigh(_sym(basis.T @ c @ basis))
+        _, w = linalg.eigh(_sym(basis.T @ c @ basis))
         parts.append(basis @ w.flip(1))
     return _fix_signs(torch.cat(parts, 1))
 
@@ -250,7 +251,7 @@ def refine_subspace(cov: Mats, fisher: Mats, u: Tensor, *, steps: int = 100,
         if gnorm <= 1e-300:
             break
         while True:
-            trial = _dropped_state(pairs, torch.linalg.qr(state[0] - t * grad)[0])
+            trial = _dropped_state(pairs, linalg.qr(state[0] - t * grad)[0])
             if trial[1] <= state[1] - 1e-4 * t * gnorm or t < 1e-30:
                 break
             t /= 2
@@ -281,7 +282,7 @@ def _dropped_state(pairs: list[tuple[Tensor, Tensor]], v: Tensor
 def _complement(u: Tensor) -> Tensor:
     """An orthonormal basis of the orthogonal complement of ``u``'s columns."""
     d, k = u.shape
-    full = torch.linalg.qr(torch.cat([u, torch.eye(d, dtype=u.dtype, device=u.device)], 1))[0]
+    full = linalg.qr(torch.cat([u, torch.eye(d, dtype=u.dtype, device=u.device)], 1))[0]
     return full[:, k:d]
 
 

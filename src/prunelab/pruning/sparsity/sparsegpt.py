@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
+from prunelab import linalg
 from prunelab.errors import ConfigError
 from prunelab.pruning.sparsity.masks import (
     check_sparsity,
@@ -83,9 +84,9 @@ def _upper_inverse_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     eye = torch.eye(d, dtype=H.dtype, device=H.device)
     flipped = H.flip(0, 1)
     for _ in range(7):
-        chol, info = torch.linalg.cholesky_ex(flipped + damp * eye)
+        chol, info = linalg.cholesky_ex(flipped + damp * eye)
         if int(info) == 0:
-            inv_l = torch.linalg.solve_triangular(chol, eye, upper=False)
+            inv_l = linalg.solve_triangular(chol, eye, upper=False)
             if bool(torch.isfinite(inv_l).all()):
                 return inv_l.flip(0, 1)
         damp = max(damp * 10.0, 1e-8 * mean_diag)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from prunelab import linalg
 from prunelab.pruning.lstsq import ridge_solve
 
 
@@ -44,13 +45,13 @@ def putri_columns(w: torch.Tensor, gram: torch.Tensor, damp: float = 1e-2) -> to
     lam = damp * float(h.diagonal().mean()) if d else 0.0
     hd = h + torch.eye(d, dtype=h.dtype) * max(lam, 1e-12)
     for _ in range(7):
-        chol, info = torch.linalg.cholesky_ex(hd)
+        chol, info = linalg.cholesky_ex(hd)
         if int(info) == 0:
             break
         lam = max(lam * 10, 1e-8)
         hd = h + torch.eye(d, dtype=h.dtype) * lam
     hinv = torch.cholesky_inverse(chol)
-    u = torch.linalg.cholesky(hinv, upper=True)
+    u = linalg.cholesky(hinv, upper=True)
     energy = ((w @ h) * w).sum(1)
     c = energy / energy.mean().clamp_min(1e-30)
     return (c[:, None] * w.pow(2)).sum(0) / u.diagonal().pow(2)
@@ -197,12 +198,12 @@ def solve_box_qp(a: torch.Tensor, f: torch.Tensor, c: torch.Tensor, budget: floa
     if budget > float(c.sum()) + 1e-9:
         raise ValueError("budget exceeds the total cost of all units")
     try:
-        z = torch.linalg.solve(f, -a)
+        z = linalg.solve(f, -a)
         if bool(((z >= 0) & (z <= 1)).all()) and float(c @ z) >= budget:
             return z
     except RuntimeError:
         pass
-    step = 1.0 / max(float(torch.linalg.eigvalsh(f).max()), 1e-12)
+    step = 1.0 / max(float(linalg.eigvalsh(f).max()), 1e-12)
     z = _project(torch.zeros_like(a), c, budget)
     y, t = z.clone(), 1.0
     for _ in range(iters):
