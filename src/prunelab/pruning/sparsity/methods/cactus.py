@@ -28,6 +28,7 @@ weight instead (for quality comparison only: it saves no parameter).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -82,6 +83,8 @@ class Cactus(Admm):
     low-rank). Default mask: gradual (cubic schedule inside the ADMM iterations)."""
 
     gradual: bool = True
+    #: refused (UnsupportedOperationError) on a model without an LM head (an encoder)
+    needs_lm_loss: ClassVar[bool] = True
     grad_damp: float = field(default=0.1, metadata={
         "help": "cactus: damping of G = E[g g^T], a fraction of its mean normalised diagonal"})
     rank: int = field(default=0, metadata={
