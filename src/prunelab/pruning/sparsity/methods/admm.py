@@ -108,11 +108,23 @@ def lowrank_in_metric(c: Coords, m: torch.Tensor, rank: int
     ``||G_n^{1/2} m A_n^{1/2}||_F``: truncated SVD of the whitened matrix, unwhitened.
     Returns ``(L, left, right)`` with ``L = left @ right`` (``[d_out, r] @ [r, d_in]``)."""
     rg, ra = c.g.sqrt(), c.a.sqrt()
-    u, s, vh = torch.linalg.svd(c.rot(m) * rg[:, None] * ra[None, :], full_matrices=False)
+    u, s, vh = _truncated_svd(c.rot(m) * rg[:, None] * ra[None, :], rank)
     left = u[:, :rank] * s[:rank] / rg[:, None]
     left = left if c.p is None else c.p @ left
     right = (vh[:rank] / ra[None, :]) @ c.r.t()
     return left @ right, left, right
+
+
+def _truncated_svd(m: torch.Tensor, rank: int):
+    """The leading ``rank`` singular triplets: a full SVD, or for ``rank`` below a quarter
+    of ``min(m.shape)`` a randomized one (Halko et al. 2011; ``q = rank + 10``, 4 power
+    iterations, a fixed seed so the same inputs give the same factors)."""
+    if rank == 0 or 4 * rank > min(m.shape):
+        return torch.linalg.svd(m, full_matrices=False)
+    with torch.random.fork_rng(devices=[m.device] if m.device.type == "cuda" else []):
+        torch.manual_seed(0)
+        u, s, v = torch.svd_lowrank(m, q=min(rank + 10, min(m.shape)), niter=4)
+    return u, s, v.t()
 
 
 def cubic_sparsity(target: float, t: int, steps: int) -> float:
