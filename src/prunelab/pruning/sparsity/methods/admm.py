@@ -15,8 +15,11 @@ unit diagonal), ``A_n`` is damped by ``damp * mean(diag A_n)``, ``rho`` is then 
 iterations; the gradual variant re-selects the mask from ``|W + U|`` (normalised
 coordinates) in the first ``T_s = 15`` iterations with the cubic schedule
 ``s_t = s (1 - (1 - (t + 1) / T_s)^3)``. Our defaults are exactly these (``damp = 0.1``,
-``rho = 1``, constant); ``rho_growth > 1`` multiplies ``rho`` after every iteration (the
-geometric increase mentioned in the paper's discussion; off by default).
+``rho = 1``, constant). Ours, not the paper's: ``rho_growth > 1`` multiplies ``rho`` after
+every iteration (the usual geometric increase of ADMM practice, Boyd et al. 2011,
+"Distributed Optimization and Statistical Learning via ADMM", sec. 3.4.1; off by default),
+and the unstructured comparison group is the config's ``group`` (default per output row,
+as Wanda; the authors' code compares over the whole layer unless asked per output).
 
 Derived here (prunelab): the W-step is solved in the eigenbases of the damped, normalised
 factors, ``A_n = R diag(a) R^T`` and ``G_n = P diag(g) P^T`` (one decomposition per layer,
