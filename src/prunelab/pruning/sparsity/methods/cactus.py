@@ -57,8 +57,8 @@ class OutputGradCov:
         self.tokens += g.shape[0]
 
     def mean(self) -> torch.Tensor:
-        """``G = E[g g^T]``, ``[d_out, d_out]``."""
-        return self.ggt / max(self.tokens, 1)
+        """``G = E[g g^T]``, ``[d_out, d_out]`` (float64)."""
+        return self.ggt.double() / max(self.tokens, 1)
 
 
 def _accumulate_ggt(terms: dict, name: str, x: torch.Tensor, g: torch.Tensor) -> None:
@@ -71,8 +71,11 @@ def output_gradient_covariances(lm, input_ids: torch.Tensor, modules: dict,
     batch of the LM loss (summed next-token NLL) on the dense model."""
     from prunelab.calib.gradients import taylor_terms
 
-    return taylor_terms(lm, input_ids, modules, batch_size=batch_size,
+    covs = taylor_terms(lm, input_ids, modules, batch_size=batch_size,
                         accumulate=_accumulate_ggt)
+    for cov in covs.values():  # summed in float64; kept in float32 until used (memory)
+        cov.ggt = cov.ggt.float()
+    return covs
 
 
 @METHODS.register("cactus")
