@@ -114,7 +114,8 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
              batch_size: int = 4, reference=None, speed: bool = False, seed: int = 0,
              tokenizer=None, reference_cache: dict | None = None,
              trust_remote_code: bool = False, allow_pickle: bool = False,
-             allow_missing_weights: bool = False) -> dict[str, Any]:
+             allow_missing_weights: bool = False, gradient_reference=None,
+             gradient_params: str = "down_proj") -> dict[str, Any]:
     """Evaluate a model on held-out data.
 
     Causal LMs (protocol in :mod:`prunelab.eval.perplexity`): ``perplexity``, ``tokens``
@@ -127,7 +128,10 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     with ``reference`` ``mean_cosine_to_reference`` and ``nn_agreement``.
     ``reference_cache``: a dict keeping the reference's outputs between calls.
     ``trust_remote_code``, ``allow_pickle``, ``allow_missing_weights``: passed to
-    :func:`load` when ``reference`` is a spec.
+    :func:`load` when ``reference`` is a spec. ``gradient_reference`` (a loaded causal LM
+    or spec; may be ``reference``): also ``gradient_alignment`` and
+    ``gradient_alignment_per_block``, the per-window gradient cosine with respect to each
+    block's ``gradient_params`` linear (:mod:`prunelab.eval.gradient_alignment`).
     """
     lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
@@ -143,6 +147,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
                               "as the model")
         if int(ref.model.config.vocab_size) != int(lm.model.config.vocab_size):
             raise ConfigError("the reference must share the model's vocabulary")
+    if lm.is_encoder and gradient_reference is not None:
+        raise UnsupportedOperationError(f"{lm.spec} is an encoder: gradient alignment needs "
+                                        "the LM loss")
     if lm.is_encoder:
         return _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
                                  reference_cache)
@@ -154,9 +161,26 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     result["model"] = lm.spec
     if ref is not None:
         result["reference"] = ref.spec
+    if gradient_reference is not None:
+        result.update(_gradient_alignment(lm, gradient_reference, batches.input_ids,
+                                          batch_size, gradient_params, trust_remote_code,
+                                          allow_pickle, allow_missing_weights))
     if speed:
         result.update(measure_speed(lm))
     return result
+
+
+def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remote_code,
+                        allow_pickle, allow_missing_weights) -> dict[str, Any]:
+    from prunelab.eval.gradient_alignment import gradient_alignment
+
+    ref = reference if isinstance(reference, LoadedModel) else \
+        load(reference, dtype=lm.dtype, device=str(lm.device),
+             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+             allow_missing_weights=allow_missing_weights)
+    out = gradient_alignment(lm, ref, input_ids, batch_size=batch_size, params=params)
+    out["gradient_reference"] = ref.spec
+    return out
 
 
 def _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,

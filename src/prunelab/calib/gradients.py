@@ -30,11 +30,13 @@ from prunelab.log import progress
 
 
 def taylor_terms(lm, input_ids: torch.Tensor, modules: dict[str, nn.Module],
-                 batch_size: int = 4, store: str = "memory") -> dict[str, torch.Tensor]:
+                 batch_size: int = 4, store: str = "memory", accumulate=None
+                 ) -> dict[str, torch.Tensor]:
     """``{name: X^T diag(||g||^2) X}`` (float64, on the CPU) for every linear in
     ``modules`` (each inside a block of ``lm``). ``store``: where the boundary hidden
     states wait for the backward sweep (``"memory"`` or ``"disk"``, see
-    :class:`StateStore`)."""
+    :class:`StateStore`). ``accumulate(terms, name, x, g)``: another statistic of each
+    linear's inputs ``x`` and output gradients ``g`` (default: the Taylor term)."""
     ad = lm.adapter
     if ad.head() is None:
         raise UnsupportedOperationError(f"{ad.family}: Taylor terms need the LM loss; this "
@@ -52,7 +54,8 @@ def taylor_terms(lm, input_ids: torch.Tensor, modules: dict[str, nn.Module],
                           total=ad.num_blocks - lowest, desc="gradients: backward"):
             targets = {n: m for n, m in modules.items() if owner[n] == i}
             grads = _block_backward(runner, i, states.get(i), grads, targets, terms,
-                                    input_grads=i > lowest)
+                                    input_grads=i > lowest,
+                                    accumulate=accumulate or _accumulate)
     return {n: terms[n] for n in modules}
 
 
@@ -85,16 +88,18 @@ def _maybe_on_device(runner: BlockRunner, module: nn.Module | None):
 
 def _block_backward(runner: BlockRunner, index: int, hidden: Sequence[torch.Tensor],
                     grads_out: Sequence[torch.Tensor], targets: dict[str, nn.Module],
-                    terms: dict[str, torch.Tensor], input_grads: bool = True
-                    ) -> list[torch.Tensor]:
+                    terms: dict[str, torch.Tensor], input_grads: bool = True,
+                    accumulate=None) -> list[torch.Tensor]:
     """Recompute block ``index`` on every batch with autograd, pull ``grads_out`` (the
     loss gradient at its output) back to its input, and add each target linear's term to
     ``terms``. Returns the gradients at the block's input (``[]`` without
     ``input_grads``)."""
+    accumulate = accumulate or _accumulate
+
     def hook_for(name):
         def hook(_module, inputs, output):
             x = inputs[0].detach()
-            output.register_hook(lambda g: _accumulate(terms, name, x, g))
+            output.register_hook(lambda g: accumulate(terms, name, x, g))
         return hook
 
     blk = runner.adapter.block(index)
