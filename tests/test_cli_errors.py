@@ -28,6 +28,7 @@ M, T, O = "{m}", "{t}", "{o}"  # noqa: E741 (model, text, output)
 PD = ["prune", "depth", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
 PS = ["prune", "sparsity", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
 PW = ["prune", "width", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
+PF = ["prune", "factor", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
 PR = ["probe", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
 SW = ["sweep", "depth", "--model", M, "--out", O, "--data", f"text:{T}", "--test",
       f"text:{T}", "--seqlen", "16", "--test-seqlen", "16"]
@@ -92,6 +93,27 @@ CASES = {
     "depth unknown probe": PD + ["--remove", "1", "--probe", "bogus"],
     "depth batch size 0": PD + ["--remove", "1", "--batch-size", "0"],
     # width options
+    "factor unknown method": PF + ["--method", "bogus"],
+    "factor ratio nan": PF + ["--ratio", "nan"],
+    "factor ratio too high": PF + ["--ratio", "1.0"],
+    "factor target params above 1": PF + ["--target-params", "1.5"],
+    "factor unknown rotation": PF + ["--rotation", "diagonal"],
+    "factor unknown basis": PF + ["--basis", "svd"],
+    "factor option of another method": PF + ["--method", "slicegpt", "--refit"],
+    "factor multiple above hidden size": PF + ["--multiple", "4096"],
+    "factor unreachable target": PF + ["--target-params", "0.01", "--multiple", "8"],
+    "factor unknown --set key": PF + ["--set", "bogus=1"],
+    "svd-llm ratio negative": PF + ["--method", "svd-llm", "--ratio", "-0.2"],
+    "svd-llm unknown allocation": PF + ["--method", "svd-llm", "--allocation", "bogus"],
+    "basis-sharing group 0": PF + ["--method", "basis-sharing", "--group", "0"],
+    "shared-dict unknown type": PF + ["--method", "shared-dict", "--types", "bogus"],
+    "admm unknown mask source": PS + ["--method", "admm", "--mask-from", "bogus"],
+    "admm iterations 0": PS + ["--method", "admm", "--iterations", "0"],
+    "cactus negative rank": PS + ["--method", "cactus", "--rank", "-1"],
+    "rank on wanda": PS + ["--method", "wanda", "--rank", "4"],
+    "eval gradient alignment bad reference": ["eval", "--model", M, "--data", f"text:{T}",
+                                              "--seqlen", "16", "--gradient-alignment",
+                                              "/no/such/model"],
     "width ratio nan": PW + ["--ratio", "nan"],
     "width ratio too high": PW + ["--ratio", "0.99"],
     "width ratio and target": PW + ["--ratio", "0.2", "--target-params", "0.5"],

@@ -96,7 +96,7 @@ def prune_factor_cmd(
             "rotation": ("--rotation", rotation), "basis": ("--basis", basis),
             "multiple": ("--multiple", multiple), "allocation": ("--allocation", allocation),
             "refit": ("--refit/--no-refit", refit), "group": ("--group", group),
-            "types": ("--types", parse_list(types) or None),
+            "types": ("--types", types),
             "targets": ("--targets", parse_list(targets) or None),
             "ignore": ("--ignore", parse_list(ignore) or None),
             "damping": ("--damping", damping)}

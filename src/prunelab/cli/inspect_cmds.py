@@ -105,6 +105,12 @@ def eval_cmd(model: str = ModelOpt,
                  "embedding cosine and nearest-neighbour agreement for encoders"),
              speed: bool = typer.Option(False, "--speed", help="also measure prefill/decode "
                                         "tokens/s and peak memory"),
+             gradient_alignment: Optional[str] = typer.Option(
+                 None, "--gradient-alignment", help="reference model spec: mean cosine of the "
+                 "per-window loss gradients w.r.t. each block's --gradient-params linear"),
+             gradient_params: str = typer.Option(
+                 "down_proj", help="linear (role, path or glob) whose gradients "
+                 "--gradient-alignment compares"),
              json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
              overwrite: bool = typer.Option(False, help="replace an existing --json file"),
              dtype: str = DtypeOpt, device: str = DeviceOpt,
@@ -124,6 +130,8 @@ def eval_cmd(model: str = ModelOpt,
                       allow_missing_weights).load()
         res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
                            batch_size=batch_size, reference=kl_reference, speed=speed,
+                           gradient_reference=gradient_alignment,
+                           gradient_params=gradient_params,
                            trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                            allow_missing_weights=allow_missing_weights)
         t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
@@ -146,6 +154,9 @@ def _decoder_rows(res: dict, speed: bool) -> list[tuple[str, str]]:
     if "kl_to_reference" in res:
         shown += [("KL to reference", f"{res['kl_to_reference']:.5f}"),
                   ("top-1 agreement", f"{res['top1_agreement']:.4f}")]
+    if "gradient_alignment" in res:
+        shown.append(("gradient alignment (mean cosine)",
+                      f"{res['gradient_alignment']:.4f}"))
     if speed:
         shown += [("prefill tokens/s", f"{res['prefill_tokens_per_s']:.0f}"),
                   ("decode tokens/s", f"{res['decode_tokens_per_s']:.1f}"),

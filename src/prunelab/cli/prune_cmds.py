@@ -190,6 +190,17 @@ def prune_sparsity_cmd(
         no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
         hessian_alpha: Optional[float] = typer.Option(None, help="sparsegpt/rose: Taylor "
                                                       "blend (MOONSHOT; default 0)"),
+        mask_from: Optional[str] = typer.Option(None, help="admm/cactus: mask from wanda "
+                                                "(default), sparsegpt or magnitude"),
+        gradual: bool = typer.Option(False, "--gradual", help="admm/cactus: choose the mask "
+                                     "inside the ADMM iterations (cubic schedule)"),
+        iterations: Optional[int] = typer.Option(None, help="admm/cactus: ADMM iterations "
+                                                 "(default 20)"),
+        rank: Optional[int] = typer.Option(None, help="cactus: rank of the low-rank term L "
+                                           "(sparse + low-rank; checkpoint needs remote code)"),
+        fold_lowrank: bool = typer.Option(False, "--fold-lowrank", help="cactus: fold L into "
+                                          "S (a plain dense checkpoint, for quality "
+                                          "comparison only: it saves nothing)"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the method's config (repeatable; "
             "e.g. --set percdamp=0.02, or the options of a method you registered)"),
@@ -201,7 +212,8 @@ def prune_sparsity_cmd(
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
-    """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude)."""
+    """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude, ADMM,
+    CACTUS)."""
     from prunelab.pruning.sparsity.config import ALLOCATIONS, sparsity_methods
 
     methods = sparsity_methods()
@@ -220,7 +232,11 @@ def prune_sparsity_cmd(
             "within_block": ("--within-block", within_block),
             "scope": ("--scope", scope), "variant": ("--qk-variant", qk_variant),
             "reorder": ("--no-reorder", False if no_reorder else None),
-            "hessian_alpha": ("--hessian-alpha", hessian_alpha)}
+            "hessian_alpha": ("--hessian-alpha", hessian_alpha),
+            "mask_from": ("--mask-from", mask_from),
+            "gradual": ("--gradual", True if gradual else None),
+            "iterations": ("--iterations", iterations), "rank": ("--rank", rank),
+            "fold_lowrank": ("--fold-lowrank", True if fold_lowrank else None)}
     cfg = build_config(cls, f"--method {method}", flat, settings, allocation=alloc)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)

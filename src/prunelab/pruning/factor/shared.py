@@ -84,8 +84,10 @@ class _Layer:
     weight: torch.Tensor | None = None  # out x in, float64, while its type is factorized
 
 
-def _type_list(types: str) -> list[str]:
-    return [t.strip() for t in types.split(",") if t.strip()]
+def _type_list(types) -> list[str]:
+    """The projection types of ``"q,k,v"`` or of a sequence of names."""
+    parts = types.split(",") if isinstance(types, str) else list(types)
+    return [str(t).strip() for t in parts if str(t).strip()]
 
 
 def target_roles(lm, types: str, group: int) -> dict[str, str]:

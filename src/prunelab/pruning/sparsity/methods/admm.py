@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prunelab import linalg
 from prunelab.calib.stats import Gram
 from prunelab.errors import ConfigError
 from prunelab.pruning.base import METHODS
@@ -70,7 +71,7 @@ def factor(c: torch.Tensor, damp: float) -> Factor:
     cn = c / scale[:, None] / scale[None, :]
     cn = (cn + cn.t()) / 2
     cn.diagonal().add_(damp * float(cn.diagonal().mean()) + 1e-12)
-    vals, vecs = torch.linalg.eigh(cn)
+    vals, vecs = linalg.eigh(cn)
     return Factor(scale, vals.clamp_min(1e-12 * float(vals.max())), vecs)
 
 
@@ -123,7 +124,7 @@ def _truncated_svd(m: torch.Tensor, rank: int):
     of ``min(m.shape)`` a randomized one (Halko et al. 2011; ``q = rank + 10``, 4 power
     iterations, a fixed seed so the same inputs give the same factors)."""
     if rank == 0 or 4 * rank > min(m.shape):
-        return torch.linalg.svd(m, full_matrices=False)
+        return linalg.svd(m, full_matrices=False)
     with torch.random.fork_rng(devices=[m.device] if m.device.type == "cuda" else []):
         torch.manual_seed(0)
         u, s, v = torch.svd_lowrank(m, q=min(rank + 10, min(m.shape)), niter=4)
