@@ -4,5 +4,6 @@ dictionaries (Basis Sharing and an optimized pairing), one config class per meth
 :class:`~prunelab.pruning.factor.config.FactorConfig`."""
 
 from prunelab.pruning.factor.config import FactorConfig, factor_methods, factorized_modules
+from prunelab.pruning.factor import lowrank  # noqa: F401 - registers svd-llm
 
 __all__ = ["FactorConfig", "factor_methods", "factorized_modules"]
