@@ -329,12 +329,15 @@ class SvdLlm(FactorConfig):
         return linears
 
     def targeted(self, lm) -> dict[str, tuple[int, str, torch.nn.Module]]:
-        """``{full path: (block, path in block, module)}`` of the linears to factorize."""
+        """``{full path: (block, path in block, module)}`` of the linears to factorize
+        (those already factorized are left as they are)."""
+        from prunelab.models.custom import PrunelabModule
         from prunelab.pruning.sparsity.execute import selected_linears
 
         prefix = blocks_prefix(lm)
         return {f"{prefix}.{i}.{p}": (i, p, m) for i in range(lm.adapter.num_blocks)
-                for p, m in selected_linears(lm, i, self).items()}
+                for p, m in selected_linears(lm, i, self).items()
+                if not isinstance(m, PrunelabModule)}
 
     def budget(self, lm, shapes: dict[str, tuple[int, int]]) -> int:
         """Parameters the targeted linears' weights may keep (raises when unreachable)."""
@@ -362,7 +365,7 @@ class SvdLlm(FactorConfig):
         targets = self.targeted(lm)
         if not targets:
             raise ConfigError("--targets/--ignore selected no linear layer")
-        self.budget(lm, {n: tuple(weight_out_in(m).shape) for _i, _p, m in targets.values()})
+        self.budget(lm, {n: tuple(weight_out_in(m).shape) for n, (_i, _p, m) in targets.items()})
 
     # -- the run ----------------------------------------------------------------------
     def ranks(self, lm, input_ids, shapes: dict, budget: int, *, batch_size: int,
