@@ -247,6 +247,25 @@ def test_save_reload_with_remote_code_gives_identical_logits(arch, tmp_path):
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
 
+def test_prune_api_records_the_run_in_the_manifest(tmp_path):
+    import json
+
+    from prunelab.data import TokenBatches
+
+    calib = TokenBatches(input_ids=IDS, spec="tiny", seqlen=16, samples=4, seed=0,
+                         mode="calib", total_windows=4, sha256="0")
+    lm = _lm("qwen3")
+    cfg = SvdLlm(target_params=0.85, allocation="spectrum", refit=True, targets=("mlp.*",))
+    rep = prunelab.prune(lm, cfg, calib, batch_size=2)
+    assert rep["operation"] == "prune-factor" and rep["method"] == "svd-llm"
+    assert rep["size_after"]["params"] == rep["params_after"] <= 0.85 * rep["params_before"]
+    man = json.loads((prunelab.save(lm, tmp_path / "ckpt") / "manifest.json").read_text())
+    op = man["operations"][-1]
+    assert METHODS.from_dict(op["config"]) == cfg
+    assert op["removed_fraction"] == rep["removed_fraction"]
+    assert len(man["remote_code"]["modules"]) == 12
+
+
 def test_factorization_runs_on_the_compressed_stream_and_refit_lowers_each_error():
     lm = _lm("llama")
     dense = copy.deepcopy(lm.model)
@@ -298,6 +317,18 @@ def test_targets_and_ignore_choose_the_linears():
     assert isinstance(lm.model.get_submodule("model.layers.3.mlp.up_proj"), LowRankLinear)
     assert not isinstance(lm.model.get_submodule("model.layers.3.mlp.down_proj"),
                           LowRankLinear)
+
+
+def test_a_second_run_factorizes_what_is_left():
+    lm = _lm("gpt2")
+    first = _run(lm, SvdLlm(ratio=0.3, targets=("mlp.*",)))
+    mlp = {e["module"]: e["rank"] for e in factorized_modules(lm.model)}
+    second = _run(lm, SvdLlm(ratio=0.3))  # the factorized MLP linears are left as they are
+    assert len(first["linears"]) == len(second["linears"]) == 8
+    assert not any(".mlp." in r["module"] for r in second["linears"])
+    now = {e["module"]: e["rank"] for e in factorized_modules(lm.model)}
+    assert len(now) == 16 and all(now[p] == k for p, k in mlp.items())
+    assert second["params_before"] == first["params_after"]
 
 
 def test_collect_grams_are_the_dense_input_grams():

@@ -3,7 +3,7 @@ sensitivity-aware), whitened low-rank factorization (SVD-LLM) and cross-layer sh
 dictionaries (Basis Sharing and an optimized pairing), one config class per method on
 :class:`~prunelab.pruning.factor.config.FactorConfig`."""
 
-from prunelab.pruning.factor.config import FactorConfig, factor_methods, factorized_modules
 from prunelab.pruning.factor import lowrank  # noqa: F401 - registers svd-llm
+from prunelab.pruning.factor.config import FactorConfig, factor_methods, factorized_modules
 
 __all__ = ["FactorConfig", "factor_methods", "factorized_modules"]

@@ -89,10 +89,10 @@ def whitened_factors(w: torch.Tensor, gram: torch.Tensor, rank: int,
     return Factors(white.right_solve(root[:, None] * vh[:k]), u[:, :k] * root, s, white)
 
 
-def whitened_spectrum(w: torch.Tensor, gram: torch.Tensor, damping: float) -> torch.Tensor:
+def whitened_spectrum(w: torch.Tensor, white: Whitening) -> torch.Tensor:
     """Singular values of ``W S`` (decreasing, float64)."""
-    w64 = w.detach().to(torch.float64)
-    return torch.linalg.svdvals(w64 @ whitening(gram.to(w64.device), damping).s)
+    return torch.linalg.svdvals(w.detach().to(device=white.s.device, dtype=torch.float64)
+                                @ white.s)
 
 
 def whitened_error(approx: torch.Tensor, w: torch.Tensor, white: Whitening) -> float:
@@ -267,9 +267,13 @@ def whitened_spectra(lm, input_ids: torch.Tensor, names: dict[str, tuple], *,
 
     def visit(i, grams):
         chosen = select(i)
+        whites: dict[int, Whitening] = {}  # linears reading one input share its whitening
         for path, gram in grams.items():
-            out[by_block[i][path]] = whitened_spectrum(weight_out_in(chosen[path]), gram,
-                                                       damping).cpu()
+            if id(gram) not in whites:
+                whites[id(gram)] = whitening(gram, damping)
+            white = whites[id(gram)]
+            out[by_block[i][path]] = whitened_spectrum(weight_out_in(chosen[path]),
+                                                       white).cpu()
 
     each_block_grams(lm, input_ids, batch_size=batch_size, select=select, visit=visit,
                      runner=runner)
@@ -301,7 +305,7 @@ class SvdLlm(FactorConfig):
     targets: tuple = field(default=(), metadata=_help("glob patterns of linears to factorize"))
     ignore: tuple = field(default=(), metadata=_help("glob patterns of linears to keep dense"))
 
-    history_keys: ClassVar[tuple] = ("removed_fraction", "allocation", "refit")
+    history_keys: ClassVar[tuple] = ("removed_fraction", "truncation_loss")
 
     def __post_init__(self) -> None:
         super().__post_init__()
