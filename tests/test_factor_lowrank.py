@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -136,6 +137,10 @@ def test_uniform_rank_is_the_floor_formula():
     assert uniform_rank(32, 32, 0.8) == 12  # floor(12.8)
     assert uniform_rank(16, 32, 0.75) == 8  # floor(8.0): exact, no rounding down
     assert uniform_rank(4, 4, 0.1) == 1  # floor(0.2) -> at least rank 1
+    assert uniform_rank(100, 100, 0.1) == 5  # exact: 0.1 * 10000 / 200 is 5, not 4.999
+    # ratio 0.9 keeps exactly 1/10: 5, where float arithmetic (1 - 0.9 = 0.0999..98) gives 4
+    assert math.floor((1 - 0.9) * 100 * 100 / 200) == 4
+    assert SvdLlm(ratio=0.9).uniform_ranks({"a": (100, 100)}, 1000) == {"a": 5}
 
 
 def test_spectrum_ranks_greedy_by_energy_per_parameter():
@@ -164,7 +169,7 @@ def test_uniform_ratio_gives_the_exact_ranks():
     for row in rep["linears"]:
         m, n = row["shape"]
         assert row["rank"] == want[row["module"].rsplit(".", 1)[1]]
-        assert row["rank"] == math.floor(0.7 * m * n / (m + n))
+        assert row["rank"] == math.floor(Fraction(7, 10) * m * n / (m + n))
         assert row["params_after"] == row["rank"] * (m + n)
     assert rep["linear_params_after"] == 4 * (2 * 11 * 64 + 2 * 7 * 48 + 3 * 13 * 80)
     assert rep["removed_fraction"] >= 0.3 and rep["dense_linears"] == []
@@ -181,7 +186,7 @@ def test_spectrum_allocation_meets_the_budget_within_one_rank_step(arch, budget)
     assert rep["linear_params_after"] <= rep["linear_budget"]
     assert rep["linear_budget"] - rep["linear_params_after"] < max(steps)
     if "ratio" in budget:
-        assert rep["linear_budget"] == math.floor(0.6 * rep["linear_params_before"])
+        assert rep["linear_budget"] == math.floor(Fraction(6, 10) * rep["linear_params_before"])
     else:
         assert rep["kept_params"] <= 0.8
     ranks = {r["rank"] for r in rep["linears"]}
@@ -378,6 +383,17 @@ def test_unreachable_budgets_fail_before_any_data(kwargs, match):
         pruner_for(cfg).precheck(lm, cfg)
     assert "\n" not in str(err.value)
     assert factorized_modules(lm.model) == []
+
+
+def test_uniform_ranks_refuse_a_rank_one_floor_over_the_budget():
+    shapes = {"a": (100, 100), "b": (2, 40)}  # b: floor(0.1 * 80 / 42) = 0 -> rank 1
+    cfg = SvdLlm(ratio=0.9)
+    budget = math.floor(0.1 * 10_080)
+    with pytest.raises(ConfigError, match=r"unreachable with uniform ranks .*1042 > 1008"):
+        cfg.uniform_ranks(shapes, budget)
+    # a's rounding down (floor(1980 / 199) = 9: 1791 of 1980) leaves room for b's floor
+    shapes["a"] = (99, 100)
+    assert SvdLlm(ratio=0.8).uniform_ranks(shapes, 1996) == {"a": 9, "b": 1}
 
 
 def test_registered_with_defaults():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -121,10 +122,17 @@ def saves(m: int, n: int, k: int) -> bool:
     return k * (m + n) < m * n
 
 
-def uniform_rank(m: int, n: int, keep: float) -> int:
+def uniform_rank(m: int, n: int, keep: float | Fraction) -> int:
     """``floor(keep m n / (m + n))``, at least 1: the rank that keeps the fraction
-    ``keep`` of an ``m x n`` weight."""
-    return max(1, math.floor(keep * m * n / (m + n)))
+    ``keep`` of an ``m x n`` weight (exact rational arithmetic: a float ``keep`` is read
+    as the decimal it prints as, so 0.8 x 80 / 5 is 12.8, not 12.79999)."""
+    q = keep if isinstance(keep, Fraction) else Fraction(repr(float(keep)))
+    return max(1, math.floor(q * m * n / (m + n)))
+
+
+def _kept(ratio: float) -> Fraction:
+    """``1 - ratio`` exactly (``ratio`` read as the decimal it prints as)."""
+    return 1 - Fraction(repr(float(ratio)))
 
 
 def spectrum_ranks(spectra: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]],
@@ -350,7 +358,7 @@ class SvdLlm(FactorConfig):
         total_lin = sum(m * n for m, n in shapes.values())
         floor_ = sum(m + n if saves(m, n, 1) else m * n for m, n in shapes.values())
         if self.target_params is None:
-            budget, what = math.floor((1 - self.ratio) * total_lin), f"ratio {self.ratio}"
+            budget, what = math.floor(_kept(self.ratio) * total_lin), f"ratio {self.ratio}"
             reach = f"keeps {floor_ / total_lin:.4f} of the targeted linears"
         else:
             total = model_size(lm.model)["params"]
@@ -365,20 +373,37 @@ class SvdLlm(FactorConfig):
                               f"linear {reach}")
         return budget
 
+    def uniform_ranks(self, shapes: dict[str, tuple[int, int]], budget: int
+                      ) -> dict[str, int]:
+        """``floor(rho m n / (m + n))`` (at least 1) with ``rho`` = ``1 - ratio`` or the
+        budget's fraction; raises when the rank-1 floor of small linears overshoots."""
+        keep = _kept(self.ratio) if self.ratio is not None else \
+            Fraction(budget, sum(m * n for m, n in shapes.values()))
+        ranks = {p: uniform_rank(m, n, keep) for p, (m, n) in shapes.items()}
+        cost = sum(k * sum(shapes[p]) if saves(*shapes[p], k) else math.prod(shapes[p])
+                   for p, k in ranks.items())
+        if cost > budget:
+            what = f"ratio {self.ratio}" if self.ratio is not None else \
+                f"target_params {self.target_params}"
+            raise ConfigError(f"{what} is unreachable with uniform ranks (at least rank 1 "
+                              f"per linear keeps {cost} > {budget}): use allocation spectrum")
+        return ranks
+
     def precheck(self, lm) -> None:
         targets = self.targeted(lm)
         if not targets:
             raise ConfigError("--targets/--ignore selected no linear layer")
-        self.budget(lm, {n: tuple(weight_out_in(m).shape) for n, (_i, _p, m) in targets.items()})
+        shapes = {n: tuple(weight_out_in(m).shape) for n, (_i, _p, m) in targets.items()}
+        budget = self.budget(lm, shapes)
+        if self.allocation == "uniform":
+            self.uniform_ranks(shapes, budget)
 
     # -- the run ----------------------------------------------------------------------
     def ranks(self, lm, input_ids, shapes: dict, budget: int, *, batch_size: int,
               runner: BlockRunner, targets: dict) -> dict[str, int]:
         """Rank per targeted linear: uniform, or by the dense whitened spectra."""
-        total_lin = sum(m * n for m, n in shapes.values())
         if self.allocation == "uniform":
-            keep = budget / total_lin if self.ratio is None else 1 - self.ratio
-            return {p: uniform_rank(m, n, keep) for p, (m, n) in shapes.items()}
+            return self.uniform_ranks(shapes, budget)
         spectra = whitened_spectra(lm, input_ids, {n: (i, p) for n, (i, p, _m) in
                                                    targets.items()},
                                    batch_size=batch_size, damping=self.damping, runner=runner)
