@@ -20,7 +20,7 @@ from prunelab.models.loading import wrap
 from prunelab.pruning import pruner_for
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.factor import factorized_modules
-from prunelab.pruning.factor.grams import collect_grams, whitening
+from prunelab.pruning.factor.grams import collect_grams, whitened_spectra, whitening
 from prunelab.pruning.factor.lowrank import (
     SvdLlm,
     factorize_model,
@@ -352,6 +352,23 @@ def test_collect_grams_are_the_dense_input_grams():
     some = collect_grams(llama, IDS, batch_size=2, modules=only)
     assert sorted(some) == sorted(only) and some[only[0]] is some[only[1]]  # shared input
     assert all(torch.equal(v, lm.model.state_dict()[k]) for k, v in before.items())
+
+
+def test_whitened_spectra_of_the_dense_model():
+    lm = _lm("gpt2")  # Conv1D: weights read through weight_out_in
+    grams = collect_grams(lm, IDS, batch_size=2)
+    names = {"transformer.h.2.attn.c_attn": (2, "attn.c_attn"),
+             "transformer.h.1.mlp.c_proj": (1, "mlp.c_proj")}
+    spectra = whitened_spectra(lm, IDS, names, batch_size=2, damping=0.05)
+    assert sorted(spectra) == sorted(names)
+    for name in names:
+        w = weight_out_in(lm.model.get_submodule(name)).detach().double()
+        assert w.shape == ((96, 32) if "c_attn" in name else (32, 48))
+        g = grams[name]
+        lam = 0.05 * float(g.diagonal().mean())
+        s = torch.linalg.cholesky(g + lam * torch.eye(g.shape[0], dtype=g.dtype))
+        torch.testing.assert_close(spectra[name], torch.linalg.svdvals(w @ s), rtol=1e-5,
+                                   atol=1e-8)
 
 
 # ---------------------------------------------------------------------- errors

@@ -8,7 +8,11 @@
   pairs the inputs a linear receives in the compressed model with those it receives in
   the dense model, token by token.
 * :func:`whitening`: the damped Cholesky factor ``S`` of a Gram (``S S^T = G + lambda I``),
-  with an eigen-decomposition square root when the Cholesky factorization fails.
+  with an eigen-decomposition square root when the Cholesky factorization fails;
+  :func:`whitened_spectra`: the singular values of ``W S`` of a model's linears from the
+  dense Grams (what a global rank allocation ranks).
+* :func:`dense_inputs`: a dense block's linear inputs kept for a pairing with the
+  compressed stream.
 
 Calibration windows from :func:`prunelab.data.tokens_for` carry no attention mask, so
 every token counts (no padding to mask).
@@ -23,6 +27,7 @@ import torch
 
 from prunelab.calib.runner import BlockRunner
 from prunelab.calib.stats import Accumulator, Gram, _flat
+from prunelab.models.linear import weight_out_in
 
 
 def blocks_prefix(lm) -> str:
@@ -163,3 +168,49 @@ def whitening(gram: torch.Tensor, damping: float) -> Whitening:
     top = float(e.max()) if float(e.max()) > 0 else 1.0
     e = e.clamp_min(top * 1e-12)
     return Whitening(q * e.sqrt(), lam, e, q)
+
+
+def dense_inputs(runner: BlockRunner, index: int, hidden: list, chosen: dict
+                 ) -> tuple[dict, list]:
+    """Inputs of ``chosen`` in the dense block ``index`` (run on the dense stream
+    ``hidden``) and the block's outputs, in one pass."""
+    outs: list = []
+    if not chosen:
+        return {}, runner.run_block(index, hidden)
+    kept = runner.collect(index, hidden, chosen, lambda _n: KeepInputs(runner.store_device),
+                          stop_early=False, outputs=outs, share=True)
+    return kept, outs
+
+
+def whitened_spectrum(w: torch.Tensor, white: Whitening) -> torch.Tensor:
+    """Singular values of ``W S`` (decreasing, float64)."""
+    return torch.linalg.svdvals(w.detach().to(device=white.s.device, dtype=torch.float64)
+                                @ white.s)
+
+
+def whitened_spectra(lm, input_ids: torch.Tensor, names: dict[str, tuple], *,
+                     batch_size: int, damping: float, runner: BlockRunner | None = None
+                     ) -> dict[str, torch.Tensor]:
+    """Singular values of ``W S`` of every linear in ``names`` (full path -> ``(block,
+    path in block)``) from the dense model's Grams (one dense pass)."""
+    by_block: dict[int, dict[str, str]] = {}
+    for name, (i, path) in names.items():
+        by_block.setdefault(i, {})[path] = name
+    out: dict[str, torch.Tensor] = {}
+
+    def select(i):
+        return {p: m for p, m in lm.adapter.linears(i).items() if p in by_block.get(i, {})}
+
+    def visit(i, grams):
+        chosen = select(i)
+        whites: dict[int, Whitening] = {}  # linears reading one input share its whitening
+        for path, gram in grams.items():
+            if id(gram) not in whites:
+                whites[id(gram)] = whitening(gram, damping)
+            white = whites[id(gram)]
+            out[by_block[i][path]] = whitened_spectrum(weight_out_in(chosen[path]),
+                                                       white).cpu()
+
+    each_block_grams(lm, input_ids, batch_size=batch_size, select=select, visit=visit,
+                     runner=runner)
+    return out

@@ -43,10 +43,10 @@ from prunelab.pruning.base import METHODS
 from prunelab.pruning.factor.config import FactorConfig
 from prunelab.pruning.factor.grams import (
     CrossGram,
-    KeepInputs,
     Whitening,
     blocks_prefix,
-    each_block_grams,
+    dense_inputs,
+    whitened_spectra,
     whitening,
 )
 from prunelab.registry import check_range
@@ -88,12 +88,6 @@ def whitened_factors(w: torch.Tensor, gram: torch.Tensor, rank: int,
     k = max(1, min(int(rank), s.numel()))
     root = s[:k].sqrt()
     return Factors(white.right_solve(root[:, None] * vh[:k]), u[:, :k] * root, s, white)
-
-
-def whitened_spectrum(w: torch.Tensor, white: Whitening) -> torch.Tensor:
-    """Singular values of ``W S`` (decreasing, float64)."""
-    return torch.linalg.svdvals(w.detach().to(device=white.s.device, dtype=torch.float64)
-                                @ white.s)
 
 
 def whitened_error(approx: torch.Tensor, w: torch.Tensor, white: Whitening) -> float:
@@ -180,18 +174,6 @@ def _factorize_one(module, accs: list, rank: int, damping: float, refit: bool,
             "relative_loss": fac.loss / fac.energy if fac.energy > 0 else 0.0}, fac
 
 
-def _dense_inputs(runner: BlockRunner, index: int, hidden: list, chosen: dict
-                  ) -> tuple[dict, list]:
-    """Inputs of ``chosen`` in the dense block ``index`` (run on the dense stream
-    ``hidden``) and the block's outputs, in one pass."""
-    outs: list = []
-    if not chosen:
-        return {}, runner.run_block(index, hidden)
-    kept = runner.collect(index, hidden, chosen, lambda _n: KeepInputs(runner.store_device),
-                          stop_early=False, outputs=outs, share=True)
-    return kept, outs
-
-
 def _factorize_block(lm, runner: BlockRunner, index: int, hidden: list, chosen: dict,
                      ranks: dict[str, int], opts: dict, kept: dict | None
                      ) -> tuple[list[dict], list]:
@@ -248,7 +230,7 @@ def factorize_model(lm, input_ids: torch.Tensor, ranks: dict[str, int], *,
                   if f"{prefix}.{i}.{p}" in ranks}
         kept = None
         if refit:
-            kept, dense[:] = _dense_inputs(runner, i, dense if i else list(hidden), chosen)
+            kept, dense[:] = dense_inputs(runner, i, dense if i else list(hidden), chosen)
         if not chosen:
             return None
         local = {p: ranks[f"{prefix}.{i}.{p}"] for p in chosen}
@@ -258,34 +240,6 @@ def factorize_model(lm, input_ids: torch.Tensor, ranks: dict[str, int], *,
 
     runner.run(on_block=on_block, propagate="modified", desc="svd-llm factorization")
     return rows
-
-
-def whitened_spectra(lm, input_ids: torch.Tensor, names: dict[str, tuple], *,
-                     batch_size: int, damping: float, runner: BlockRunner | None = None
-                     ) -> dict[str, torch.Tensor]:
-    """Singular values of ``W S`` of every linear in ``names`` (full path -> ``(block,
-    path in block)``) from the dense model's Grams (one dense pass)."""
-    by_block: dict[int, dict[str, str]] = {}
-    for name, (i, path) in names.items():
-        by_block.setdefault(i, {})[path] = name
-    out: dict[str, torch.Tensor] = {}
-
-    def select(i):
-        return {p: m for p, m in lm.adapter.linears(i).items() if p in by_block.get(i, {})}
-
-    def visit(i, grams):
-        chosen = select(i)
-        whites: dict[int, Whitening] = {}  # linears reading one input share its whitening
-        for path, gram in grams.items():
-            if id(gram) not in whites:
-                whites[id(gram)] = whitening(gram, damping)
-            white = whites[id(gram)]
-            out[by_block[i][path]] = whitened_spectrum(weight_out_in(chosen[path]),
-                                                       white).cpu()
-
-    each_block_grams(lm, input_ids, batch_size=batch_size, select=select, visit=visit,
-                     runner=runner)
-    return out
 
 
 # ---------------------------------------------------------------------- the method
