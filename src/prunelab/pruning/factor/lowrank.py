@@ -7,9 +7,11 @@ For a linear ``W`` (``m x n``, ``[d_out, d_in]``) with input Gram ``G = X^T X / 
 ``U Sigma V^T = svd(W S)`` and, keeping rank ``k``,
 ``W ~ B A`` with ``B = U_k Sigma_k^{1/2}`` (``m x k``) and ``A = Sigma_k^{1/2} V_k^T S^{-1}``
 (``k x n``). The truncation loss ``sum_{i>k} sigma_i^2`` equals the whitened error
-``||(W - B A) S||_F^2`` (the per-token output error ``E||(W - BA) x||^2`` plus the damping
-term). The linear becomes a :class:`~prunelab.models.custom.LowRankLinear` (bias on the
-second factor) only when ``k (m + n) < m n``.
+``||(W - B A) S||_F^2`` (the mean per-token output error ``E||(W - BA) x||^2`` plus the
+damping term ``lambda ||W - BA||_F^2``; reported per linear, with ``relative_loss`` =
+loss / ``||W S||_F^2``). The linear becomes a
+:class:`~prunelab.models.custom.LowRankLinear` (bias on the second factor) only when
+``k (m + n) < m n``.
 
 Calibration runs block by block on the already-factorized upstream stream, sublayer group
 by sublayer group (``[q, k, v]`` -> ``o`` -> ``[gate, up]`` -> ``down``, the sequential
@@ -161,6 +163,7 @@ def _factorize_one(module, accs: list, rank: int, damping: float, refit: bool,
     """One linear's report row and factors (``None``: it stays dense)."""
     w = weight_out_in(module).detach()
     m, n = w.shape
+    rank = max(1, min(int(rank), m, n))
     gram = accs[0].mean()
     if only_if_smaller and not saves(m, n, rank):
         return {"shape": [m, n], "rank": None, "factorized": False, "params_before": m * n,
