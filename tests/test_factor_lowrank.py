@@ -390,7 +390,7 @@ def test_bad_options_raise_one_line(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     ({"target_params": 0.05}, "target_params 0.05 is unreachable: even rank 1"),
     ({"ratio": 0.99}, "ratio 0.99 is unreachable"),
-    ({"target_params": 1.0}, "removes nothing"),
+    ({"target_params": 1.0}, "nothing to factorize"),
     ({"targets": ("nothing.*",)}, "selected no linear"),
 ])
 def test_unreachable_budgets_fail_before_any_data(kwargs, match):

@@ -323,8 +323,8 @@ class SvdLlm(FactorConfig):
             what = f"target_params {self.target_params}"
             reach = f"keeps {(total - total_lin + floor_) / total:.4f} of the model"
             if budget >= total_lin:
-                raise ConfigError(f"{what} removes nothing: the targeted linears hold "
-                                  f"{total_lin / total:.4f} of the model's parameters")
+                raise ConfigError(f"{what} keeps every parameter of the targeted linears: "
+                                  f"nothing to factorize")
         if budget < floor_:
             raise ConfigError(f"{what} is unreachable: even rank 1 in every targeted "
                               f"linear {reach}")
