@@ -4,6 +4,7 @@ dictionaries (Basis Sharing and an optimized pairing), one config class per meth
 :class:`~prunelab.pruning.factor.config.FactorConfig`."""
 
 from prunelab.pruning.factor import (
+    lowrank,  # noqa: F401 - registers "svd-llm"
     shared,  # noqa: F401 - registers its methods
     slicing,  # noqa: F401 - registers "slicegpt"
 )
