@@ -98,3 +98,28 @@ def test_custom_modules_reload_with_identical_logits(arch, tmp_path):
     with torch.no_grad():
         again.get_submodule(mlp_path + ".prunelab_scale").scale.fill_(1.0)
         assert not torch.equal(again(input_ids=IDS, use_cache=False).logits, ref)
+
+
+def test_a_reloaded_checkpoint_saves_again_with_its_custom_modules(tmp_path):
+    """Modules rebuilt from a modeling file are copies of prunelab's classes: they are still
+    found, counted, and written again (load -> save -> load keeps the logits)."""
+    from prunelab.models.custom import flops_per_token
+
+    lm = wrap(tiny_model("llama"), char_tokenizer(), spec="tiny")
+    names = {id(m): n for n, m in lm.model.named_modules()}
+    target = lm.adapter.linears(0)["mlp.down_proj"]
+    w = target.weight.detach()
+    install(lm.model, names[id(target)], LowRankLinear.from_factors(
+        w[:5], torch.eye(w.shape[0])[:, :5], like=target))
+    first = prunelab.save(lm, tmp_path / "a")
+    back = prunelab.load(str(first), trust_remote_code=True)
+    assert [p for p, _ in custom_modules(back.model)] == [names[id(target)]]
+    assert flops_per_token(back.model) == flops_per_token(lm.model)
+    second = prunelab.save(back, tmp_path / "b")
+    again = tf.AutoModelForCausalLM.from_pretrained(
+        second, trust_remote_code=True,
+        attn_implementation=lm.model.config._attn_implementation).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS, use_cache=False).logits,
+                                   lm.model(input_ids=IDS, use_cache=False).logits,
+                                   rtol=0, atol=0)

@@ -154,14 +154,17 @@ def needs_remote_code(model: nn.Module) -> bool:
 def _custom_sources(model: nn.Module) -> tuple[str, str]:
     """The source of :class:`PrunelabModule`, ``set_module`` and every custom module class
     ``model`` uses (each class once), and the tuple of their names."""
+    import prunelab.pruning  # noqa: F401 - registers the built-in custom modules
     from prunelab.models import custom
 
     classes: list[type] = []
     for _, module in custom.custom_modules(model):
-        for cls in type(module).__mro__:
-            if cls is custom.PrunelabModule:
+        # the registered class (a module rebuilt from a checkpoint is a copy of it)
+        own = custom.CUSTOM_MODULES.get(module.prunelab_kind, type(module))
+        for cls in own.__mro__:
+            if cls is custom.PrunelabModule or cls.__name__ == "PrunelabModule":
                 break
-            if cls not in classes and issubclass(cls, custom.PrunelabModule):
+            if cls not in classes:
                 classes.append(cls)
     classes.reverse()  # bases before subclasses
     parts = ["def register_module(cls):  # registration happens in _PRUNELAB_KINDS below\n"
@@ -172,15 +175,25 @@ def _custom_sources(model: nn.Module) -> tuple[str, str]:
     return "\n\n".join(parts), names
 
 
+def _transformers_base(cls: type) -> type:
+    """The nearest class of ``cls``'s MRO that ``transformers`` exports (a model loaded from
+    a prunelab modeling file subclasses it)."""
+    import transformers
+
+    for base in cls.__mro__:
+        if getattr(transformers, base.__name__, None) is base:
+            return base
+    return cls
+
+
 def modeling_source(model: nn.Module, model_type: str) -> str:
     import prunelab
 
-    cfg_cls = type(model.config)
     custom_source, custom_classes = _custom_sources(model)
     return _TEMPLATE.format(
         custom_source=custom_source, custom_classes=custom_classes,
-        version=prunelab.__version__, base_model=type(model).__name__,
-        base_config=cfg_cls.__name__, attr=bridges.BRIDGE_ATTR, model_type=model_type,
+        version=prunelab.__version__, base_model=_transformers_base(type(model)).__name__,
+        base_config=_transformers_base(type(model.config)).__name__, attr=bridges.BRIDGE_ATTR, model_type=model_type,
         bridge_source=inspect.getsource(bridges.LinearBridge),
         first_source=inspect.getsource(bridges.first_positions),
         hook_source=inspect.getsource(bridges._bridge_hook),

@@ -63,12 +63,20 @@ def register_module(cls: type[PrunelabModule]) -> type[PrunelabModule]:
     return cls
 
 
+def is_custom(module: nn.Module) -> bool:
+    """True for a prunelab custom module, also one rebuilt from a checkpoint's modeling file
+    (a copy of the class, so recognised by its ``prunelab_kind``, not by ``isinstance``)."""
+    kind = getattr(type(module), "prunelab_kind", None)
+    return isinstance(kind, str) and kind != "base" and callable(
+        getattr(module, "prunelab_spec", None))
+
+
 def custom_modules(model: nn.Module) -> list[tuple[str, PrunelabModule]]:
     """``(path, module)`` of every outermost custom module in ``model`` (a custom module
     nested in another is rebuilt by its parent's constructor)."""
     found: list[tuple[str, PrunelabModule]] = []
     for name, module in model.named_modules():
-        if isinstance(module, PrunelabModule) and not any(
+        if is_custom(module) and not any(
                 name.startswith(p + ".") for p, _ in found):
             found.append((name, module))
     return found
@@ -157,7 +165,7 @@ def flops_per_token(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if any(name.startswith(p + ".") for p in skip):
             continue
-        if isinstance(module, PrunelabModule):
+        if is_custom(module):
             total += int(module.flops_per_token())
             skip.append(name)
         elif isinstance(module, nn.Linear) or is_conv1d(module):
