@@ -13,9 +13,9 @@ import transformers as tf
 
 import prunelab
 from prunelab.pruning import METHODS
+from test_cli import cli
 
 from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint, tiny_tokens
-from test_cli import cli
 
 IDS = tiny_tokens(2, 12, seed=4)
 

@@ -87,7 +87,8 @@ def test_custom_modules_reload_with_identical_logits(arch, tmp_path):
     assert [m["kind"] for m in cfg["prunelab_modules"]] == ["low_rank_linear",
                                                            "test_scale_owner_output"]
     again = tf.AutoModelForCausalLM.from_pretrained(
-        out, trust_remote_code=True, attn_implementation=lm.model.config._attn_implementation).eval()
+        out, trust_remote_code=True,
+        attn_implementation=lm.model.config._attn_implementation).eval()
     with torch.no_grad():
         got = again(input_ids=IDS, use_cache=False).logits
     torch.testing.assert_close(got, ref, rtol=0, atol=0)

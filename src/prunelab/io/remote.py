@@ -193,7 +193,8 @@ def modeling_source(model: nn.Module, model_type: str) -> str:
     return _TEMPLATE.format(
         custom_source=custom_source, custom_classes=custom_classes,
         version=prunelab.__version__, base_model=_transformers_base(type(model)).__name__,
-        base_config=_transformers_base(type(model.config)).__name__, attr=bridges.BRIDGE_ATTR, model_type=model_type,
+        base_config=_transformers_base(type(model.config)).__name__,
+        attr=bridges.BRIDGE_ATTR, model_type=model_type,
         bridge_source=inspect.getsource(bridges.LinearBridge),
         first_source=inspect.getsource(bridges.first_positions),
         hook_source=inspect.getsource(bridges._bridge_hook),
