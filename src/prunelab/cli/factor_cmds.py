@@ -119,9 +119,16 @@ def _show_factor(lm, rep, model: str, out_dir: Path, method: str) -> None:
                                        f"({rep['kept_params']:.1%} kept)"),
             ("FLOPs per token (linear maps)", f"{f0:,} -> {f1:,} ({f1 / max(f0, 1):.1%})"),
             ("factorized modules", str(rep["factorized_modules"]))]
-    for key in ("hidden_size_before", "hidden_size_after", "rotation", "basis", "path"):
-        if key in rep:
-            rows.append((key.replace("_", " "), str(rep[key])))
+    if "d_kept" in rep:
+        rows.append(("hidden size", f"{rep['d']} -> {rep['d_kept']}"))
+    labels = {"rotation": "rotation", "basis": "basis", "path": "checkpoint path",
+              "path_note": "note", "min_kept_energy": "least energy kept at a boundary",
+              "removed_fraction": "share of the targeted linears' parameters removed",
+              "truncation_loss": "whitened truncation loss"}
+    for key, label in labels.items():
+        if rep.get(key) not in (None, ""):
+            value = rep[key]
+            rows.append((label, f"{value:.4g}" if isinstance(value, float) else str(value)))
     rows.append(("seconds", f"{rep['seconds']:.1f}"))
     rows.append(("checkpoint", str(out_dir)))
     for k, v in rows:
