@@ -35,7 +35,7 @@ class PrunelabModule(nn.Module):
 
     def prunelab_spec(self) -> dict:
         """JSON constructor arguments (``prunelab_build(spec)`` rebuilds the shapes)."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} must define prunelab_spec()")
 
     @classmethod
     def prunelab_build(cls, spec: dict) -> PrunelabModule:
