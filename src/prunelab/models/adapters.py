@@ -153,7 +153,18 @@ class Adapter:
         """
         blk = self.block(index)
         paths = list(self.spec.attn_proj.values()) + list(self.spec.mlp_proj.values())
-        return {p: _get(blk, p) for p in paths}
+        found = {p: _get(blk, p) for p in paths}
+        return {p: m for p, m in found.items() if m is not None}  # removed branches: none
+
+    def has_branch(self, index: int, part: str) -> bool:
+        """False when block ``index``'s ``part`` ("attention" / "mlp") branch was removed
+        (:mod:`prunelab.pruning.sublayer`): its projections are gone."""
+        proj = self.attn_projections(index) if part == "attention" else \
+            self.mlp_projections(index)
+        return all(m is not None for m in proj.values())
+
+    def _first_with(self, part: str) -> int:
+        return next((i for i in range(self.num_blocks) if self.has_branch(i, part)), 0)
 
     def linear_groups(self, index: int, chosen: dict[str, nn.Module] | None = None
                       ) -> list[dict[str, nn.Module]]:
@@ -345,8 +356,8 @@ class Adapter:
         """Reasons why the current shapes cannot be written as a plain config (empty when
         a checkpoint of this model loads with plain ``transformers``)."""
         n = self.num_blocks
-        geos = {self.head_geometry(i) for i in range(n)}
-        ffns = {self.ffn_width(i) for i in range(n)}
+        geos = {self.head_geometry(i) for i in range(n) if self.has_branch(i, "attention")}
+        ffns = {self.ffn_width(i) for i in range(n) if self.has_branch(i, "mlp")}
         problems = []
         if len(geos) > 1:
             problems.append("blocks have different head counts")
@@ -373,7 +384,8 @@ class Adapter:
             return ""
         try:
             cfg.num_hidden_layers = self.num_blocks
-            self.spec.write_config(cfg, self.head_geometry(0), self.ffn_width(0))
+            self.spec.write_config(cfg, self.head_geometry(self._first_with("attention")),
+                                   self.ffn_width(self._first_with("mlp")))
             validate()
         except Exception as exc:  # noqa: BLE001 - any refusal makes the shapes non-vanilla
             cause = exc.__cause__ or exc
@@ -396,8 +408,8 @@ class Adapter:
             )
         cfg = self.config
         cfg.num_hidden_layers = self.num_blocks
-        geo = self.head_geometry(0)
-        self.spec.write_config(cfg, geo, self.ffn_width(0))
+        geo = self.head_geometry(self._first_with("attention"))
+        self.spec.write_config(cfg, geo, self.ffn_width(self._first_with("mlp")))
 
 
 def _ranges(spans: list[tuple[int, int]]) -> torch.Tensor:
