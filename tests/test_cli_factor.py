@@ -61,17 +61,23 @@ def test_global_slice_is_a_plain_checkpoint(tiny_dir):
     ("basis-sharing", ("--ratio", "0.3")),
     ("shared-dict", ("--ratio", "0.3", "--set", "iters=3")),
     ("slicegpt", ("--ratio", "0.25", "--multiple", "4")),
+    ("slicegpt", ("--ratio", "0.25", "--multiple", "4", "--widths", "spectrum")),
 ])
 def test_factorized_checkpoints_need_remote_code_and_show_in_info(tiny_dir, method, options):
-    out, man, shown = _run(tiny_dir, method, "--method", method, *options)
+    name = method + ("-widths" if "--widths" in options else "")
+    out, man, shown = _run(tiny_dir, name, "--method", method, *options)
     assert man["remote_code"]["trust_remote_code"] and man["remote_code"]["modules"]
+    if "--widths" in options:
+        widths = man["operations"][-1]["block_widths"]
+        assert len(widths) == 5 and "per block" in shown
+        assert sum(widths) <= 5 * 24 + 8  # about the uniform budget (shortcuts differ)
     assert "trust_remote_code=True" in shown
     assert man["report"]["flops_per_token_after"] < man["report"]["flops_per_token_before"]
     res = cli("info", "--model", str(out), "--trust-remote-code", "--json",
-              str(tiny_dir / f"{method}-info.json"))
+              str(tiny_dir / f"{name}-info.json"))
     assert res.returncode == 0, res.stderr
     assert "factorized modules" in res.stdout
-    info = json.loads((tiny_dir / f"{method}-info.json").read_text())
+    info = json.loads((tiny_dir / f"{name}-info.json").read_text())
     kinds = {m["kind"] for m in info["factorized"]}
     assert kinds == {m["kind"] for m in man["remote_code"]["modules"]}
     assert info["params"] == man["report"]["params_after"]

@@ -57,6 +57,12 @@ def prune_factor_cmd(
             None, help="slicegpt: pca (activation energy) or sensitivity (output Fisher)"),
         multiple: Optional[int] = typer.Option(
             None, help="slicegpt: kept hidden size rounded to a multiple of this (default 8)"),
+        widths: Optional[str] = typer.Option(
+            None, help="slicegpt per-layer: uniform, spectrum (a width per block by energy "
+            "share per parameter, same budget) or energy (per block the fewest directions "
+            "holding --energy)"),
+        energy: Optional[float] = typer.Option(
+            None, help="slicegpt --widths energy: share of each block's stream energy kept"),
         allocation: Optional[str] = typer.Option(
             None, help="svd-llm: uniform (same kept fraction per linear) or spectrum "
             "(ranks by the whitened spectra under one budget)"),
@@ -95,6 +101,7 @@ def prune_factor_cmd(
     flat = {"ratio": ("--ratio", ratio), "target_params": ("--target-params", target_params),
             "rotation": ("--rotation", rotation), "basis": ("--basis", basis),
             "multiple": ("--multiple", multiple), "allocation": ("--allocation", allocation),
+            "widths": ("--widths", widths), "energy": ("--energy", energy),
             "refit": ("--refit/--no-refit", refit), "group": ("--group", group),
             "types": ("--types", types),
             "targets": ("--targets", parse_list(targets) or None),
@@ -120,7 +127,10 @@ def _show_factor(lm, rep, model: str, out_dir: Path, method: str) -> None:
             ("FLOPs per token (linear maps)", f"{f0:,} -> {f1:,} ({f1 / max(f0, 1):.1%})"),
             ("factorized modules", str(rep["factorized_modules"]))]
     if "d_kept" in rep:
-        rows.append(("hidden size", f"{rep['d']} -> {rep['d_kept']}"))
+        ws = rep.get("block_widths") or [rep["d_kept"]]
+        kept = (f"{rep['d_kept']}" if len(set(ws)) == 1
+                else f"per block {min(ws)}..{max(ws)} ({', '.join(map(str, ws))})")
+        rows.append(("hidden size", f"{rep['d']} -> {kept}"))
     labels = {"rotation": "rotation", "basis": "basis", "path": "checkpoint path",
               "path_note": "note", "min_kept_energy": "least energy kept at a boundary",
               "removed_fraction": "share of the targeted linears' parameters removed",

@@ -13,6 +13,12 @@ could not be rotated before the post-norm (Gemma 2/3) into the kept coordinates;
 branch's writer and post-norm keep the full width ``d_branch``, which a model built from a
 config with the sliced ``hidden_size`` does not give them: :meth:`prunelab_attach` resizes
 them (before the checkpoint's weights load; a no-op when they have that width already).
+
+When the stream changes width across the branch (non-uniform per-layer slicing: the MLP
+residual of block ``i`` maps ``v_i -> v_{i+1}``), the layer's own ``residual + branch``
+cannot hold the result: with ``layer`` (the decoder layer's path) the branch hook keeps
+``x M + y R`` aside and returns zeros, and a forward hook on the layer returns it as the
+layer's output.
 """
 
 from __future__ import annotations
@@ -32,25 +38,27 @@ class ResidualShortcut(PrunelabModule):
     ``d_branch``: width of the branch output ``y`` when it is mapped by ``out_map``
     (``0`` = not mapped); ``shortcut``: whether ``M`` is stored (``False`` = identity);
     ``writer``: path of the linear writing ``y`` (with ``out_map``: it and the owner, a
-    post-norm, keep ``d_branch`` outputs).
+    post-norm, keep ``d_branch`` outputs); ``layer``: path of the decoder layer whose
+    output becomes ``x M + y R`` (the stream changes width across this branch).
     """
 
     prunelab_kind = "residual_shortcut"
 
     def __init__(self, reads: str, d_in: int, d_out: int, d_branch: int = 0,
-                 shortcut: bool = True, writer: str = ""):
+                 shortcut: bool = True, writer: str = "", layer: str = ""):
         super().__init__()
-        self.writer = writer
+        self.writer, self.layer = writer, layer
         self.reads, self.d_in, self.d_out = reads, d_in, d_out
         self.d_branch, self.has_shortcut = d_branch, shortcut
         self.shortcut = nn.Parameter(torch.eye(d_in, d_out)) if shortcut else None
         self.out_map = nn.Parameter(torch.eye(d_branch, d_out)) if d_branch else None
         self.__dict__["_x"] = None
+        self.__dict__["_z"] = None
 
     def prunelab_spec(self) -> dict:
         return {"reads": self.reads, "d_in": self.d_in, "d_out": self.d_out,
                 "d_branch": self.d_branch, "shortcut": self.has_shortcut,
-                "writer": self.writer}
+                "writer": self.writer, **({"layer": self.layer} if self.layer else {})}
 
     def prunelab_attach(self, owner: nn.Module, root: nn.Module) -> None:
         if self.d_branch and self.writer:
@@ -58,6 +66,8 @@ class ResidualShortcut(PrunelabModule):
         if self.has_shortcut:
             root.get_submodule(self.reads).register_forward_pre_hook(self._capture)
         owner.register_forward_hook(self._on_output)
+        if self.layer:
+            root.get_submodule(self.layer).register_forward_hook(self._on_layer_output)
 
     def _keep_branch_width(self, owner: nn.Module, root: nn.Module) -> None:
         """Give the writer ``d_branch`` outputs and the post-norm ``owner`` ``d_branch``
@@ -95,8 +105,19 @@ class ResidualShortcut(PrunelabModule):
         if self.shortcut is not None:
             x = self.__dict__["_x"]
             self.__dict__["_x"] = None
-            y = y + (x @ self.shortcut.to(x.dtype) - x)
+            if self.layer:  # the layer returns x M + y R; its own add sees x + 0
+                self.__dict__["_z"] = y + x @ self.shortcut.to(x.dtype)
+                y = torch.zeros_like(x)
+            else:
+                y = y + (x @ self.shortcut.to(x.dtype) - x)
         return (y, *output[1:]) if isinstance(output, tuple) else y
+
+    def _on_layer_output(self, module, args, output):
+        z = self.__dict__["_z"]
+        self.__dict__["_z"] = None
+        if z is None:
+            return output
+        return (z, *output[1:]) if isinstance(output, tuple) else z
 
     def flops_per_token(self) -> int:
         return 2 * sum(p.numel() for p in self.parameters(recurse=False))

@@ -23,6 +23,10 @@ ordinary checkpoint of the same family with ``hidden_size = d'``; Gemma 2/3 norm
 outputs before the residual add, so their writers cannot be rotated and a map after each
 post-norm (remote code) does it.
 
+``widths="spectrum"`` / ``"energy"`` (per-layer only) give every block its own width
+(:mod:`.widths`): by the energy share per parameter under the same parameter budget as
+the uniform slice, or by a fixed energy share per block.
+
 ``basis="sensitivity"`` picks each kept subspace from the activation covariance and the
 Fisher of the model output at the same boundary (computed on the dense model) through
 :func:`prunelab.pruning.factor.subspace.sensitivity_basis`.
@@ -59,6 +63,7 @@ from prunelab.registry import check_range
 
 ROTATIONS = ("per-layer", "global")
 BASES = ("pca", "sensitivity")
+WIDTHS = ("uniform", "spectrum", "energy")
 SHORTCUT_ATTR = "prunelab_shortcut"
 
 __all__ = ["SliceGPT", "stream_boundaries", "pca_basis", "width_for_ratio", "params_at"]
@@ -96,8 +101,15 @@ class SliceGPT(FactorConfig):
         "sensitivity: Grassmann refinement steps per boundary (0: the spectral candidate, "
         "or PCA when that is better on the proxy)"))
     seed: int = field(default=0, metadata=_help("sensitivity: label sampling seed"))
+    widths: str = field(default="uniform", metadata=_help(
+        "per-layer: uniform (one d'), spectrum (per-block widths by energy share per "
+        "parameter, same budget) or energy (per block the fewest directions holding "
+        "--energy of its spectrum)"))
+    energy: float = field(default=0.95, metadata=_help(
+        "widths=energy: share of each block's stream energy kept"))
 
-    history_keys: ClassVar[tuple] = ("d", "d_kept", "rotation", "basis", "path")
+    history_keys: ClassVar[tuple] = ("d", "d_kept", "rotation", "basis", "path",
+                                     "block_widths")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,6 +125,18 @@ class SliceGPT(FactorConfig):
         check_range("fisher_damping", self.fisher_damping, 0.0, 1.0)
         check_range("refine_steps", self.refine_steps, 0, None, integer=True)
         check_range("seed", self.seed, 0, None, integer=True)
+        if self.widths not in WIDTHS:
+            raise ConfigError(f"widths must be one of {', '.join(WIDTHS)}, "
+                              f"got {self.widths!r}")
+        check_range("energy", self.energy, 0.0, 1.0)
+        if self.energy == 0:
+            raise ConfigError("energy must be > 0 (a share of each block's stream energy)")
+        if self.widths != "uniform" and self.rotation != "per-layer":
+            raise ConfigError(f"widths={self.widths} needs rotation per-layer (one global "
+                              "rotation has one width)")
+        if self.widths == "energy" and self.target_params is not None:
+            raise ConfigError("widths=energy sets the widths from --energy; drop "
+                              "target_params (or use widths=spectrum)")
 
     def precheck(self, lm) -> None:
         check_sliceable(lm)
@@ -138,25 +162,9 @@ def width_for_ratio(d: int, ratio: float, multiple: int) -> int:
 def params_at(lm, width: int, rotation: str) -> int:
     """Parameters the sliced model will store at hidden size ``width`` (head untied,
     shortcut maps and Gemma 2/3's post-norm maps counted), from the current shapes."""
-    from prunelab.models.size import model_size
+    from prunelab.pruning.factor.widths import params_for_widths
 
-    ad = lm.adapter
-    d = ad.hidden_size()
-    emb, head = ad.embeddings(), ad.head()
-    tied = head.weight.data_ptr() == emb.weight.data_ptr()
-    branches = stream_branches(lm)
-    per_w = emb.weight.shape[0] + head.weight.shape[0] + len(branches) + 1  # norms
-    for br in branches:
-        per_w += sum(r.weight.shape[0] for r in br.readers)
-        if br.post_norm is None:
-            per_w += br.writer.weight.shape[1] + (br.writer.bias is not None)
-    now = model_size(lm.model)["params"]
-    fixed = now - per_w * d + (head.weight.numel() if tied else 0)
-    posts = sum(br.post_norm is not None for br in branches)
-    extra = posts * d * width
-    if rotation == "per-layer":
-        extra += len(branches) * width * width
-    return fixed + per_w * width + extra
+    return params_for_widths(lm, [width] * (lm.adapter.num_blocks + 1), rotation)
 
 
 def choose_width(cfg: SliceGPT, lm) -> int:
@@ -227,13 +235,22 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int) -> dict:
     """Slice ``lm``'s residual stream in place (see the module docstring); the report."""
     d = lm.adapter.hidden_size()
     width = choose_width(cfg, lm)
+    budget = params_at(lm, width, cfg.rotation)
     fold_norms(lm)
     fishers = _fishers(cfg, lm, input_ids, batch_size)
-    run = _per_layer if cfg.rotation == "per-layer" else _global
-    energies = run(cfg, lm, input_ids, batch_size, width, fishers)
-    _finish(lm, d, width)
-    mt = base_type(lm.model)
     if cfg.rotation == "per-layer":
+        widths = _block_widths(cfg, lm, input_ids, batch_size, width, budget)
+        energies = _per_layer(cfg, lm, input_ids, batch_size, widths, fishers)
+    else:
+        widths = [width] * (lm.adapter.num_blocks + 1)
+        energies = _global(cfg, lm, input_ids, batch_size, width, fishers)
+    _finish(lm, d, widths)
+    width = widths[0]
+    mt = base_type(lm.model)
+    if len(set(widths)) > 1:
+        path, note = "remote code", (f"per-block widths {min(widths)}..{max(widths)} "
+                                     "(shortcut maps and shapes: remote code)")
+    elif cfg.rotation == "per-layer":
         path, note = "remote code", "per-layer rotations need shortcut maps (remote code)"
     elif mt in POST_NORM_TYPES:
         path, note = "remote code", (f"{mt} norms the branch outputs before the residual "
@@ -243,8 +260,21 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int) -> dict:
         path, note = "plain", f"an ordinary {mt} checkpoint with hidden_size {width}"
     info(f"slicegpt: hidden size {d} -> {width}; {note}")
     return {"d": d, "d_kept": width, "rotation": cfg.rotation, "basis": cfg.basis,
-            "path": path, "path_note": note, "kept_energy": energies,
-            "min_kept_energy": min(energies)}
+            "widths": cfg.widths, "block_widths": widths, "path": path, "path_note": note,
+            "kept_energy": energies, "min_kept_energy": min(energies)}
+
+
+def _block_widths(cfg, lm, input_ids, batch_size: int, width: int, budget: int) -> list[int]:
+    """Per-block widths (``L + 1``: the blocks, then the final norm / head)."""
+    from prunelab.pruning.factor import widths as W
+
+    n = lm.adapter.num_blocks + 1
+    if cfg.widths == "uniform":
+        return [width] * n
+    spectra = W.block_spectra(boundary_grams(lm, input_ids, batch_size))
+    if cfg.widths == "energy":
+        return W.allocate_for_energy(spectra, cfg.energy, cfg.multiple)
+    return W.allocate_for_budget(lm, spectra, budget, cfg.multiple, cfg.rotation)
 
 
 def _zeroed(q: torch.Tensor, width: int) -> torch.Tensor:
@@ -254,27 +284,32 @@ def _zeroed(q: torch.Tensor, width: int) -> torch.Tensor:
     return r
 
 
-def _per_layer(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[float]:
-    """SliceGPT block by block (full width, dropped directions zeroed); the kept energy at
-    every boundary."""
+def _per_layer(cfg, lm, input_ids, batch_size: int, widths: list[int], fishers
+               ) -> list[float]:
+    """SliceGPT block by block (full width, dropped directions zeroed; block ``i`` keeps
+    ``widths[i]``, the final boundary ``widths[-1]``); the kept energy at every boundary."""
     from prunelab.calib.runner import BlockRunner
     from prunelab.calib.stats import Gram
     from prunelab.models.custom import install
+    from prunelab.pruning.factor.widths import block_of, boundary_width
 
     branches = stream_branches(lm)
     d = lm.adapter.hidden_size()
     names = {id(m): n for n, m in lm.model.named_modules()}
     mods = []
-    for br in branches:
+    for k, br in enumerate(branches):
         ref = br.writer.weight
         post = br.post_norm is not None
+        gin, gout = block_of(k, len(branches))
+        layer = names[id(lm.adapter.block(br.block))] if widths[gin] != widths[gout] else ""
         mod = ResidualShortcut(names[id(br.norm)], d, d, d if post else 0,
-                               writer=names[id(br.writer)] if post else "")
+                               writer=names[id(br.writer)] if post else "", layer=layer)
         mods.append(install(lm.model, f"{names[id(br.owner)]}.{SHORTCUT_ATTR}",
                             mod.to(ref.device, ref.dtype)))
     energies: list[float] = []
 
     def boundary(k: int, cov: torch.Tensor) -> torch.Tensor:
+        width = boundary_width(widths, k)
         q = _basis(cfg, cov, fishers[k] if fishers else None, width)
         r = _zeroed(q, width)
         energies.append(_energy(cov, q[:, :width]))
@@ -361,32 +396,40 @@ def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[fl
     return [_energy(g, r) for g in grams]
 
 
-def _finish(lm, d: int, width: int) -> None:
-    """Cut what is still full width to ``width`` (per-layer: every stream tensor; both:
-    the norms), set the norms' constant scale and the config."""
-    from prunelab.models.custom import custom_modules
+def _finish(lm, d: int, widths: list[int]) -> None:
+    """Cut what is still full width to its block's width (per-layer: every stream tensor;
+    both: the norms), set the norms' constant scale and the config; non-uniform widths
+    also record the shapes a reloaded checkpoint must take (:class:`.widths.StreamShapes`)."""
+    from prunelab.models.custom import install
+    from prunelab.pruning.factor.widths import block_of, boundary_width, record_shapes
 
     branches = stream_branches(lm)
     emb, head = lm.adapter.embeddings(), lm.adapter.head()
-    if emb.weight.shape[1] == d and width < d:  # per-layer: still full width
-        for module in (emb, head, *(r for br in branches for r in br.readers)):
-            cut_inputs(module, width)
-        for br in branches:
+    if emb.weight.shape[1] == d and min(widths) < d:  # per-layer: still full width
+        cut_inputs(emb, widths[0])
+        cut_inputs(head, widths[-1])
+        for k, br in enumerate(branches):
+            gin, gout = block_of(k, len(branches))
+            for reader in br.readers:
+                cut_inputs(reader, widths[gin])
             if br.post_norm is None:
-                cut_outputs(br.writer, width)
-        for _, mod in custom_modules(lm.model):
+                cut_outputs(br.writer, widths[gout])
+            mod = getattr(br.owner, SHORTCUT_ATTR, None)
             if isinstance(mod, ResidualShortcut):
-                _cut_maps(mod, width)
-    for norm in stream_boundaries(lm):
-        set_norm_scale(lm, norm, (d / width) ** 0.5, width)
-    rescale_embedding(lm, width)
+                _cut_maps(mod, widths[gin], widths[gout])
+    for k, norm in enumerate(stream_boundaries(lm)):
+        w = boundary_width(widths, k)
+        set_norm_scale(lm, norm, (d / w) ** 0.5, w)
+    rescale_embedding(lm, widths[0])
     cfg = lm.model.config
     cfg.head_dim = int(lm.adapter.spec.head_dim(cfg))
-    cfg.hidden_size = width
+    cfg.hidden_size = widths[0]
+    if len(set(widths)) > 1:
+        install(lm.model, "prunelab_stream_shapes", record_shapes(lm))
 
 
-def _cut_maps(mod: ResidualShortcut, width: int) -> None:
+def _cut_maps(mod: ResidualShortcut, d_in: int, d_out: int) -> None:
     if mod.shortcut is not None:
-        mod.set_maps(shortcut=mod.shortcut.detach()[:width, :width].clone())
+        mod.set_maps(shortcut=mod.shortcut.detach()[:d_in, :d_out].clone())
     if mod.out_map is not None:
-        mod.set_maps(out_map=mod.out_map.detach()[:, :width].clone())
+        mod.set_maps(out_map=mod.out_map.detach()[:, :d_out].clone())
