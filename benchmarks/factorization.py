@@ -1,5 +1,5 @@
 """Factorization at matched parameter budgets: SliceGPT (per-layer), one global rotation,
-sensitivity-aware slicing, SVD-LLM, Basis Sharing and the optimized shared dictionary,
+sensitivity-aware slicing, per-block widths (``slicegpt-widths``), SVD-LLM, Basis Sharing and the optimized shared dictionary,
 against FFN width pruning with compensation and depth pruning with foldable recovery.
 
 Every point prunes a fresh copy of the model to the same kept fraction of the model's
@@ -34,6 +34,8 @@ FACTOR = {
     "global": ("slicegpt", {"rotation": "global", "basis": "pca"}),
     "sensitivity": ("slicegpt", {"rotation": "per-layer", "basis": "sensitivity"}),
     "global-sensitivity": ("slicegpt", {"rotation": "global", "basis": "sensitivity"}),
+    "slicegpt-widths": ("slicegpt", {"rotation": "per-layer", "basis": "pca",
+                                     "widths": "spectrum"}),
     "svd-llm": ("svd-llm", {}),
     "basis-sharing": ("basis-sharing", {}),
     "shared-dict": ("shared-dict", {}),
