@@ -296,6 +296,9 @@ def add_reliability(result: ProbeResult, bootstrap: int = 200, seed: int = 0,
         info[f"windows_for_0.9{suffix}"] = windows_for(stability, table.windows)
     if not info:
         return None
+    order = ["stability", "stability_all_positions", "windows", "windows_for_0.9",
+             "windows_for_0.9_all_positions"]
+    info = {k: info[k] for k in order if k in info}
     info.update({"bootstrap": bootstrap, "seed": seed, "level": level, "splits": splits,
                  "ranking": ranking_note(result)})
     result.meta["reliability"] = info
