@@ -301,8 +301,9 @@ def flags_section(results: dict[str, ProbeResult], support: dict[str, dict],
     removal sets reproduced by fewer than half the resamples, rank agreements whose
     interval includes 0, pair classes and decision rules (``adjacent``: dicts of
     :func:`decision_rule_intervals`) that the intervals leave undecided or contradict.
-    Empty when no result has per-window values."""
-    if not any("reliability" in r.meta for r in results.values()) and not support:
+    Empty when no result has per-window values or intervals."""
+    if not support and not any("reliability" in r.meta or any("ci_high" in s for s in r.scores)
+                               for r in results.values()):
         return []
     flags = _ranking_flags(results) + _removal_flags(support, results)
     flags += _agreement_flags(results) + _class_flags(results)
