@@ -45,7 +45,8 @@ class Depth:
     ``select`` over ``probe`` (or a saved probe result ``from_probe``) and repaired by
     ``recovery``. ``select=None`` picks ``no-adjacent`` for pair probes, ``span`` for
     span/interval probes, else ``one-shot``. ``strategy`` is an alias of ``select`` for a
-    name. ``window`` and ``seed`` go to the probes (``seed`` also seeds ``random``)."""
+    name. ``window`` and ``seed`` go to the probes (``seed`` also seeds ``random``).
+    ``bootstrap`` / ``max_instability``: see :func:`check_selection`."""
 
     remove: int | None = _help("number of blocks to remove")
     target_params: float | None = _help("parameters to keep: a fraction (<= 1) or a count")
