@@ -7,7 +7,8 @@
   attention and MLP are reported as separate scores (``sublayer`` field).
 
 ``value`` is the last-position KL, ``value_all_positions`` the mean over all positions (see
-:mod:`prunelab.probes.context`).
+:mod:`prunelab.probes.context`); ``windows`` and ``windows_all_positions`` hold the same per
+calibration window (for :mod:`prunelab.probes.reliability`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def run_leave_one_out(cfg: LeaveOneOut, ctx, resume=None, on_progress=None) -> P
     done = {s["layers"][0]: s for s in (resume or {}).get("scores", [])}
     scores = [done[i] for i in sorted(done)]
     for i in progress([i for i in range(n) if i not in done], desc="leave-one-out"):
-        last, allpos = ctx.divergence(ctx.run_stack(i, range(i + 1, n)))
-        scores.append({"layers": [i], "value": last, "value_all_positions": allpos})
+        per = ctx.divergence_windows(ctx.run_stack(i, range(i + 1, n)))
+        scores.append({"layers": [i], **per.entry()})
         if on_progress is not None:
             on_progress(sorted(scores, key=lambda s: s["layers"]))
     scores.sort(key=lambda s: s["layers"])
@@ -53,9 +54,8 @@ def run_sublayer_ablation(cfg: SublayerAblation, ctx, resume=None,
         module = ctx.adapter.residual_branches(i)[part]
         with ctx.runner.zeroed([module]):
             h = ctx.run_stack(i, [i])
-        last, allpos = ctx.divergence(ctx.run_stack(i + 1, range(i + 1, n), hidden=h))
-        scores.append({"layers": [i], "sublayer": part, "value": last,
-                       "value_all_positions": allpos})
+        per = ctx.divergence_windows(ctx.run_stack(i + 1, range(i + 1, n), hidden=h))
+        scores.append({"layers": [i], "sublayer": part, **per.entry()})
         if on_progress is not None:
             on_progress(scores)
     scores.sort(key=lambda s: (s["layers"], s["sublayer"]))

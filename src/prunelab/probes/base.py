@@ -212,10 +212,12 @@ class ProbeResult:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_csv(self) -> str:
-        """CSV: one row per score, ``layers`` as ``i`` / ``i-j``."""
+        """CSV: one row per score, ``layers`` as ``i`` / ``i-j``; the per-window lists
+        (``windows*``) stay in the JSON."""
         keys: list[str] = []
         for s in self.scores:
-            keys += [k for k in s if k != "layers" and k not in keys]
+            keys += [k for k in s if k != "layers" and k not in keys
+                     and not k.startswith("windows")]
         buf = io.StringIO()
         w = csv.writer(buf)
         w.writerow(["layers", *keys])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,25 @@ from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64, tok
 
 kl_last_position = kl_from_logits_float64  # the probes' name for the float64 KL
 
+
+@dataclass
+class WindowDivergence:
+    """Divergence to dense per calibration window: ``last[w]`` (last position; mean-pooled
+    ``1 - cos`` for encoders) and ``all_positions[w]`` (mean over the window's positions),
+    N floats each, in window order; ``value`` / ``value_all_positions``: the overall means
+    (every window has the same length, so the per-window values average to them up to
+    rounding)."""
+
+    last: list[float]
+    all_positions: list[float]
+    value: float
+    value_all_positions: float
+
+    def entry(self) -> dict:
+        """The score fields: ``value``, ``value_all_positions``, ``windows`` and
+        ``windows_all_positions`` (the per-window values, for bootstrapping later)."""
+        return {"value": self.value, "value_all_positions": self.value_all_positions,
+                "windows": self.last, "windows_all_positions": self.all_positions}
 
 
 class ProbeContext:
@@ -124,10 +144,23 @@ class ProbeContext:
                    adapter=None) -> tuple[float, float]:
         """``(last-position value, all-positions value)`` of a modified stack's raw last
         block output (``normed``: already after the final norm) against the dense model
-        (see module docstring)."""
+        (see module docstring); the two means of :meth:`divergence_windows`."""
+        per = self.divergence_windows(final_raw, normed=normed, adapter=adapter)
+        return per.value, per.value_all_positions
+
+    @torch.no_grad()
+    def divergence_windows(self, final_raw: list[torch.Tensor], normed: bool = False,
+                           adapter=None) -> WindowDivergence:
+        """Per-window divergence of a modified stack (see :class:`WindowDivergence`): for
+        each of the N windows, the last-position value (``1 - cos`` of the mean-pooled
+        states for encoders) and the mean over the window's positions; ``value`` and
+        ``value_all_positions`` are the overall means, accumulated batch by batch as
+        :meth:`divergence` always has (the same floats)."""
         adapter = adapter or self.adapter
         last_sum = all_sum = 0.0
         n_rows = n_tok = 0
+        last_w: list[float] = []
+        all_w: list[float] = []
         for b, h in enumerate(final_raw):
             ref = self._ref(b).to(self.runner.device)
             h = h.to(self.runner.device)
@@ -138,14 +171,20 @@ class ProbeContext:
                 tok = torch.cosine_similarity(ref.double(), final.double(), dim=-1)
                 last_sum += float((1 - pooled).sum())
                 all_sum += float((1 - tok).sum())
+                last_w += (1 - pooled).tolist()
+                all_w += (1 - tok).mean(1).tolist()
             else:
                 logits = adapter.logits(final)
-                last_sum += float(kl_from_logits_float64(ref[:, -1], logits[:, -1]).sum())
+                last = kl_from_logits_float64(ref[:, -1], logits[:, -1])
+                last_sum += float(last.sum())
+                last_w += last.tolist()
                 for r in range(h.shape[0]):  # one window at a time: [T, V] float32
-                    all_sum += float(kl_from_logits(ref[r], logits[r]).double().sum())
+                    row = float(kl_from_logits(ref[r], logits[r]).double().sum())
+                    all_sum += row
+                    all_w.append(row / h.shape[1])
             n_rows += h.shape[0]
             n_tok += h.shape[0] * h.shape[1]
-        return last_sum / n_rows, all_sum / n_tok
+        return WindowDivergence(last_w, all_w, last_sum / n_rows, all_sum / n_tok)
 
     @property
     def divergence_name(self) -> str:

@@ -6,7 +6,8 @@ token's norm (seeded Gaussian direction), run block ``i`` on the clean and pertu
 ``rho_i = mean_t ||B_i(h + eps)[t] - B_i(h)[t]|| / ||eps[t]||``. A block that is (close to)
 the identity has rho = 1; depth pruning ranks blocks by ``|rho_i - 1|`` (closest to 1 =
 most removable), optionally blended with block influence by rank. ``value`` is
-``|rho - 1|``; ``rho`` is reported beside it.
+``|rho - 1|``; ``rho`` is reported beside it, and ``windows_rho`` holds rho per calibration
+window (``value = |mean(windows_rho) - 1|``, for :mod:`prunelab.probes.reliability`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def run_contraction(cfg: Contraction, ctx) -> ProbeResult:
         eps = [perturbation(h, cfg.scale, gen) for h in clean_in]
         pert_out = ctx.run_stack(i, [i], hidden=[h + e for h, e in zip(clean_in, eps,
                                                                         strict=True)])
-        ratios = torch.cat([contraction_ratio(c, p, e).reshape(-1)
-                            for c, p, e in zip(clean_out, pert_out, eps, strict=True)])
+        per = [contraction_ratio(c, p, e) for c, p, e in zip(clean_out, pert_out, eps,
+                                                             strict=True)]
+        ratios = torch.cat([r.reshape(-1) for r in per])
         rho = float(ratios.mean())
-        scores.append({"layers": [i], "value": abs(rho - 1.0), "rho": rho})
+        windows = torch.cat([r.reshape(r.shape[0], -1).mean(1) for r in per]).tolist()
+        scores.append({"layers": [i], "value": abs(rho - 1.0), "rho": rho,
+                       "windows_rho": windows})
     return ProbeResult("contraction", config_dict(cfg), scores, kind="layer",
                        num_blocks=ctx.num_blocks)

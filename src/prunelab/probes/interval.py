@@ -5,6 +5,7 @@ length ``1..max_length`` (each run starts from the cached input of ``start``). I
 additivity (the cost of deleting two disjoint intervals is about the sum of their costs)
 then searches, for every total length ``n`` up to ``2 * max_length``, the best pair of
 disjoint, non-touching intervals by summed cost, instead of O(L^4) evaluations.
+Each score keeps its per-window values (``windows``, ``windows_all_positions``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def run_interval(cfg: Interval, ctx, resume=None, on_progress=None) -> ProbeResu
     done = {tuple(s["layers"]): s for s in (resume or {}).get("scores", [])}
     scores = [done[s] for s in spans if s in done]
     for s, e in progress([sp for sp in spans if sp not in done], desc="interval"):
-        last, allpos = ctx.divergence(ctx.run_stack(s, range(e, n)))
-        scores.append({"layers": [s, e], "value": last, "value_all_positions": allpos})
+        per = ctx.divergence_windows(ctx.run_stack(s, range(e, n)))
+        scores.append({"layers": [s, e], **per.entry()})
         if on_progress is not None:
             on_progress(scores)
     scores.sort(key=lambda x: (x["layers"][1] - x["layers"][0], x["layers"]))

@@ -37,6 +37,8 @@ from prunelab.probes.base import (
     route_options,
 )
 from prunelab.probes.context import ProbeContext
+from prunelab.probes.reliability import add_reliability
+from prunelab.registry import check_range
 
 
 def _partial_path(out: Path, name: str) -> Path:
@@ -104,7 +106,8 @@ def check_outputs(out: Path | None, names: list[str], overwrite: bool) -> None:
 def run_probes(lm, names: list, input_ids, *, data_info: dict | None = None,
                batch_size: int = 8, out_dir: str | Path | None = None,
                overwrite: bool = False, states: str = "memory", max_remove: int = 5,
-               seed: int | None = None, **options) -> dict[str, ProbeResult]:
+               seed: int | None = None, bootstrap: int = 200,
+               **options) -> dict[str, ProbeResult]:
     """Run probes ``names`` (registered names or typed configs such as
     ``Interchange(window=1)``, mixed freely) on ``input_ids`` ``[N, T]``; returns
     ``{name: ProbeResult}`` in the order given.
@@ -113,7 +116,12 @@ def run_probes(lm, names: list, input_ids, *, data_info: dict | None = None,
     are routed by :func:`~prunelab.probes.base.route_options`: each goes to the probes given
     by name that take it, and one that none of them takes is a :class:`ConfigError`.
     ``seed`` is the session's seed: it goes to the probes that take one (contraction's
-    noise) unless ``options`` set it, and is never an error."""
+    noise) unless ``options`` set it, and is never an error.
+
+    ``bootstrap``: resamples of the windows for each score's interval (``ci_low``,
+    ``ci_high``), seeded by ``seed``; 0 adds no intervals (the split-half stability in
+    ``meta["reliability"]`` is still computed; :mod:`prunelab.probes.reliability`)."""
+    check_range("bootstrap", bootstrap, 0, None, integer=True)
     configs = _build_configs(names, options, seed)
     names = list(configs)
     out = Path(out_dir) if out_dir is not None else None
@@ -128,7 +136,8 @@ def run_probes(lm, names: list, input_ids, *, data_info: dict | None = None,
     try:
         for name in names:
             results[name] = _run_one(name, configs[name], ctx, out, data_info,
-                                     fingerprints.get(name), resumes.get(name))
+                                     fingerprints.get(name), resumes.get(name),
+                                     reliability=(bootstrap, seed or 0))
         if out is not None:
             _write_reports(results, out, lm, data_info, max_remove,
                            fingerprints.get(names[0]))
@@ -167,7 +176,8 @@ def _build_configs(probes: list, options: dict, seed: int | None) -> dict:
     return configs
 
 
-def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None) -> ProbeResult:
+def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None,
+             reliability: tuple[int, int] = (200, 0)) -> ProbeResult:
     spec = probe_spec(name)
     handler = spec.handler
     cfgd = config_dict(cfg)
@@ -190,6 +200,7 @@ def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None) -> P
         "cache_block_evaluations": ctx.cache_block_evaluations if spec.forward else 0.0,
         "value_protocol": _protocol(name, ctx),
     })
+    add_reliability(result, *reliability)
     if fingerprint is not None:
         result.meta["fingerprint"] = fingerprint
     if out is not None:

@@ -10,6 +10,10 @@
   tokens, in the ``d x d`` form ``||Y^T X||_F^2 / (||X^T X||_F ||Y^T Y||_F)``; adjacent
   pairs give one value per block (CKA of its input and output; high = removable), and
   ``all_pairs`` adds every pair of boundaries.
+
+Block influence and span angular store their value per calibration window too
+(``windows``: the mean over each window's tokens, or the window's last-token distance) for
+:mod:`prunelab.probes.reliability`; CKA is not a mean over windows and has none.
 """
 
 from __future__ import annotations
@@ -33,6 +37,15 @@ def block_influence(h_in: torch.Tensor, h_out: torch.Tensor, angular: bool = Fal
     """
     c = _cos(h_in, h_out)
     return float((torch.arccos(c) / math.pi).mean() if angular else (1 - c).mean())
+
+
+def block_influence_windows(h_in: torch.Tensor, h_out: torch.Tensor,
+                            angular: bool = False) -> list[float]:
+    """:func:`block_influence` of each window: ``h_in``, ``h_out`` ``[N, T, d]`` -> N
+    floats (the mean over a window's T tokens)."""
+    c = _cos(h_in, h_out)
+    per = torch.arccos(c) / math.pi if angular else 1 - c
+    return per.reshape(per.shape[0], -1).mean(1).tolist()
 
 
 def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -62,7 +75,8 @@ def run_block_influence(cfg: BlockInfluence, ctx) -> ProbeResult:
         h_in, h_out = torch.cat(ctx.boundary(i)), torch.cat(ctx.boundary(i + 1))
         scores.append({"layers": [i], "value": block_influence(h_in, h_out, cfg.angular),
                        "value_angular": block_influence(h_in, h_out, True),
-                       "value_cosine": block_influence(h_in, h_out, False)})
+                       "value_cosine": block_influence(h_in, h_out, False),
+                       "windows": block_influence_windows(h_in, h_out, cfg.angular)})
     return ProbeResult("block-influence", config_dict(cfg), scores, kind="layer",
                        num_blocks=ctx.num_blocks)
 
@@ -87,9 +101,9 @@ def run_span_angular(cfg: SpanAngular, ctx) -> ProbeResult:
     last = [torch.cat([h[:, -1] for h in ctx.boundary(i)]) for i in range(ctx.num_blocks + 1)]
     scores = []
     for start in range(ctx.num_blocks - n + 1):
-        c = _cos(last[start], last[start + n])
-        scores.append({"layers": [start, start + n],
-                       "value": float((torch.arccos(c) / math.pi).mean())})
+        per = torch.arccos(_cos(last[start], last[start + n])) / math.pi
+        scores.append({"layers": [start, start + n], "value": float(per.mean()),
+                       "windows": per.tolist()})
     best = min(scores, key=lambda s: s["value"])
     return ProbeResult("span-angular", config_dict(cfg), scores, kind="span",
                        num_blocks=ctx.num_blocks, meta={"best_span": best["layers"]})

@@ -254,13 +254,18 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
                   data: str = "") -> str:
     """A Markdown report comparing ``results`` (name -> result): rankings, the blocks each
     protocol would remove for ``n = 1..max_remove``, rank agreement, swap classes and the
-    decision rule, and costs where recorded."""
+    decision rule, and costs where recorded; with per-window values, the ranking stability,
+    classes and rule by the bootstrap intervals, and the conclusions the intervals do not
+    support (:mod:`prunelab.probes.reliability_report`)."""
+    from prunelab.probes import reliability_report as rr
+
     lines = ["# prunelab probe summary", ""]
     lines += [f"- Model: {model or '-'}", f"- Data: {data or '-'}",
               "- Probes: " + (", ".join(f"{n} (`{r.probe}`)" for n, r in results.items())
                               or "-"),
               "- Block indices are 0-based; spans and intervals `[start, end)` are half-open.",
               ""]
+    lines += rr.stability_section(results)
 
     lines += ["## Removability rankings", ""]
     for name, result in results.items():
@@ -275,6 +280,8 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
         rows = [[str(n)] + [removal_cell(results[name], n) for name in names]
                 for n in range(1, max_remove + 1)]
         lines += _table(["n", *names], rows)
+    support = rr.removal_supports(results, max_remove)
+    lines += rr.support_lines(support, names, max_remove)
 
     lines += ["## Rank agreement (Spearman / Kendall)", ""]
     corr = rank_correlations(results)
@@ -286,20 +293,13 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
         lines += ["Fewer than two protocols with at least 3 common per-block values.", ""]
 
     pair_results = {n: r for n, r in results.items() if r.kind == "pair"}
+    adjacent: list[dict] = []
     if pair_results:
         lines += ["## Swap-pair classes", ""]
-        rows = []
-        for name, r in pair_results.items():
-            counts = dict.fromkeys(PAIR_CLASSES, 0)
-            vals = _pair_values(r)
-            for v in vals.values():
-                counts[pair_class(v)] += 1
-            rows.append([name, str(len(vals)), *(str(counts[c]) for c in PAIR_CLASSES)])
-        lines += _table(["probe", "pairs", "< 0.05 (strongly swap-similar)",
-                         "< 0.10 (conditional)", ">= 0.10 (not swap-similar)"], rows)
+        lines += rr.pair_class_lines(pair_results)
         rep, inter = _find(results, "replacement"), _find(results, "interchange")
         if rep is not None and inter is not None:
-            adjacent = [d for d in decision_rule(rep, inter)
+            adjacent = [d for d in rr.decision_rule_intervals(rep, inter)
                         if d["layers"][1] - d["layers"][0] == 1]
             lines += ["### Decision rule (adjacent pairs)", "",
                       "Threshold 0.10: replacement high and interchange low -> trust "
@@ -307,11 +307,7 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
                       "another signal; replacement low and interchange high -> trust "
                       "replacement (unusual).", ""]
             if adjacent:
-                lines += _table(
-                    ["pair", "replacement", "class", "interchange", "class", "rule"],
-                    [[f"{d['layers'][0]}-{d['layers'][1]}", d["replacement"],
-                      d["replacement_class"], d["interchange"], d["interchange_class"],
-                      d["rule"]] for d in adjacent])
+                lines += rr.decision_lines(adjacent)
             else:
                 lines += ["No adjacent pair measured by both.", ""]
 
@@ -321,4 +317,5 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
         lines += ["## Cost", ""]
         lines += _table(["probe", "block evaluations", "seconds"],
                         [[n, m.get("block_evaluations"), m.get("seconds")] for n, m in costs])
+    lines += rr.flags_section(results, support, adjacent)
     return "\n".join(lines).rstrip() + "\n"

@@ -11,6 +11,11 @@ q clamped >= 1e-40), ``value_all_positions`` the mean over all positions. Pairs:
 from the cached input of block ``min(i, j)``; a block moved to another depth keeps its own
 attention arguments (its own sliding-window type). Pair classes by mean KL: < 0.05
 strongly swap-similar, < 0.10 conditional, >= 0.10 not swap-similar.
+
+Every score also stores its per-window values (``windows``, ``windows_all_positions``;
+replacement: ``windows_i_from_j``, ``windows_j_from_i`` and their ``_all_positions``, the
+value being the larger of the two means) so that :mod:`prunelab.probes.reliability` can
+bootstrap a saved result without rerunning it.
 """
 
 from __future__ import annotations
@@ -110,8 +115,7 @@ def run_interchange(cfg: Interchange, ctx, resume=None, on_progress=None) -> Pro
     n = ctx.num_blocks
 
     def measure(i, j):
-        last, allpos = ctx.divergence(ctx.run_stack(i, interchange_order(n, i, j)))
-        return {"value": last, "value_all_positions": allpos}
+        return ctx.divergence_windows(ctx.run_stack(i, interchange_order(n, i, j))).entry()
 
     return _run_pairs("interchange", cfg, ctx, measure, resume, on_progress)
 
@@ -121,10 +125,15 @@ def run_replacement(cfg: Replacement, ctx, resume=None, on_progress=None) -> Pro
     n = ctx.num_blocks
 
     def measure(i, j):
-        a_last, a_all = ctx.divergence(ctx.run_stack(i, replacement_order(n, i, j)))
-        b_last, b_all = ctx.divergence(ctx.run_stack(j, replacement_order(n, j, i)))
-        return {"value": max(a_last, b_last), "value_all_positions": max(a_all, b_all),
-                "i_from_j": a_last, "j_from_i": b_last,
-                "i_from_j_all_positions": a_all, "j_from_i_all_positions": b_all}
+        a = ctx.divergence_windows(ctx.run_stack(i, replacement_order(n, i, j)))
+        b = ctx.divergence_windows(ctx.run_stack(j, replacement_order(n, j, i)))
+        return {"value": max(a.value, b.value),
+                "value_all_positions": max(a.value_all_positions, b.value_all_positions),
+                "i_from_j": a.value, "j_from_i": b.value,
+                "i_from_j_all_positions": a.value_all_positions,
+                "j_from_i_all_positions": b.value_all_positions,
+                "windows_i_from_j": a.last, "windows_j_from_i": b.last,
+                "windows_i_from_j_all_positions": a.all_positions,
+                "windows_j_from_i_all_positions": b.all_positions}
 
     return _run_pairs("replacement", cfg, ctx, measure, resume, on_progress)

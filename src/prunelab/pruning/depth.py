@@ -45,7 +45,8 @@ class Depth:
     ``select`` over ``probe`` (or a saved probe result ``from_probe``) and repaired by
     ``recovery``. ``select=None`` picks ``no-adjacent`` for pair probes, ``span`` for
     span/interval probes, else ``one-shot``. ``strategy`` is an alias of ``select`` for a
-    name. ``window`` and ``seed`` go to the probes (``seed`` also seeds ``random``)."""
+    name. ``window`` and ``seed`` go to the probes (``seed`` also seeds ``random``).
+    ``bootstrap`` / ``max_instability``: see :func:`check_selection`."""
 
     remove: int | None = _help("number of blocks to remove")
     target_params: float | None = _help("parameters to keep: a fraction (<= 1) or a count")
@@ -57,6 +58,10 @@ class Depth:
     window: int | None = _help("pair probes: |i - j| <= W", 1)
     seed: int = _help("random strategy and probe seed", 0)
     blocks: tuple = _help("explicit 0-based blocks, e.g. 3,5", default_factory=tuple)
+    bootstrap: int = _help("resamples of the windows re-deriving the removal set (0: off)",
+                           200)
+    max_instability: float = _help("warn when more than this share of the resamples gives "
+                                   "another removal set", 0.5)
     strategy: InitVar[str | None] = None
 
     _registries = {"select": STRATEGIES, "recovery": RECOVERIES}
@@ -71,6 +76,8 @@ class Depth:
             check_range("remove", self.remove, 1, None, integer=True)
         if self.target_params is not None:
             check_range("target_params", self.target_params, 1e-9, None)
+        check_range("bootstrap", self.bootstrap, 0, None, integer=True)
+        check_range("max_instability", self.max_instability, 0.0, 1.0)
         choice = self.select
         if strategy is not None:
             if choice is not None:
@@ -172,4 +179,37 @@ def select(lm, cfg: Depth, ctx: ProbeContext, n: int,
     job = SelectJob(lm, cfg, ctx, n, run_probe=lambda name, c, k: run_probe(name, c, cfg, k),
                     load_result=load, _result=result)
     strategy = cfg.select or STRATEGIES.make(default_strategy(job.result()))
-    return strategy.choose(job)
+    removed, how = strategy.choose(job)
+    check_selection(strategy, job, removed, how)
+    return removed, how
+
+
+#: strategies whose choice is a pure function of the probe's scores (re-derived per resample)
+RESAMPLED_STRATEGIES = ("one-shot", "no-adjacent", "span")
+
+
+def check_selection(strategy: Strategy, job: SelectJob, removed: list[int], how: dict) -> None:
+    """For a strategy of :data:`RESAMPLED_STRATEGIES` over a probe with per-window values:
+    re-derive the removal set on ``cfg.bootstrap`` resamples of the calibration windows
+    (:func:`prunelab.probes.reliability.selection_stability`, seeded by ``cfg.seed``),
+    record ``how["selection_stability"]`` (``share_same``, per-block ``inclusion``) and log
+    one warning line when the share of resamples giving another set exceeds
+    ``cfg.max_instability`` (default 0.5: the chosen set is then not even the likelier
+    outcome of another calibration sample of the same size; at 200 resamples the share's
+    standard error is at most 0.035, well inside that margin)."""
+    from prunelab.log import info
+    from prunelab.probes.reliability import selection_stability
+
+    cfg = job.cfg
+    if STRATEGIES.name_of(strategy) not in RESAMPLED_STRATEGIES or cfg.bootstrap < 1:
+        return
+    stab = selection_stability(job.result(), lambda rep: strategy.pick(
+        job, rep, rep.layer_values(), {}), removed, n=cfg.bootstrap, seed=cfg.seed)
+    if stab is None:
+        return
+    how["selection_stability"] = stab
+    if 1.0 - stab["share_same"] > cfg.max_instability:
+        info(f"prunelab: warning: blocks {sorted(removed)} are not stable under the "
+             f"bootstrap of the calibration windows: only {stab['share_same']:.0%} of "
+             f"{stab['bootstrap']} resamples give the same set (more --samples, or another "
+             "probe)")

@@ -6,7 +6,8 @@
 * span probes: bars of ``value`` against the span start; interval probes: a heatmap of
   ``value`` by start and length.
 
-Every block index is 0-based. With ``path`` the PNG is written atomically (a temporary file
+Bars get whiskers from the scores' bootstrap intervals (``ci_low``, ``ci_high``) where
+present. Every block index is 0-based. With ``path`` the PNG is written atomically (a temporary file
 in the same folder, then :func:`os.replace`).
 """
 
@@ -118,6 +119,23 @@ def _no_data(ax, title: str) -> None:
     ax.set_axis_off()
 
 
+def error_bars(ax, xs: list[float], entries: list[dict]) -> None:
+    """Whiskers from each entry's bootstrap interval (``ci_low``, ``ci_high``; see
+    :mod:`prunelab.probes.reliability`) around its ``value`` at ``xs``; entries without an
+    interval get none."""
+    pts = [(x, s) for x, s in zip(xs, entries, strict=True)
+           if s.get("ci_low") is not None and s.get("ci_high") is not None
+           and s.get("value") is not None]
+    if not pts:
+        return
+    v = np.array([float(s["value"]) for _, s in pts])
+    low = np.array([float(s["ci_low"]) for _, s in pts])
+    high = np.array([float(s["ci_high"]) for _, s in pts])
+    yerr = np.vstack([np.clip(v - low, 0, None), np.clip(high - v, 0, None)])
+    ax.errorbar([x for x, _ in pts], v, yerr=yerr, fmt="none", ecolor="black",
+                elinewidth=0.8, capsize=2)
+
+
 # ---------------------------------------------------------------- per kind
 def _layer_bars(ax, result: ProbeResult, title: str) -> None:
     entries = _block_entries(result)
@@ -126,6 +144,7 @@ def _layer_bars(ax, result: ProbeResult, title: str) -> None:
         return
     x = [s["layers"][0] for s in entries]
     ax.bar(x, [s["value"] for s in entries], color="C0")
+    error_bars(ax, x, entries)
     ax.set_xlabel("block (0-based)")
     ax.set_ylabel("value")
     ax.set_title(title)
@@ -134,8 +153,10 @@ def _layer_bars(ax, result: ProbeResult, title: str) -> None:
 
 def _sublayer_bars(ax, result: ProbeResult, title: str) -> None:
     parts: dict[str, dict[int, float]] = {}
+    found: dict[str, dict[int, dict]] = {}
     for s in result.scores:
         parts.setdefault(s.get("sublayer", "value"), {})[s["layers"][0]] = s["value"]
+        found.setdefault(s.get("sublayer", "value"), {})[s["layers"][0]] = s
     if not parts:
         _no_data(ax, title)
         return
@@ -147,6 +168,7 @@ def _sublayer_bars(ax, result: ProbeResult, title: str) -> None:
         offset = (k - (len(order) - 1) / 2) * width
         ax.bar([b + offset for b in blocks], [parts[part][b] for b in blocks], width=width,
                label=part, color=f"C{k}")
+        error_bars(ax, [b + offset for b in blocks], [found[part][b] for b in blocks])
     ax.set_xlabel("block (0-based)")
     ax.set_ylabel("value")
     ax.set_title(title)
@@ -162,6 +184,7 @@ def _span_bars(ax, result: ProbeResult, title: str) -> None:
         return
     lengths = sorted({s["layers"][1] - s["layers"][0] for s in entries})
     ax.bar([s["layers"][0] for s in entries], [s["value"] for s in entries], color="C0")
+    error_bars(ax, [s["layers"][0] for s in entries], entries)
     span = ", ".join(str(n) for n in lengths)
     ax.set_xlabel(f"span start l (0-based; span [l, l+{span}))")
     ax.set_ylabel("value")
