@@ -278,7 +278,7 @@ def plan_blocks(meas: Measurement, scores: list[float], budget: float,
     covers ``budget`` (both branches of each chosen block)."""
     blocks = sorted({i for i, _ in meas.sublayers})
     cost = {b: 0 for b in blocks}
-    for (i, _), f in zip(meas.sublayers, meas.flops):
+    for (i, _), f in zip(meas.sublayers, meas.flops, strict=True):
         cost[i] += f
     picks = _cover([scores[b] for b in blocks], [cost[b] for b in blocks], budget)
     chosen = [blocks[k] for k in picks]
