@@ -277,3 +277,14 @@ def test_unsupported_families_fail_before_calibration(arch):
     with pytest.raises(UnsupportedOperationError) as err:
         prunelab.prune(lm, Gates(), "text:/nonexistent/file.txt")
     assert "\n" not in str(err.value) and "pre-norm decoder" in str(err.value)
+
+
+def test_a_budget_reached_exactly_needs_no_extra_block():
+    # 10 equal blocks: 10 % is exactly one block (0.1 read as 1/10, not the float above it)
+    meas = _meas([[float(k)] for k in range(20)], [1] * 20,
+                 [(i // 2, ("attention", "mlp")[i % 2]) for i in range(20)])
+    plan = plan_blocks(meas, list(range(10)), 0.1)
+    assert plan.details["blocks"] == [0] and plan.achieved == 0.1
+    assert plan_probe_greedy(meas, 0.3).sublayers == [(0, "attention"), (0, "mlp"),
+                                                       (1, "attention"), (1, "mlp"),
+                                                       (2, "attention"), (2, "mlp")]

@@ -221,9 +221,11 @@ class Plan:
 
 
 def _cover(keys, costs: list[int], budget: float) -> list[int]:
+    """Cover ``budget`` exactly: the budget read as the decimal it prints as (0.1 is 1/10,
+    not the binary float just above it), times the total compute."""
     total = sum(costs)
     try:
-        return cover_budget(keys, costs, Fraction(budget) * total)
+        return cover_budget(keys, costs, Fraction(repr(float(budget))) * total)
     except ValueError:
         raise ConfigError(f"budget {budget} cannot be reached") from None
 
