@@ -23,6 +23,7 @@ from prunelab.pruning.base import (
 )
 from prunelab.pruning.depth import Depth, depth_from_cli
 from prunelab.pruning.factor import FactorConfig, factor_methods
+from prunelab.pruning.gates import Gates, GatesPruner  # registers "gates"
 from prunelab.pruning.recoveries import (
     RECOVERIES,
     Boundary,
@@ -69,7 +70,7 @@ from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers
 __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",
            "WIDTH_SCORES", "Beam", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
            "DictReport", "FactorConfig", "Foldable", "Ghost", "Iterative", "LastN", "Lra",
-           "Magnitude", "factor_methods",
+           "Gates", "GatesPruner", "Magnitude", "factor_methods",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
            "Pruner", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
            "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
