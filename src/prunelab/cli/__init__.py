@@ -12,7 +12,12 @@ import sys
 import typer
 
 from prunelab import log
-from prunelab.cli import factor_cmds, inspect_cmds, prune_cmds  # noqa: F401  (register)
+from prunelab.cli import (  # noqa: F401  (register)
+    conditional_cmds,
+    factor_cmds,
+    inspect_cmds,
+    prune_cmds,
+)
 from prunelab.cli.apps import app
 from prunelab.cli.common import state
 from prunelab.errors import PrunelabError

@@ -196,6 +196,8 @@ def probe(model: str = ModelOpt,
           max_length: Optional[int] = typer.Option(None, help="interval: longest interval "
                                                    "measured (default 4)"),
           max_remove: int = typer.Option(5, help="summary: removal sets for n = 1..N"),
+          bootstrap: int = typer.Option(200, help="bootstrap resamples of the windows for "
+                                        "the 95 % intervals of every score (0: none)"),
           samples: int = typer.Option(16, help="calibration windows"),
           seqlen: int = typer.Option(256, help="window length in tokens"),
           seed: int = typer.Option(0, help="window sampling and noise seed"),
@@ -229,13 +231,21 @@ def probe(model: str = ModelOpt,
         results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                             states=states, window=window, pairs=parse_pairs(pairs) or None,
-                            span=span, max_length=max_length, max_remove=max_remove)
+                            span=span, max_length=max_length, max_remove=max_remove,
+                            bootstrap=bootstrap)
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
-    for col in ("probe", "most removable", "block evals", "seconds"):
+    for col in ("probe", "most removable", "ranking stability", "block evals", "seconds"):
         t.add_column(col, overflow="fold")
     for name, res in results.items():
         rank = res.ranking()[:8]
-        t.add_row(name, ", ".join(map(str, rank)) if rank else "-",
+        rel = res.meta.get("reliability") or {}
+        stab = rel.get("stability")
+        need = rel.get("windows_for_0.9")
+        stab_txt = "-" if stab is None else (
+            f"{stab:.2f} at {rel.get('windows')} windows"
+            + (f"; ~{need} for 0.9" if isinstance(need, int) and need > (rel.get("windows")
+                                                                         or 0) else ""))
+        t.add_row(name, ", ".join(map(str, rank)) if rank else "-", stab_txt,
                   f"{res.meta.get('block_evaluations', 0):.0f}",
                   f"{res.meta.get('seconds', 0):.1f}")
     out.print(t)

@@ -1,0 +1,91 @@
+"""Conditional computation: ``prunelab prune gates`` (CausalGate static sublayer gates)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from prunelab.cli.apps import prune_app
+from prunelab.cli.common import (
+    BatchOpt,
+    DeviceOpt,
+    DtypeOpt,
+    LoadArgs,
+    MissingOpt,
+    ModelOpt,
+    OffloadOpt,
+    PickleOpt,
+    RemoteOpt,
+    out,
+)
+from prunelab.cli.prune_cmds import build_config, prune_and_save
+
+
+@prune_app.command("gates")
+def prune_gates_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        budget: Optional[float] = typer.Option(
+            None, help="fraction of the sublayer compute (FLOPs per token of the attention "
+            "projections and MLPs) to skip (default 0.2)"),
+        ema: Optional[float] = typer.Option(None, help="EMA factor over the bootstrap "
+                                            "rounds (default 0.9)"),
+        rounds: Optional[int] = typer.Option(None, help="bootstrap resamples of the "
+                                             "calibration windows (default 8)"),
+        rank_weight: Optional[float] = typer.Option(None, help="weight of the pairwise "
+                                                    "ranking loss (default 1.0)"),
+        select: Optional[str] = typer.Option(None, help="per-flop (importance per FLOP) or "
+                                             "order (gate order alone)"),
+        positions: Optional[str] = typer.Option(None, help="KL over all positions (default) "
+                                                "or the last one"),
+        settings: Optional[list[str]] = typer.Option(
+            None, "--set", help="KEY=VALUE: any option of the gates config (repeatable: "
+            "tau, steps, lr, seed, attention_scores)"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """CausalGate: gates fitted to the KL of zeroing each attention / MLP branch; the
+    lowest are removed for real until --budget of the sublayer compute is skipped."""
+    from prunelab.pruning.gates import Gates
+
+    flat = {"budget": ("--budget", budget), "ema": ("--ema", ema),
+            "rounds": ("--rounds", rounds), "rank_weight": ("--rank-weight", rank_weight),
+            "select": ("--select", select), "positions": ("--positions", positions)}
+    cfg = build_config(Gates, "prune gates", flat, settings)
+    load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                    allow_missing_weights, offload)
+    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                   samples=samples, seed=seed, batch_size=batch_size,
+                   metrics=("achieved", "params_after", "flops_per_token_after"),
+                   show=lambda lm, rep: _show_gates(lm, rep, model, out_dir))
+
+
+def _show_gates(lm, rep, model: str, out_dir: Path) -> None:
+    from prunelab.io.remote import load_hint
+
+    t = Table(title=f"CausalGate sublayer removal of {model} (0-based blocks)",
+              show_header=False)
+    f0, f1 = rep["flops_per_token_before"], rep["flops_per_token_after"]
+    subs = ", ".join(f"{i}:{'attn' if p == 'attention' else 'mlp'}"
+                     for i, p in rep["removed_sublayers"]) or "-"
+    rows = [("sublayer compute skipped", f"{rep['achieved']:.1%} (asked {rep['budget']:.1%})"),
+            ("removed sublayers", subs),
+            ("deleted blocks (both branches gone)", str(rep["deleted_blocks"])),
+            ("parameters", f"{rep['params_before']:,} -> {rep['params_after']:,}"),
+            ("FLOPs per token (linear maps)", f"{f0:,} -> {f1:,} ({f1 / max(f0, 1):.1%})"),
+            ("seconds", f"{rep['seconds']:.1f}"),
+            ("checkpoint", str(out_dir))]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+    out.print("loads with: " + (load_hint(lm.model) if rep["needs_remote_code"]
+                                else "plain transformers (no remote code)"))
