@@ -40,7 +40,7 @@ class PrunePath:
 
     experts: int = field(default=16, metadata=_help(
         "experts per FFN (channels split into equal-size groups)"))
-    clustering: str = field(default="kmeans", metadata=_help(
+    clustering: str = field(default="coactivation", metadata=_help(
         "kmeans (balanced k-means of the normalised gate/up rows) or coactivation "
         "(balanced k-means of the channels' activation magnitudes on calibration data)"))
     router: str = field(default="fitted", metadata=_help(

@@ -90,7 +90,8 @@ class PrunePathMLP(PrunelabModule):
             per_expert = [tokens] * self.num_experts
         else:
             self.stat_routed += tokens
-        self.stat_expert_tokens = [a + b for a, b in zip(self.stat_expert_tokens, per_expert)]
+        self.stat_expert_tokens = [a + b for a, b in
+                                   zip(self.stat_expert_tokens, per_expert, strict=True)]
 
     def expert_flops(self) -> list:
         """Multiply-adds x 2 per token of each expert (three projections, biases as adds)."""
@@ -113,7 +114,7 @@ class PrunePathMLP(PrunelabModule):
         bias = 2 * self.hidden if self.down_proj.bias is not None else 0
         if self.stat_tokens == 0:
             return self.dense_flops() + self.router_flops()
-        total = sum(n * f for n, f in zip(self.stat_expert_tokens, ef))
+        total = sum(n * f for n, f in zip(self.stat_expert_tokens, ef, strict=True))
         total += self.stat_routed * self.router_flops() + self.stat_tokens * bias
         return int(round(total / self.stat_tokens))
 
