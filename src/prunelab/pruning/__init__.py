@@ -24,6 +24,7 @@ from prunelab.pruning.base import (
 from prunelab.pruning.depth import Depth, depth_from_cli
 from prunelab.pruning.factor import FactorConfig, factor_methods
 from prunelab.pruning.gates import Gates, GatesPruner  # registers "gates"
+from prunelab.pruning.moe import PrunePath  # registers "prunepath"
 from prunelab.pruning.recoveries import (
     RECOVERIES,
     Boundary,
@@ -72,7 +73,7 @@ __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATI
            "DictReport", "FactorConfig", "Foldable", "Ghost", "Iterative", "LastN", "Lra",
            "Gates", "GatesPruner", "Magnitude", "factor_methods",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
-           "Pruner", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
+           "Pruner", "PrunePath", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
            "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
            "WidthAllocation", "WidthPruner", "WidthReport", "WidthScore", "config_from_dict",
            "depth_from_cli", "pruner_for", "register_pruner", "sparsity_methods",
