@@ -27,6 +27,7 @@ from prunelab.probes.base import PROBES, make_config, options_for, probe_spec
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.options import piece_from_flat
 from prunelab.pruning.recoveries import RECOVERIES, Recovery
+from prunelab.pruning.search_budget import check_search_options
 from prunelab.pruning.strategies import STRATEGIES, SelectJob, Strategy
 from prunelab.registry import check_range, strict_kwargs
 
@@ -57,6 +58,10 @@ class Depth:
     window: int | None = _help("pair probes: |i - j| <= W", 1)
     seed: int = _help("random strategy and probe seed", 0)
     blocks: tuple = _help("explicit 0-based blocks, e.g. 3,5", default_factory=tuple)
+    granularity: str = _help("block, or sublayer: attention and MLP sub-blocks (budget in "
+                             "parameters; see pruning.search_budget)", "block")
+    recovery_in_loop: bool = _help("beam / sleb / iterative: score each candidate after "
+                                   "its recovery", False)
     strategy: InitVar[str | None] = None
 
     _registries = {"select": STRATEGIES, "recovery": RECOVERIES}
@@ -87,6 +92,7 @@ class Depth:
         if self.probe not in PROBES:
             raise ConfigError(f"unknown probe {self.probe!r}; available: "
                               f"{', '.join(PROBES.names())}")
+        check_search_options(self)
 
     @property
     def recovery_name(self) -> str:
