@@ -177,7 +177,8 @@ def test_every_registered_piece_documents_its_options_for_the_cli():
         for flag, opt in flat_options(registry).items():
             assert opt.help and opt.owners, flag
     opts = flat_options(STRATEGIES)
-    assert sorted(opts) == ["beam_score", "beam_seeds", "beam_width", "blend_probe"]
+    assert sorted(opts) == ["beam_score", "beam_seeds", "beam_width", "blend_probe",
+                            "protect_ends", "sleb_score"]
     assert (opts["beam_width"].default, opts["beam_width"].help) == (3, "beam: width")
     assert opts["blend_probe"].owners == {"blend": "probe"}
     assert flat_options(RECOVERIES)["token_aware"].owners == {"ghost": "token_aware",
