@@ -52,6 +52,7 @@ from prunelab.pruning.strategies import (
     NoAdjacent,
     OneShot,
     Random,
+    Sleb,
     Span,
     Strategy,
 )
@@ -72,7 +73,7 @@ __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATI
            "Magnitude", "factor_methods",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
            "Pruner", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
-           "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
+           "Sleb", "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
            "WidthAllocation", "WidthPruner", "WidthReport", "WidthScore", "config_from_dict",
            "depth_from_cli", "pruner_for", "register_pruner", "sparsity_methods",
            "width_from_cli"]
