@@ -30,6 +30,7 @@ from prunelab.pruning import (
     NoAdjacent,
     OneShot,
     Random,
+    Sleb,
     Span,
 )
 from prunelab.pruning.width import AblationKL, Putri, Width
@@ -48,7 +49,7 @@ DEPTH = {
     "llama": Depth(remove=2, select=OneShot(), recovery=Lra(rank=4)),
     "mistral": Depth(remove=2, select=LastN(), recovery="foldable"),
     "qwen2": Depth(remove=2, select=Beam(width=2, seeds=3), recovery=Ghost(token_aware=True)),
-    "qwen3": Depth(remove=2, select=LastN(), recovery="boundary"),
+    "qwen3": Depth(remove=2, select=Sleb(protect_ends=True), recovery="boundary"),
     "gemma": Depth(remove=2, select=Span(), recovery="none"),
     "gemma2": Depth(remove=2, select=Blend(probe="interchange"), recovery="ghost"),
     "gemma3_text": Depth(remove=2, probe="interchange", select=NoAdjacent(), recovery="lra"),

@@ -311,3 +311,27 @@ def test_sublayer_one_shot_needs_a_sub_block_probe_result(tmp_path):
     parts, _ = select(lm, Depth(remove=1, granularity="sublayer", from_probe=str(path)),
                       ctx, 1)
     assert parts and all(p in PARTS for _, p in parts)
+
+
+@pytest.mark.parametrize("arch,recovery", [("llama", "ghost"), ("gemma3_text", "none"),
+                                           ("phi3", "lra")])
+def test_sublayer_depth_checkpoints_reload_with_identical_logits(arch, recovery, tmp_path):
+    import transformers as tf
+
+    import prunelab
+    from prunelab.data import TokenBatches
+    from prunelab.pruning import METHODS
+
+    calib = TokenBatches(input_ids=IDS, spec="tiny", seqlen=12, samples=4, seed=0,
+                         mode="calib", total_windows=4, sha256="0")
+    cfg = Depth(remove=1, select=Sleb(score="kl"), granularity="sublayer", recovery=recovery)
+    lm = _lm(arch)
+    rep = prunelab.prune(lm, cfg, calib, batch_size=2)
+    assert rep["needs_remote_code"]  # a block kept one branch, or a bridge was fitted
+    out = prunelab.save(lm, tmp_path / "ckpt")
+    again = tf.AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, attn_implementation="eager").eval()
+    torch.testing.assert_close(_logits(again), _logits(lm.model), rtol=0, atol=0)
+    man = json.loads((out / "manifest.json").read_text())
+    assert METHODS.from_dict(man["operations"][-1]["config"]) == cfg
+    assert man["operations"][-1]["removed_sublayers"] == rep["removed_sublayers"]

@@ -2,13 +2,17 @@
 
 ``Depth(remove=3, select=Beam(width=3, seeds=12), recovery=Ghost(token_aware=True))``:
 the selection strategy is a registered config of :mod:`prunelab.pruning.strategies`
-(``one-shot``, ``no-adjacent``, ``span``, ``iterative``, ``beam``, ``blend``, ``last-n``,
-``random``; default from the probe's kind), the recovery one of
+(``one-shot``, ``no-adjacent``, ``span``, ``iterative``, ``beam``, ``sleb``, ``blend``,
+``last-n``, ``random``; default from the probe's kind), the recovery one of
 :mod:`prunelab.pruning.recoveries` (``none``, ``foldable``, ``boundary``: vanilla
 checkpoints; ``ghost``, ``lra``: linear bridges, checkpoints load with
 ``trust_remote_code=True``). Names are accepted wherever a config is
 (``Depth(remove=3, strategy="beam", recovery="ghost")``: the registered defaults), and
 :func:`depth_from_cli` maps the flat command-line options onto them.
+
+``granularity="sublayer"`` searches attention and MLP sub-blocks at a parameter budget
+(:mod:`prunelab.pruning.search_budget`); ``recovery_in_loop`` scores each candidate of
+``beam`` / ``sleb`` / ``iterative`` after its recovery (:mod:`prunelab.pruning.removal_plan`).
 
 Recovery is fitted on calibration windows (float64 solves), targets = the dense model's
 hidden state after each removed span; cuts are repaired in order, each seeing the repaired

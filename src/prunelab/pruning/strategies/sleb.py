@@ -77,6 +77,9 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool) -> tuple[list,
     from prunelab.pruning.removal_plan import Plan, PlanStates, cut_block, cuts_of, unit_name
     from prunelab.pruning.search_budget import candidates
 
+    if score == "nll" and job.ctx.encoder:
+        raise ConfigError("sleb score nll needs a causal LM; use --sleb-score kl "
+                          "(1 - cos for encoders)")
     scorer, budget, evals0 = search_setup(job, score)
     states, plan, steps = PlanStates(scorer), Plan(), []
     in_loop = scorer.recovery is not None
