@@ -30,6 +30,7 @@ from prunelab.pruning import (
     NoAdjacent,
     OneShot,
     Random,
+    Sleb,
     Span,
 )
 from prunelab.pruning.width import AblationKL, Putri, Width
@@ -48,7 +49,7 @@ DEPTH = {
     "llama": Depth(remove=2, select=OneShot(), recovery=Lra(rank=4)),
     "mistral": Depth(remove=2, select=LastN(), recovery="foldable"),
     "qwen2": Depth(remove=2, select=Beam(width=2, seeds=3), recovery=Ghost(token_aware=True)),
-    "qwen3": Depth(remove=2, select=LastN(), recovery="boundary"),
+    "qwen3": Depth(remove=2, select=Sleb(protect_ends=True), recovery="boundary"),
     "gemma": Depth(remove=2, select=Span(), recovery="none"),
     "gemma2": Depth(remove=2, select=Blend(probe="interchange"), recovery="ghost"),
     "gemma3_text": Depth(remove=2, probe="interchange", select=NoAdjacent(), recovery="lra"),
@@ -177,7 +178,8 @@ def test_every_registered_piece_documents_its_options_for_the_cli():
         for flag, opt in flat_options(registry).items():
             assert opt.help and opt.owners, flag
     opts = flat_options(STRATEGIES)
-    assert sorted(opts) == ["beam_score", "beam_seeds", "beam_width", "blend_probe"]
+    assert sorted(opts) == ["beam_score", "beam_seeds", "beam_width", "blend_probe",
+                            "protect_ends", "sleb_score"]
     assert (opts["beam_width"].default, opts["beam_width"].help) == (3, "beam: width")
     assert opts["blend_probe"].owners == {"blend": "probe"}
     assert flat_options(RECOVERIES)["token_aware"].owners == {"ghost": "token_aware",

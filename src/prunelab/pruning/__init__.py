@@ -54,6 +54,7 @@ from prunelab.pruning.strategies import (
     NoAdjacent,
     OneShot,
     Random,
+    Sleb,
     Span,
     Strategy,
 )
@@ -74,7 +75,7 @@ __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATI
            "Gates", "GatesPruner", "Magnitude", "factor_methods",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
            "Pruner", "PrunePath", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
-           "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
+           "Sleb", "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
            "WidthAllocation", "WidthPruner", "WidthReport", "WidthScore", "config_from_dict",
            "depth_from_cli", "pruner_for", "register_pruner", "sparsity_methods",
            "width_from_cli"]

@@ -2,13 +2,17 @@
 
 ``Depth(remove=3, select=Beam(width=3, seeds=12), recovery=Ghost(token_aware=True))``:
 the selection strategy is a registered config of :mod:`prunelab.pruning.strategies`
-(``one-shot``, ``no-adjacent``, ``span``, ``iterative``, ``beam``, ``blend``, ``last-n``,
-``random``; default from the probe's kind), the recovery one of
+(``one-shot``, ``no-adjacent``, ``span``, ``iterative``, ``beam``, ``sleb``, ``blend``,
+``last-n``, ``random``; default from the probe's kind), the recovery one of
 :mod:`prunelab.pruning.recoveries` (``none``, ``foldable``, ``boundary``: vanilla
 checkpoints; ``ghost``, ``lra``: linear bridges, checkpoints load with
 ``trust_remote_code=True``). Names are accepted wherever a config is
 (``Depth(remove=3, strategy="beam", recovery="ghost")``: the registered defaults), and
 :func:`depth_from_cli` maps the flat command-line options onto them.
+
+``granularity="sublayer"`` searches attention and MLP sub-blocks at a parameter budget
+(:mod:`prunelab.pruning.search_budget`); ``recovery_in_loop`` scores each candidate of
+``beam`` / ``sleb`` / ``iterative`` after its recovery (:mod:`prunelab.pruning.removal_plan`).
 
 Recovery is fitted on calibration windows (float64 solves), targets = the dense model's
 hidden state after each removed span; cuts are repaired in order, each seeing the repaired
@@ -27,6 +31,7 @@ from prunelab.probes.base import PROBES, make_config, options_for, probe_spec
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.options import piece_from_flat
 from prunelab.pruning.recoveries import RECOVERIES, Recovery
+from prunelab.pruning.search_budget import check_search_options
 from prunelab.pruning.strategies import STRATEGIES, SelectJob, Strategy
 from prunelab.registry import check_range, strict_kwargs
 
@@ -62,6 +67,10 @@ class Depth:
                            200)
     max_instability: float = _help("warn when more than this share of the resamples gives "
                                    "another removal set", 0.5)
+    granularity: str = _help("block, or sublayer: attention and MLP sub-blocks (budget in "
+                             "parameters; see pruning.search_budget)", "block")
+    recovery_in_loop: bool = _help("beam / sleb / iterative: score each candidate after "
+                                   "its recovery", False)
     strategy: InitVar[str | None] = None
 
     _registries = {"select": STRATEGIES, "recovery": RECOVERIES}
@@ -94,6 +103,7 @@ class Depth:
         if self.probe not in PROBES:
             raise ConfigError(f"unknown probe {self.probe!r}; available: "
                               f"{', '.join(PROBES.names())}")
+        check_search_options(self)
 
     @property
     def recovery_name(self) -> str:

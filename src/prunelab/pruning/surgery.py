@@ -44,12 +44,17 @@ class DepthReport(MethodReport):
         return {"removed_blocks": self.removed_blocks, "recovery": self.recovery}
 
 
-def recover(lm, cfg: Depth, ctx: ProbeContext, removed: list[int], batch_size: int) -> list:
+def recover(lm, cfg: Depth, ctx: ProbeContext, removed: list[int], batch_size: int,
+            spans: list | None = None) -> list:
     """Fit ``cfg.recovery`` at every cut of the (already shortened) model, in order;
-    returns one record per cut (span, where, fit statistics)."""
+    returns one record per cut (span, where, fit statistics). ``spans``: repair only these
+    half-open ``[s, e)`` spans (recovery in the loop: where the repair helped)."""
     recovery = cfg.recovery
     cuts = {}  # new index of the last kept block before the cut -> dense target
+    keep = None if spans is None else {tuple(sp) for sp in spans}
     for s, e in contiguous_spans(removed):
+        if keep is not None and (s, e) not in keep:
+            continue
         k = s - 1 - sum(1 for r in removed if r < s)
         cuts[k] = (s, e, ctx.boundary(e))
     for k in sorted(cuts):
@@ -86,6 +91,12 @@ def run_depth(lm, cfg: Depth, input_ids, batch_size: int = 8, ctx: ProbeContext 
     ctx = ctx or ProbeContext(lm, input_ids, batch_size=batch_size, lazy=True)
     evals0 = ctx.block_evaluations
     try:
+        if cfg.granularity == "sublayer":
+            from prunelab.pruning import sublayer_depth as sd
+            if removed is not None:
+                sd.refuse_given_blocks()
+            return sd.run_sublayer_depth(lm, cfg, ctx, batch_size, evals0,
+                                         blocks_to_remove(lm, cfg))
         if removed is None:
             removed, how = select(lm, cfg, ctx, blocks_to_remove(lm, cfg))
         else:
@@ -94,7 +105,8 @@ def run_depth(lm, cfg: Depth, input_ids, batch_size: int = 8, ctx: ProbeContext 
         ctx.ensure_cached()
         lm.adapter.delete_blocks(removed)
         kl_none = ctx.model_divergence(lm)
-        records = recover(lm, cfg, ctx, removed, batch_size) if cfg.recovery.fits else []
+        records = recover(lm, cfg, ctx, removed, batch_size, how.get("repair_spans")) \
+            if cfg.recovery.fits else []
         kl_after = ctx.model_divergence(lm) if records else kl_none
     finally:
         if own:

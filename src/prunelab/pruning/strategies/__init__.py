@@ -15,10 +15,11 @@ from prunelab.pruning.strategies.no_adjacent import NoAdjacent
 from prunelab.pruning.strategies.span import Span
 from prunelab.pruning.strategies.iterative import Iterative
 from prunelab.pruning.strategies.beam import Beam
+from prunelab.pruning.strategies.sleb import Sleb
 from prunelab.pruning.strategies.blend import Blend
 from prunelab.pruning.strategies.last_n import LastN
 from prunelab.pruning.strategies.random_blocks import Random
 # isort: on
 
 __all__ = ["STRATEGIES", "Beam", "Blend", "Iterative", "LastN", "NoAdjacent", "OneShot",
-           "Random", "ScoredStrategy", "SelectJob", "Span", "Strategy"]
+           "Random", "ScoredStrategy", "SelectJob", "Sleb", "Span", "Strategy"]

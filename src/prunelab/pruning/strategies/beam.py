@@ -1,6 +1,12 @@
 """``beam``: beam search over removal sets, seeded with the ``seeds`` most removable blocks
 of the probe; each candidate set is scored by the calibration KL (or perplexity) of the
-dense model without it. Chen et al., "No Free Swap", use width 3 and 12 seeds."""
+dense model without it. Chen et al., "No Free Swap", use width 3 and 12 seeds.
+
+At ``granularity="sublayer"`` the pool is the most removable attention / MLP sub-blocks
+of the ``sublayer-ablation`` probe (as many as the parameter budget needs, at least
+``seeds``) and a set is complete when it reaches the budget (BlockPruner, Zhong et al.
+2024); with ``recovery_in_loop`` every candidate is scored after its closed-form recovery
+(see :mod:`prunelab.pruning.removal_plan`)."""
 
 from __future__ import annotations
 
@@ -31,33 +37,59 @@ class Beam(ScoredStrategy):
         if self.score not in BEAM_SCORES:
             raise ConfigError(f"beam score must be kl or perplexity, got {self.score!r}")
 
-    def pick(self, job: SelectJob, result, values, how):
-        chosen, how["beam"] = beam_search(job.ctx, values, job.n, self)
+    def choose(self, job: SelectJob) -> tuple[list, dict]:
+        if job.cfg.granularity != "sublayer":
+            return super().choose(job)
+        from prunelab.pruning.search_budget import sublayer_pool, sublayer_result
+
+        result = sublayer_result(job)
+        how = {"strategy": "beam", "probe": result.probe, "from_probe": job.cfg.from_probe}
+        return beam_search(job, sublayer_pool(job, result, self.seeds), self, how)
+
+    def pick(self, job, result, values, how):
+        from prunelab.pruning.removal_plan import block_units
+
+        ranked = [i for i in sorted(range(len(values)),
+                                    key=lambda i: (values[i] is None, values[i]))
+                  if values[i] is not None][: max(self.seeds, job.n)]
+        chosen, _ = beam_search(job, [block_units(b) for b in ranked], self, how)
         return chosen
 
 
-def _removal_cost(ctx, removed: tuple[int, ...], score: str) -> float:
-    """KL (all positions) or NLL of the dense model without ``removed``, from the cached
-    boundary before the first removed block."""
-    start = min(removed)
-    order = [b for b in range(start, ctx.num_blocks) if b not in removed]
-    final = ctx.run_stack(start, order)
-    return ctx.nll(final) if score == "perplexity" else ctx.divergence(final)[1]
+def beam_search(job: SelectJob, pool: list, beam: Beam, how: dict) -> tuple[list, dict]:
+    """Keep the ``beam.width`` cheapest sets of each size, each grown by one unit set of
+    ``pool`` (whole blocks or single sub-blocks), until the budget is reached; the best
+    complete set. ``how["beam"]`` gets the search statistics."""
+    from prunelab.pruning.strategies.sleb import search_result, search_setup
+
+    scorer, budget, evals0 = search_setup(job, "nll" if beam.score == "perplexity" else "kl")
+    frontier, done, n_scored = [None], [], 0
+    for _ in progress(range(budget.blocks or len(pool)), desc="beam search"):
+        cands = {}
+        for parent in frontier:
+            plan = parent.plan if parent is not None else None
+            for units in pool:
+                if plan is not None and units & plan.removed:
+                    continue
+                key = units if plan is None else plan.removed | units
+                if key not in cands:
+                    cands[key] = scorer.candidate(plan or _empty(), units)
+        n_scored += len(cands)
+        ranked = sorted(cands.values(), key=lambda s: (s.value, sorted(s.plan.removed)))
+        done = sorted(done + [s for s in ranked if budget.done(s.plan.removed)],
+                      key=lambda s: (s.value, sorted(s.plan.removed)))[: beam.width]
+        frontier = [s for s in ranked if not budget.done(s.plan.removed)][: beam.width]
+        if not frontier:
+            break
+    if not done:
+        raise ConfigError("beam: the candidate pool cannot reach the budget")
+    best = done[0]
+    how["beam"] = {"width": beam.width, "seeds": len(pool), "score": beam.score,
+                   "best_cost": best.value, "sets_scored": n_scored}
+    return search_result(job, best.plan, how, evals0)
 
 
-def beam_search(ctx, values: list, n: int, beam: Beam) -> tuple[list[int], dict]:
-    """Keep the ``beam.width`` cheapest sets of each size up to ``n``; candidates are the
-    ``max(seeds, n)`` most removable blocks. Returns the best set and search statistics."""
-    pool = [i for i in sorted(range(len(values)), key=lambda i: (values[i] is None, values[i]))
-            if values[i] is not None][: max(beam.seeds, n)]
-    beams: list[tuple[float, tuple[int, ...]]] = [(0.0, ())]
-    scored: dict[tuple[int, ...], float] = {}
-    for _ in progress(range(n), total=n, desc="beam search"):
-        cands = {tuple(sorted((*b, c))) for _, b in beams for c in pool if c not in b}
-        for cand in cands:
-            if cand not in scored:
-                scored[cand] = _removal_cost(ctx, cand, beam.score)
-        beams = sorted((scored[c], c) for c in cands)[: beam.width]
-    best_cost, best = beams[0]
-    return list(best), {"width": beam.width, "seeds": len(pool), "score": beam.score,
-                        "best_cost": best_cost, "sets_scored": len(scored)}
+def _empty():
+    from prunelab.pruning.removal_plan import Plan
+
+    return Plan()

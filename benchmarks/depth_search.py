@@ -1,0 +1,158 @@
+"""Depth search on the embedded model: one-shot probes against SLEB, beam search and the
+sub-block search (BlockPruner), each with none / foldable / ghost recovery and with the
+recovery in the search loop; test perplexity, wall time, block evaluations, parameters.
+
+Rows (``METHOD:RECOVERY[:loop]``):
+
+* ``block-influence`` one-shot, ``span-angular`` (its best span), ``beam`` (block
+  influence seeds, width 3, 12 seeds, KL), ``sleb`` (greedy by calibration NLL),
+  ``sublayer`` (SLEB's greedy over attention / MLP sub-blocks at equal parameters removed:
+  ``remove = n`` block-equivalents, see :mod:`prunelab.pruning.search_budget`);
+* ``:loop`` (beam, sleb, sublayer): every candidate scored after its closed-form recovery.
+
+Every row prunes a fresh copy of the model; the dense model's probe context (the cached
+block boundaries on the calibration windows) is shared, so a row's wall time and block
+evaluations are its own selection and repair (the one dense caching pass is printed
+apart). The script reports whether the best row at each removal count gives a plain
+transformers checkpoint or one that needs ``trust_remote_code=True``.
+
+Run (defaults are the issue's protocol)::
+
+    python benchmarks/depth_search.py [--calib 32 --test 32 --seqlen 256 --test-seqlen 512]
+        [--removes 4,6,8] [--rows sleb:ghost,sleb:ghost:loop] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+
+METHODS = ("block-influence", "span-angular", "beam", "sleb", "sublayer")
+RECOVERIES = ("none", "foldable", "ghost")
+LOOPED = ("beam", "sleb", "sublayer")
+
+
+def all_rows() -> list[str]:
+    rows = [f"{m}:{r}" for m in METHODS for r in RECOVERIES]
+    rows += [f"{m}:{r}:loop" for m in LOOPED for r in RECOVERIES if r != "none"]
+    return rows
+
+
+def make_config(row: str, remove: int):
+    """The Depth config of a row label."""
+    from prunelab.pruning import Beam, Depth, Sleb
+
+    method, recovery, *loop = row.split(":")
+    kw = {"remove": remove, "recovery": recovery, "recovery_in_loop": bool(loop)}
+    if method == "block-influence":
+        return Depth(probe="block-influence", select="one-shot", **kw)
+    if method == "span-angular":
+        return Depth(probe="span-angular", select="span", **kw)
+    if method == "beam":
+        return Depth(probe="block-influence", select=Beam(), **kw)
+    if method == "sleb":
+        return Depth(select=Sleb(score="nll"), **kw)
+    if method == "sublayer":
+        return Depth(select=Sleb(score="nll"), granularity="sublayer", **kw)
+    raise SystemExit(f"error: unknown row {row!r}")
+
+
+def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int) -> dict:
+    """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``."""
+    import prunelab
+    from prunelab.errors import PrunelabError
+    from prunelab.pruning.surgery import prune_depth
+
+    work = copy.deepcopy(lm)
+    cfg = make_config(row, remove)
+    t0 = time.perf_counter()
+    try:
+        rep = prune_depth(work, cfg, calib.input_ids, ctx=ctx, batch_size=batch_size)
+    except PrunelabError as exc:
+        return {"row": row, "remove": remove, "error": str(exc)}
+    seconds = time.perf_counter() - t0
+    res = prunelab.evaluate(work, test, batch_size=batch_size)
+    sel = rep["selection"]
+    return {"row": row, "remove": remove, "test_perplexity": res["perplexity"],
+            "seconds": seconds, "block_evaluations": rep["block_evaluations"],
+            "params": rep["size_after"]["params"],
+            "params_removed": rep["size_before"]["params"] - rep["size_after"]["params"],
+            "removed": rep.get("removed_sublayers") or rep["removed_blocks"],
+            "repaired_cuts": sel.get("repaired_cuts"),
+            "calib_kl": rep["calib_kl_after_recovery"],
+            "checkpoint": "remote code" if rep["needs_remote_code"] else "plain"}
+
+
+def print_table(points: list[dict], dense: dict) -> None:
+    print(f"dense: test ppl {dense['test_perplexity']:.2f}, {dense['params']:,} params; "
+          f"cache pass {dense['cache_block_evaluations']:.0f} block evaluations, "
+          f"{dense['cache_seconds']:.1f} s")
+    head = f"{'remove':>6} {'row':<26} {'test ppl':>9} {'s':>7} {'blk evals':>9} " \
+           f"{'params':>12} checkpoint"
+    print(head)
+    for p in points:
+        if "error" in p:
+            print(f"{p['remove']:>6} {p['row']:<26} error: {p['error']}")
+            continue
+        print(f"{p['remove']:>6} {p['row']:<26} {p['test_perplexity']:>9.2f} "
+              f"{p['seconds']:>7.1f} {p['block_evaluations']:>9.0f} {p['params']:>12,} "
+              f"{p['checkpoint']}")
+    for n in sorted({p["remove"] for p in points}):
+        ok = [p for p in points if p["remove"] == n and "error" not in p]
+        if ok:
+            best = min(ok, key=lambda p: p["test_perplexity"])
+            ratio = best["test_perplexity"] / dense["test_perplexity"]
+            print(f"best at {n} removed: {best['row']} (test ppl {best['test_perplexity']:.2f}"
+                  f", {ratio:.2f}x dense), checkpoint: {best['checkpoint']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--calib", type=int, default=32)
+    ap.add_argument("--test", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=256, help="calibration window length")
+    ap.add_argument("--test-seqlen", type=int, default=512)
+    ap.add_argument("--removes", default="4,6,8")
+    ap.add_argument("--rows", default=",".join(all_rows()),
+                    help="METHOD:RECOVERY[:loop], comma separated")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="e.g. cuda")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import prunelab
+    from prunelab import api
+    from prunelab.probes import ProbeContext
+
+    rows = [r for r in args.rows.split(",") if r]
+    for r in rows:
+        make_config(r, 1)  # refuse unknown rows before any work
+    prunelab.log.set_quiet(True)
+    lm = prunelab.load(args.model, device=args.device)
+    calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=args.seqlen, samples=args.calib)
+    test = api.tokens_for(lm, "wiki-vital:test", seqlen=args.test_seqlen, samples=args.test)
+    ctx = ProbeContext(lm, calib.input_ids, batch_size=args.batch_size)
+    dense = prunelab.evaluate(lm, test, batch_size=args.batch_size)
+    dense.update(test_perplexity=dense["perplexity"],
+                 cache_block_evaluations=ctx.cache_block_evaluations,
+                 cache_seconds=ctx.setup_seconds)
+    points = []
+    for n in (int(x) for x in args.removes.split(",")):
+        for row in rows:
+            points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size))
+            print(json.dumps(points[-1]), flush=True)
+    print_table(points, dense)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"dense": {k: dense[k] for k in ("test_perplexity", "params",
+                                                        "cache_block_evaluations",
+                                                        "cache_seconds")
+                                 if k in dense}, "points": points, "args": vars(args)},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
