@@ -59,3 +59,63 @@ def test_probe_bootstrap_prints_the_ranking_stability(tiny_dir):
     assert all(s["ci_low"] <= s["value"] <= s["ci_high"] for s in got["scores"])
     summary = (out / "summary.md").read_text()
     assert "Ranking stability" in summary
+
+
+def test_prune_moe_then_eval_at_another_mass(tiny_dir):
+    out = tiny_dir / "moe"
+    res = cli("--quiet", "prune", "moe", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+              "--batch-size", "2", "--experts", "4", "--mass", "0.9", "--set",
+              "router_steps=20", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "experts per token" in res.stdout and "prunelab_moe_mass" in res.stdout
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["operations"][-1]["config"]["experts"] == 4
+    assert json.loads((out / "config.json").read_text())["prunelab_moe_mass"] == 0.9
+    figures = {}
+    for mass in ("1.0", "0.5"):
+        js = tiny_dir / f"moe-eval-{mass}.json"
+        res = cli("eval", "--model", str(out), "--trust-remote-code", "--data",
+                  f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "2",
+                  "--moe-mass", mass, "--json", str(js))
+        assert res.returncode == 0, res.stderr
+        assert "PrunePath experts per token" in res.stdout
+        figures[mass] = json.loads(js.read_text())
+    assert figures["1.0"]["moe"]["experts_per_token"] == 4.0
+    assert figures["0.5"]["moe"]["experts_per_token"] < 4.0
+    assert figures["0.5"]["moe"]["ffn_flops_ratio"] < figures["1.0"]["moe"]["ffn_flops_ratio"]
+
+
+def test_prune_depth_sleb_over_sublayers_with_recovery_in_the_loop(tiny_dir):
+    out = tiny_dir / "sleb-sub"
+    res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+              "--batch-size", "2", "--remove", "1", "--strategy", "sleb", "--sleb-score",
+              "kl", "--granularity", "sublayer", "--recovery", "ghost",
+              "--recovery-in-loop", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    man = json.loads((out / "manifest.json").read_text())
+    rep = man["report"]
+    assert rep["removed_sublayers"] and "removed sub-blocks" in res.stdout
+    cfg = man["operations"][-1]["config"]
+    assert cfg["granularity"] == "sublayer" and cfg["recovery_in_loop"] is True
+    assert rep["selection"]["block_evaluations"] > 0
+    again = tf.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ours = prunelab.load(str(out), trust_remote_code=True)
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=IDS, use_cache=False).logits,
+                                   ours.model(input_ids=IDS, use_cache=False).logits,
+                                   rtol=0, atol=0)
+
+
+def test_prune_depth_reports_the_selection_stability(tiny_dir):
+    out = tiny_dir / "stable"
+    res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--samples", "6", "--seqlen", "16",
+              "--batch-size", "2", "--remove", "1", "--probe", "leave-one-out",
+              "--bootstrap", "40", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "selection stability" in res.stdout and "of 40 resamples" in res.stdout
+    man = json.loads((out / "manifest.json").read_text())
+    stab = man["report"]["selection"]["selection_stability"]
+    assert 0.0 <= stab["share_same"] <= 1.0 and len(stab["inclusion"]) == 4

@@ -89,3 +89,63 @@ def _show_gates(lm, rep, model: str, out_dir: Path) -> None:
     out.print(t)
     out.print("loads with: " + (load_hint(lm.model) if rep["needs_remote_code"]
                                 else "plain transformers (no remote code)"))
+
+
+@prune_app.command("moe")
+def prune_moe_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        experts: Optional[int] = typer.Option(None, help="experts per FFN (default 16)"),
+        clustering: Optional[str] = typer.Option(
+            None, help="coactivation (default: channels that fire together) or kmeans "
+            "(balanced k-means of the normalised gate/up rows)"),
+        router: Optional[str] = typer.Option(
+            None, help="fitted (default: softmax fitted to each expert's share of the FFN "
+            "output norm) or centroid (training-free)"),
+        mass: Optional[float] = typer.Option(
+            None, help="routing mass each token's experts must reach (default 0.9; a "
+            "runtime knob of the checkpoint, 1 = dense)"),
+        settings: Optional[list[str]] = typer.Option(
+            None, "--set", help="KEY=VALUE: any option of the prunepath config (repeatable: "
+            "router_steps, router_lr, seed)"),
+        samples: int = typer.Option(64, help="calibration windows"),
+        seqlen: int = typer.Option(512, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """PrunePath: split every gated FFN into experts with a cumulative-mass router; each
+    token computes only the fewest experts whose routing mass reaches --mass."""
+    from prunelab.pruning.moe import PrunePath
+
+    flat = {"experts": ("--experts", experts), "clustering": ("--clustering", clustering),
+            "router": ("--router", router), "mass": ("--mass", mass)}
+    cfg = build_config(PrunePath, "prune moe", flat, settings)
+    load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                    allow_missing_weights, offload)
+    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                   samples=samples, seed=seed, batch_size=batch_size,
+                   metrics=("calib_experts_per_token", "calib_ffn_flops_ratio",
+                            "params_after"),
+                   show=lambda lm, rep: _show_moe(lm, rep, model, out_dir, cfg))
+
+
+def _show_moe(lm, rep, model: str, out_dir: Path, cfg) -> None:
+    from prunelab.io.remote import load_hint
+
+    t = Table(title=f"PrunePath experts of {model}", show_header=False)
+    rows = [("experts per FFN", str(cfg.experts)),
+            ("clustering / router", f"{cfg.clustering} / {cfg.router}"),
+            ("routing mass", f"{cfg.mass}"),
+            ("experts per token (calibration)", f"{rep['calib_experts_per_token']:.2f}"),
+            ("FFN FLOPs vs dense (calibration)", f"{rep['calib_ffn_flops_ratio']:.1%}"),
+            ("seconds", f"{rep['seconds']:.1f}"),
+            ("checkpoint", str(out_dir))]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+    out.print("loads with: " + load_hint(lm.model) + "; set the mass at load with "
+              "prunelab_moe_mass=P or `prunelab eval --moe-mass P`")

@@ -111,6 +111,9 @@ def eval_cmd(model: str = ModelOpt,
              gradient_params: str = typer.Option(
                  "down_proj", help="linear (role, path or glob) whose gradients "
                  "--gradient-alignment compares"),
+             moe_mass: Optional[float] = typer.Option(
+                 None, help="PrunePath checkpoints: routing mass p in (0, 1] to evaluate at "
+                 "(reports the experts per token and FFN FLOPs used)"),
              json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
              overwrite: bool = typer.Option(False, help="replace an existing --json file"),
              dtype: str = DtypeOpt, device: str = DeviceOpt,
@@ -128,6 +131,7 @@ def eval_cmd(model: str = ModelOpt,
     with writing(json_path, "file", overwrite):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights).load()
+        moe = _moe_setup(lm, moe_mass)
         res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
                            batch_size=batch_size, reference=kl_reference, speed=speed,
                            gradient_reference=gradient_alignment,
@@ -136,6 +140,15 @@ def eval_cmd(model: str = ModelOpt,
                            allow_missing_weights=allow_missing_weights)
         t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
         shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
+        if moe:
+            from prunelab.pruning.moe import routing_stats
+
+            stats = routing_stats(lm.model)
+            res["moe"] = {"mass": moe_mass, **{k: stats[k] for k in (
+                "experts_per_token", "ffn_flops_ratio") if k in stats}}
+            shown = [*shown, ("PrunePath experts per token",
+                              f"{stats['experts_per_token']:.2f} (FFN FLOPs "
+                              f"{stats['ffn_flops_ratio']:.1%} of dense)")]
         for k, v in shown:
             t.add_row(k, v)
         out.print(t)
@@ -175,6 +188,19 @@ def _encoder_rows(res: dict) -> list[tuple[str, str]]:
         shown += [("mean cosine to reference", f"{res['mean_cosine_to_reference']:.5f}"),
                   ("nearest-neighbour agreement", f"{res['nn_agreement']:.4f}")]
     return shown
+
+
+def _moe_setup(lm, mass: float | None) -> bool:
+    """Set a PrunePath checkpoint's routing mass (``--moe-mass``) and zero its counters;
+    True when the model has PrunePath experts to report on."""
+    from prunelab.pruning.moe import prunepath_modules, reset_stats, set_mass
+
+    if mass is not None:
+        set_mass(lm.model, mass)
+    if not prunepath_modules(lm.model):
+        return False
+    reset_stats(lm.model)
+    return True
 
 
 def _probe_help() -> str:

@@ -127,6 +127,21 @@ def prune_depth_cmd(
                                                  "(default 12)"),
         beam_score: Optional[str] = typer.Option(None, help="beam: kl or perplexity "
                                                  "(default kl)"),
+        sleb_score: Optional[str] = typer.Option(None, help="sleb: nll or kl (default nll)"),
+        protect_ends: bool = typer.Option(False, "--protect-ends", help="sleb: never remove "
+                                          "the first or the last block"),
+        granularity: Optional[str] = typer.Option(
+            None, help="block (default), or sublayer: attention and MLP sub-blocks searched "
+            "separately (--remove N = N blocks' worth of parameters)"),
+        recovery_in_loop: bool = typer.Option(
+            False, "--recovery-in-loop", help="beam / sleb / iterative: score each candidate "
+            "after its closed-form recovery"),
+        bootstrap: Optional[int] = typer.Option(
+            None, help="resamples of the windows re-deriving the removal set (default 200; "
+            "0: off)"),
+        max_instability: Optional[float] = typer.Option(
+            None, help="warn when more than this share of the resamples gives another "
+            "removal set (default 0.5)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling / random strategy seed"),
@@ -143,7 +158,10 @@ def prune_depth_cmd(
                          strategy=strategy, recovery=recovery, rank=rank,
                          token_aware=token_aware, blocks=parse_blocks(blocks), window=window,
                          blend_probe=blend_probe, beam_width=beam_width,
-                         beam_seeds=beam_seeds, beam_score=beam_score, seed=seed)
+                         beam_seeds=beam_seeds, beam_score=beam_score,
+                         sleb_score=sleb_score, protect_ends=protect_ends,
+                         granularity=granularity, recovery_in_loop=recovery_in_loop or None,
+                         bootstrap=bootstrap, max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
@@ -302,10 +320,22 @@ def _show_depth(lm, rep, model: str, out_dir: Path, recovery: str) -> None:
     t = Table(title=f"depth pruning of {model}", show_header=False)
     div = "1 - cos (pooled)" if lm.is_encoder else "KL"
     b, a = rep["size_before"], rep["size_after"]
+    hidden = {"beam", "selection_stability", "steps", "repaired_cuts", "repair_spans",
+              "layer_values"}
     rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
             ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
             ("selection", ", ".join(f"{k}={v}" for k, v in rep["selection"].items()
-                                    if v is not None and k != "beam")),
+                                    if v is not None and k not in hidden))]
+    if rep.get("removed_sublayers"):
+        rows.append(("removed sub-blocks (0-based, original numbering)",
+                     ", ".join(f"{i}:{'attn' if p == 'attention' else 'mlp'}"
+                               for i, p in rep["removed_sublayers"])))
+    stab = rep["selection"].get("selection_stability")
+    if stab:
+        rows.append(("selection stability", f"{stab['share_same']:.0%} of "
+                     f"{stab.get('resamples', stab.get('bootstrap', '?'))} resamples give "
+                     "the same blocks"))
+    rows += [
             ("recovery", rep["recovery"]),
             ("parameters", f"{b['params']:,} -> {a['params']:,} "
                            f"({a['params'] / b['params']:.1%})"),
@@ -319,8 +349,9 @@ def _show_depth(lm, rep, model: str, out_dir: Path, recovery: str) -> None:
     if rep["needs_remote_code"]:
         from prunelab.io.remote import load_hint
 
-        out.print(f"note: {recovery} adds linear bridges: load the checkpoint with "
-                  f"{load_hint(lm.model)}")
+        why = ("blocks that kept one branch" if rep.get("partial_blocks")
+               else f"{recovery} adds linear bridges")
+        out.print(f"note: {why}: load the checkpoint with {load_hint(lm.model)}")
 
 
 def _show_sparsity(lm, rep, model: str, out_dir: Path, method: str) -> None:
