@@ -7,7 +7,7 @@
   ``o_proj`` bias does not depend on its input); ``"mean"`` replaces the slice by its mean
   over every calibration position (mean ablation). Each run starts from the cached input
   of the head's block (one pass per head over the blocks from it on).
-* ``induction``: on ``samples`` seeded random sequences ``[r, r]`` (``r`` = ``length``
+* ``induction``: on ``sequences`` seeded random sequences ``[r, r]`` (``r`` = ``length``
   distinct random token ids, a BOS token first when the config names one), each head's
   mean attention from a token of the second half to the token after that token's earlier
   occurrence (the induction score of Olsson et al. 2022, "In-context Learning and Induction
@@ -230,18 +230,18 @@ class Induction:
     """Induction-head detector on repeated random tokens (Olsson et al. 2022), with the
     effect of ablating the top heads.
 
-    ``length``: random tokens per half; ``samples``: sequences; ``top_k``: heads ablated
+    ``length``: random tokens per half; ``sequences``: how many; ``top_k``: heads ablated
     together (and as many random other heads as a baseline); ``seed``: the sequences and
     the baseline heads."""
 
     length: int = 32
-    samples: int = 8
+    sequences: int = 8
     top_k: int = 4
     seed: int = 0
 
     def __post_init__(self):
         check_range("length", self.length, 2, None, integer=True)
-        check_range("samples", self.samples, 1, None, integer=True)
+        check_range("sequences", self.sequences, 1, None, integer=True)
         check_range("top_k", self.top_k, 0, None, integer=True)
         check_range("seed", self.seed, 0, None, integer=True)
 
@@ -263,7 +263,7 @@ def run_induction(cfg: Induction, ctx) -> ProbeResult:
     if isinstance(limit, int) and 2 * cfg.length + offset > limit:
         raise ConfigError(f"induction: 2 x length {cfg.length} exceeds the model's "
                           f"{limit} positions")
-    ids = repeated_sequences(vocab, cfg.length, cfg.samples, cfg.seed, bos)
+    ids = repeated_sequences(vocab, cfg.length, cfg.sequences, cfg.seed, bos)
     batch = max(ctx.runner.batches[0].shape[0], 1) if ctx.runner.batches else 8
     n = ad.num_blocks
     sums = [torch.zeros(ad.head_geometry(i).num_heads, 2, dtype=torch.float64)
@@ -272,8 +272,8 @@ def run_induction(cfg: Induction, ctx) -> ProbeResult:
         for i, a in enumerate(attention_weights(ctx.lm, part)):
             ind, dup = induction_scores(a, cfg.length, offset)
             sums[i] += torch.stack([ind, dup], 1) * part.shape[0]
-    scores = [{"layers": [i], "head": h, "value": float(sums[i][h, 0]) / cfg.samples,
-               "duplicate": float(sums[i][h, 1]) / cfg.samples}
+    scores = [{"layers": [i], "head": h, "value": float(sums[i][h, 0]) / cfg.sequences,
+               "duplicate": float(sums[i][h, 1]) / cfg.sequences}
               for i in range(n) for h in range(sums[i].shape[0])]
     ranked = sorted(scores, key=lambda s: (-s["value"], s["layers"][0], s["head"]))
     top = [(s["layers"][0], s["head"]) for s in ranked[:cfg.top_k]]
@@ -283,7 +283,7 @@ def run_induction(cfg: Induction, ctx) -> ProbeResult:
     effect = ablation_effect(ctx.lm, ids, {"top": top, "random": sorted(others[k] for k in pick)},
                              repeat_positions(cfg.length, offset), batch)
     meta = {"top_heads": [dict(s) for s in ranked[:cfg.top_k]], "ablation": effect,
-            "sequences": {"length": cfg.length, "samples": cfg.samples, "seed": cfg.seed,
+            "sequences": {"length": cfg.length, "count": cfg.sequences, "seed": cfg.seed,
                           "bos": bos},
             "value": "mean attention from a second-half token to the token after its "
                      "earlier occurrence (induction score)"}
