@@ -67,7 +67,8 @@ def manual_dla(model, ids):
     x = seen["x"][:, :-1].double()
     norm = ad.final_norm()
     rms = (x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt()
-    u = model.lm_head.weight.detach().double()[y] * norm.weight.detach().double() / rms  # [B, T-1, d]
+    gain = norm.weight.detach().double()
+    u = model.lm_head.weight.detach().double()[y] * gain / rms  # [B, T-1, d]
     geo = ad.head_geometry(0)
     out = {"emb": float((seen["emb"][:, :-1].double() * u).sum(-1).mean()),
            "logit": float(logits.double()[:, :-1].gather(-1, y[..., None]).mean())}

@@ -53,8 +53,9 @@ class NormMap:
         return (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt()
 
     def read(self, u: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The direction ``P (gain * u / s(x))``: ``(norm(x) - bias) . v == c . result``
-        summed over the parts ``c`` of ``x`` (``u``: the read-out direction after the norm)."""
+        """``r = P (gain * u / s(x))`` for a read-out direction ``u`` applied after the norm:
+        ``(norm(x) - bias) . u == sum_c c . r`` over any parts ``c`` summing to ``x``
+        (the norm linearised at ``x``'s own scale)."""
         if self.gain is None:
             return u.double()
         r = u.double() * self.gain.to(u.device) / self.scale(x)
@@ -155,10 +156,11 @@ def attention_terms(u: torch.Tensor, o_in: torch.Tensor, o_proj: nn.Module, num_
 
 @dataclass(frozen=True)
 class DLA:
-    """Direct logit attribution of every block's attention, MLP and head to the correct
-    next token (Elhage et al. 2021); low = contributes little (or against it).
+    """Direct logit attribution (Elhage et al. 2021) of every block, sublayer and head.
 
-    No options: scores are means over every predicted position of every window."""
+    The contribution to the correct next token's logit (low = contributes little, or
+    against it). No options: scores are means over every predicted position of every
+    window."""
 
 
 class _Sums:
@@ -241,12 +243,15 @@ def _block_terms(ctx, i: int, post: NormMap | None, read, windows, sums: _Sums) 
 
 
 def _true_logits(adapter, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The model's logits of ``targets`` at final residuals ``x`` before soft-capping."""
-    norm = adapter.final_norm()
+    """The model's logits of ``targets`` at final residuals ``x`` before soft-capping:
+    the model's final norm, then the LM head's rows of the targets only (``[P]``)."""
+    norm, head = adapter.final_norm(), adapter.head()
     with torch.no_grad():
-        h = norm(x) if norm is not None else x
-        logits = adapter.head()(h)
-    return logits.double().gather(-1, targets.to(logits.device)[:, None])[:, 0]
+        h = (norm(x) if norm is not None else x).double()
+    t = targets.to(head.weight.device)
+    logits = (weight_out_in(head).detach()[t].to(h.device).double() * h).sum(-1)
+    b = getattr(head, "bias", None)
+    return logits + b.detach()[t].to(h.device).double() if b is not None else logits
 
 
 def _result(cfg: DLA, sums: _Sums, n: int) -> ProbeResult:

@@ -61,6 +61,10 @@ def _fmt(v: float) -> str:
     return "nan" if isinstance(v, float) and math.isnan(v) else f"{v:.4g}"
 
 
+def _heads_cell(vals: dict, keys: list) -> str:
+    return ", ".join(f"{i}.{h} ({_fmt(vals[(i, h)])})" for i, h in keys)
+
+
 def head_summary_lines(results: dict[str, ProbeResult]) -> list[str]:
     """The summary's head section (Markdown lines; empty without a head result): the most
     removable and the least removable heads of each head result, and the correlations."""
@@ -74,9 +78,8 @@ def head_summary_lines(results: dict[str, ProbeResult]) -> list[str]:
     for name, r in named.items():
         vals = head_values(r)
         order = sorted(vals, key=lambda k: (vals[k], k))
-        cell = lambda ks: ", ".join(f"{i}.{h} ({_fmt(vals[(i, h)])})" for i, h in ks)  # noqa: E731
-        lines.append(f"| {name} | {cell(order[:TOP_HEADS])} | "
-                     f"{cell(order[::-1][:TOP_HEADS])} |")
+        lines.append(f"| {name} | {_heads_cell(vals, order[:TOP_HEADS])} | "
+                     f"{_heads_cell(vals, order[::-1][:TOP_HEADS])} |")
     lines.append("")
     corr = head_correlations(named)
     lines += ["### Head-score agreement (Spearman)", ""]

@@ -227,10 +227,9 @@ def ablation_effect(lm, ids: torch.Tensor, groups: dict[str, list[tuple[int, int
 
 @dataclass(frozen=True)
 class Induction:
-    """Induction-head detector on repeated random tokens (Olsson et al. 2022), with the
-    effect of ablating the top heads.
+    """Induction-head detector on repeated random tokens (Olsson et al. 2022).
 
-    ``length``: random tokens per half; ``sequences``: how many; ``top_k``: heads ablated
+    Also measures the effect of ablating the top heads. ``length``: random tokens per half; ``sequences``: how many; ``top_k``: heads ablated
     together (and as many random other heads as a baseline); ``seed``: the sequences and
     the baseline heads."""
 
