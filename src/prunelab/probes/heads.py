@@ -229,9 +229,9 @@ def ablation_effect(lm, ids: torch.Tensor, groups: dict[str, list[tuple[int, int
 class Induction:
     """Induction-head detector on repeated random tokens (Olsson et al. 2022).
 
-    Also measures the effect of ablating the top heads. ``length``: random tokens per half; ``sequences``: how many; ``top_k``: heads ablated
-    together (and as many random other heads as a baseline); ``seed``: the sequences and
-    the baseline heads."""
+    Also measures the effect of ablating the top heads. ``length``: random tokens per
+    half; ``sequences``: how many; ``top_k``: heads ablated together (and as many random
+    other heads as a baseline); ``seed``: the sequences and the baseline heads."""
 
     length: int = 32
     sequences: int = 8
