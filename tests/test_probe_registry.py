@@ -54,7 +54,8 @@ NON_DEFAULT = {"block-influence": dict(angular=True), "span-angular": dict(span=
                "contraction": dict(scale=0.05, seed=7),
                "replacement": dict(pairs=((0, 2), (1, 3))),
                "interchange": dict(window=2, pairs=((3, 1),)),
-               "interval": dict(max_length=2)}
+               "interval": dict(max_length=2), "head-ablation": dict(ablation="mean"),
+               "induction": dict(length=5, sequences=2, top_k=1, seed=3)}
 IDS = tiny_tokens(4, 12)
 CALIB = TokenBatches(input_ids=IDS, spec="tiny", seqlen=12, samples=4, seed=0, mode="calib",
                      total_windows=4, sha256="0")

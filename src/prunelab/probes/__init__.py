@@ -6,6 +6,7 @@ data, window=1)`` are the same run.
 """
 
 from prunelab.probes.ablation import LeaveOneOut, SublayerAblation
+from prunelab.probes.attribution import DLA
 from prunelab.probes.base import (
     PROBES,
     ProbeResult,
@@ -19,13 +20,16 @@ from prunelab.probes.base import (
 )
 from prunelab.probes.context import ProbeContext
 from prunelab.probes.contraction import Contraction
+from prunelab.probes.head_weights import StableRank
+from prunelab.probes.heads import HeadAblation, Induction
 from prunelab.probes.interval import Interval
 from prunelab.probes.session import run_probes
 from prunelab.probes.similarity import CKA, BlockInfluence, SpanAngular
 from prunelab.probes.swap import Interchange, Replacement
 from prunelab.probes.weights import WeightRedundancy
 
-__all__ = ["CKA", "PROBES", "BlockInfluence", "Contraction", "Interchange", "Interval",
+__all__ = ["CKA", "DLA", "PROBES", "BlockInfluence", "Contraction", "HeadAblation",
+           "Induction", "Interchange", "Interval", "StableRank",
            "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
            "SpanAngular", "SublayerAblation", "WeightRedundancy", "make_config",
            "options_for", "probe_names", "probe_spec", "register", "route_options",

@@ -8,7 +8,9 @@ takes ``resume`` and ``on_progress`` keywords). Every result lists ``scores``: d
 ``layers`` (0-based: ``[i]`` for a block, ``[i, j]`` for a pair, ``[start, end]`` for a
 half-open span/interval) and ``value``; the result says whether a low value means
 "removable" and, for pair probes, derives per-layer removability
-``r(l) = min(d(l, l-1), d(l, l+1))``.
+``r(l) = min(d(l, l-1), d(l, l+1))``. Head probes (kind ``"head"``) list one entry per
+attention head, ``{"layers": [i], "head": h, "value": ...}`` (query head ``h`` of block
+``i``, 0-based); per block they sum the block's heads.
 
 Options: :func:`make_config` is strict (an option the probe does not take is a
 :class:`ConfigError` naming it and the valid ones). Several probes sharing one set of
@@ -140,7 +142,7 @@ class ProbeResult:
     probe: str
     config: dict
     scores: list[dict]
-    kind: str  # "layer", "sublayer", "pair", "span" or "interval"
+    kind: str  # "layer", "sublayer", "pair", "span", "interval" or "head"
     lower_is_removable: bool = True
     num_blocks: int = 0
     meta: dict = field(default_factory=dict)
@@ -176,6 +178,13 @@ class ProbeResult:
                 i = s["layers"][0]
                 sums[i] = (sums[i] or 0.0) + s[key]
             return sums
+        if self.kind == "head":  # entries {"layers": [i], "head": h}: a block sums its heads
+            heads: list[float | None] = [None] * n
+            for s in self.scores:
+                if "head" in s:
+                    i, v = s["layers"][0], s[key]
+                    heads[i] = (heads[i] or 0.0) + (v if self.lower_is_removable else -v)
+            return heads
         if self.kind == "pair":
             mat = self.pair_matrix(key)
             out = []

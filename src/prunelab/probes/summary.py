@@ -13,6 +13,7 @@ import warnings
 from itertools import combinations
 
 from prunelab.probes.base import ProbeResult
+from prunelab.probes.head_summary import head_summary_lines
 from prunelab.probes.swap import pair_class
 
 PAIR_CLASSES = ("strongly swap-similar", "conditional", "not swap-similar")
@@ -291,6 +292,8 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
                          for c in corr])
     else:
         lines += ["Fewer than two protocols with at least 3 common per-block values.", ""]
+
+    lines += head_summary_lines(results)  # attention-head probes, if any
 
     pair_results = {n: r for n, r in results.items() if r.kind == "pair"}
     adjacent: list[dict] = []

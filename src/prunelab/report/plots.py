@@ -4,7 +4,8 @@
   side); ``weight-redundancy`` and ``cka`` add a heatmap of their pair entries;
 * pair probes: an ``L x L`` heatmap of ``value`` (blank where not measured);
 * span probes: bars of ``value`` against the span start; interval probes: a heatmap of
-  ``value`` by start and length.
+  ``value`` by start and length;
+* head probes: a blocks x heads heatmap of ``value`` (``dla`` adds its sublayer bars).
 
 Bars get whiskers from the scores' bootstrap intervals (``ci_low``, ``ci_high``) where
 present. Every block index is 0-based. With ``path`` the PNG is written atomically (a temporary file
@@ -253,6 +254,8 @@ def plot_result(result: ProbeResult, path: str | Path | None = None) -> Figure:
         fig = _new_figure(8, 4.5)
         _span_bars(fig.add_subplot(), result, title)
         return _finish(fig, path)
+    if result.kind == "head":
+        return plot_heads(result, path)
     if result.kind == "sublayer":
         fig = _new_figure(max(6.0, 0.35 * result.num_blocks + 2), 4.5)
         _sublayer_bars(fig.add_subplot(), result, title)
@@ -268,6 +271,45 @@ def plot_result(result: ProbeResult, path: str | Path | None = None) -> Figure:
     _layer_bars(ax_bar, result, title)
     mat, label, map_title = extra
     _heatmap(fig, ax_map, mat, label, map_title)
+    return _finish(fig, path)
+
+
+def head_array(result: ProbeResult, key: str = "value") -> np.ndarray:
+    """``blocks x heads`` array of a head result's ``key`` (NaN where absent)."""
+    entries = [s for s in result.scores if "head" in s]
+    n = result.num_blocks or 1 + max((s["layers"][0] for s in entries), default=-1)
+    heads = 1 + max((s["head"] for s in entries), default=-1)
+    mat = np.full((n, heads), np.nan)
+    for s in entries:
+        if s.get(key) is not None:
+            mat[s["layers"][0], s["head"]] = float(s[key])
+    return mat
+
+
+def plot_heads(result: ProbeResult, path: str | Path | None = None) -> Figure:
+    """Heatmap of a head result (rows: blocks, columns: query heads, both 0-based); a
+    result that also lists sublayer entries (``dla``) gets their bars beside it."""
+    from dataclasses import replace
+
+    title = f"{result.probe} per head ({direction(result)})"
+    mat = head_array(result)
+    parts = [s for s in result.scores if "sublayer" in s]
+    fig = _new_figure(5.0 + 0.25 * mat.shape[1] + (6.0 if parts else 0.0),
+                      max(4.0, 0.22 * mat.shape[0] + 1.5))
+    axes = fig.subplots(1, 2 if parts else 1, squeeze=False)[0]
+    if mat.size == 0:
+        _no_data(axes[0], title)
+    else:
+        im = axes[0].imshow(np.ma.masked_invalid(mat), cmap=_cmap(), aspect="auto",
+                            interpolation="nearest")
+        axes[0].set_xlabel("head (0-based)")
+        axes[0].set_ylabel("block (0-based)")
+        axes[0].set_title(title)
+        _integer_ticks(axes[0], mat.shape[1], "x")
+        _integer_ticks(axes[0], mat.shape[0], "y")
+        fig.colorbar(im, ax=axes[0], label="value")
+    if parts:
+        _sublayer_bars(axes[1], replace(result, scores=parts), f"{result.probe} per sublayer")
     return _finish(fig, path)
 
 

@@ -16,7 +16,8 @@ from prunelab.pruning.width.scoring.flap import Flap
 from prunelab.pruning.width.scoring.ablation_kl import AblationKL
 from prunelab.pruning.width.scoring.putri import Putri
 from prunelab.pruning.width.scoring.cocurve import CoCurve
+from prunelab.pruning.width.scoring.stable_rank import StableRankScore
 # isort: on
 
 __all__ = ["WIDTH_SCORES", "AblationKL", "CoCurve", "ColumnScore", "Flap",
-           "MagnitudeProfile", "Putri", "WandaSP", "WidthScore"]
+           "MagnitudeProfile", "Putri", "StableRankScore", "WandaSP", "WidthScore"]
