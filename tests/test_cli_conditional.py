@@ -119,3 +119,23 @@ def test_prune_depth_reports_the_selection_stability(tiny_dir):
     man = json.loads((out / "manifest.json").read_text())
     stab = man["report"]["selection"]["selection_stability"]
     assert 0.0 <= stab["share_same"] <= 1.0 and len(stab["inclusion"]) == 4
+
+
+def test_probe_head_attribution_from_the_cli(tiny_dir):
+    out = tiny_dir / "heads"
+    res = cli("--quiet", "probe", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--samples", "2", "--seqlen", "16",
+              "--probe", "stable-rank,head-ablation,induction", "--ablation", "mean",
+              "--induction-length", "8", "--induction-sequences", "2", "--top-k", "2",
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    ablation = json.loads((out / "head-ablation.json").read_text())
+    assert ablation["kind"] == "head" and ablation["config"]["ablation"] == "mean"
+    assert len(ablation["scores"]) == 4 * 4  # 4 blocks x 4 query heads
+    induction = json.loads((out / "induction.json").read_text())
+    assert induction["config"]["top_k"] == 2 and induction["config"]["length"] == 8
+    assert (out / "stable-rank.png").exists()
+    bad = cli("probe", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--probe", "stable-rank",
+              "--ablation", "mean", "--out", str(tiny_dir / "bad"))
+    assert bad.returncode == 2 and "ablation" in bad.stderr

@@ -224,6 +224,13 @@ def probe(model: str = ModelOpt,
           max_remove: int = typer.Option(5, help="summary: removal sets for n = 1..N"),
           bootstrap: int = typer.Option(200, help="bootstrap resamples of the windows for "
                                         "the 95 % intervals of every score (0: none)"),
+          ablation: Optional[str] = typer.Option(None, help="head-ablation: zero (default) or "
+                                                 "mean (the head's mean output)"),
+          induction_length: Optional[int] = typer.Option(
+              None, help="induction: random tokens per half of a repeated sequence (32)"),
+          induction_sequences: Optional[int] = typer.Option(
+              None, help="induction: repeated random sequences (8)"),
+          top_k: Optional[int] = typer.Option(None, help="induction: top heads ablated (4)"),
           samples: int = typer.Option(16, help="calibration windows"),
           seqlen: int = typer.Option(256, help="window length in tokens"),
           seed: int = typer.Option(0, help="window sampling and noise seed"),
@@ -258,7 +265,8 @@ def probe(model: str = ModelOpt,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                             states=states, window=window, pairs=parse_pairs(pairs) or None,
                             span=span, max_length=max_length, max_remove=max_remove,
-                            bootstrap=bootstrap)
+                            bootstrap=bootstrap, ablation=ablation, length=induction_length,
+                            sequences=induction_sequences, top_k=top_k)
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
     for col in ("probe", "most removable", "ranking stability", "block evals", "seconds"):
         t.add_column(col, overflow="fold")
