@@ -32,6 +32,8 @@ import time
 FACTOR = {
     "slicegpt": ("slicegpt", {"rotation": "per-layer", "basis": "pca"}),
     "global": ("slicegpt", {"rotation": "global", "basis": "pca"}),
+    "global-raw": ("slicegpt", {"rotation": "global", "basis": "pca",
+                                "global_weights": "raw"}),
     "sensitivity": ("slicegpt", {"rotation": "per-layer", "basis": "sensitivity"}),
     "global-sensitivity": ("slicegpt", {"rotation": "global", "basis": "sensitivity"}),
     "slicegpt-widths": ("slicegpt", {"rotation": "per-layer", "basis": "pca",

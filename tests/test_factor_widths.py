@@ -156,3 +156,25 @@ def test_width_options_are_checked_in_one_line():
         with pytest.raises(ConfigError) as err:
             SliceGPT(**kw)
         assert text in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("weights,kept_first", [("trace", False), ("raw", True)])
+def test_global_rotation_weighs_boundaries_by_their_trace(weights, kept_first, monkeypatch):
+    """One boundary with a huge norm along e0, the other eight along e1 (and some e2): the
+    raw sum keeps e0 for a one-direction slice, trace weights keep e1."""
+    big = torch.zeros(32, 32, dtype=torch.float64)
+    big[0, 0], big[3, 3] = 1e6, 1.0
+    small = torch.zeros(32, 32, dtype=torch.float64)
+    small[1, 1], small[2, 2] = 1.0, 0.5
+    grams = [big] + [small.clone() for _ in range(8)]
+    monkeypatch.setattr(slicing, "boundary_grams", lambda *a, **k: grams)
+    lm = _lm("llama")
+    rep = prunelab.prune(lm, SliceGPT(rotation="global", ratio=31 / 32, multiple=1,
+                                      damping=0.0, global_weights=weights), CALIB,
+                         batch_size=2)
+    assert rep["d_kept"] == 1
+    first, rest = rep["kept_energy"][0], rep["kept_energy"][1:]
+    if kept_first:
+        assert first == pytest.approx(1.0, abs=1e-5) and max(rest) < 1e-9
+    else:
+        assert first < 1e-9 and min(rest) == pytest.approx(1 / 1.5, abs=1e-9)

@@ -18,7 +18,8 @@ original coordinates; the model meanwhile keeps its full width with the dropped
 directions zeroed, and is cut to ``d'`` at the end.
 
 ``rotation="global"``: one ``Q`` from the summed covariances of every boundary of the dense
-model; no shortcut maps. For llama, mistral, qwen2, qwen3, phi3 and gemma the result is an
+model (each divided by its trace unless ``global_weights="raw"``: every boundary reads the
+stream through a norm, so what matters is the share of its own energy a slice loses); no shortcut maps. For llama, mistral, qwen2, qwen3, phi3 and gemma the result is an
 ordinary checkpoint of the same family with ``hidden_size = d'``; Gemma 2/3 norm the branch
 outputs before the residual add, so their writers cannot be rotated and a map after each
 post-norm (remote code) does it.
@@ -107,6 +108,10 @@ class SliceGPT(FactorConfig):
         "--energy of its spectrum)"))
     energy: float = field(default=0.95, metadata=_help(
         "widths=energy: share of each block's stream energy kept"))
+    global_weights: str = field(default="trace", metadata=_help(
+        "rotation global: trace (each boundary's covariance divided by its trace, so every "
+        "boundary's relative energy counts alike: the norms see relative errors) or raw "
+        "(summed as they are: large-norm boundaries dominate)"))
 
     history_keys: ClassVar[tuple] = ("d", "d_kept", "rotation", "basis", "path",
                                      "block_widths")
@@ -134,6 +139,9 @@ class SliceGPT(FactorConfig):
         if self.widths != "uniform" and self.rotation != "per-layer":
             raise ConfigError(f"widths={self.widths} needs rotation per-layer (one global "
                               "rotation has one width)")
+        if self.global_weights not in ("trace", "raw"):
+            raise ConfigError(f"global_weights must be trace or raw, got "
+                              f"{self.global_weights!r}")
         if self.widths == "energy" and self.target_params is not None:
             raise ConfigError("widths=energy sets the widths from --energy; drop "
                               "target_params (or use widths=spectrum)")
@@ -375,7 +383,9 @@ def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[fl
     from prunelab.models.custom import install
 
     grams = boundary_grams(lm, input_ids, batch_size)
-    q = _basis(cfg, list(grams), list(fishers) if fishers else None, width)
+    weighted = list(grams) if cfg.global_weights == "raw" else [
+        g / g.trace().clamp_min(1e-300) for g in grams]
+    q = _basis(cfg, weighted, list(fishers) if fishers else None, width)
     r = q[:, :width]
     rotate_inputs(lm.adapter.embeddings(), r)
     rotate_inputs(lm.adapter.head(), r)
