@@ -19,13 +19,14 @@ from prunelab.probes.base import (
 )
 from prunelab.probes.context import ProbeContext
 from prunelab.probes.contraction import Contraction
+from prunelab.probes.gradient_flow import GradientFlow
 from prunelab.probes.interval import Interval
 from prunelab.probes.session import run_probes
 from prunelab.probes.similarity import CKA, BlockInfluence, SpanAngular
 from prunelab.probes.swap import Interchange, Replacement
 from prunelab.probes.weights import WeightRedundancy
 
-__all__ = ["CKA", "PROBES", "BlockInfluence", "Contraction", "Interchange", "Interval",
+__all__ = ["CKA", "PROBES", "BlockInfluence", "Contraction", "GradientFlow", "Interchange", "Interval",
            "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
            "SpanAngular", "SublayerAblation", "WeightRedundancy", "make_config",
            "options_for", "probe_names", "probe_spec", "register", "route_options",
