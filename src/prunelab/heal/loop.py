@@ -207,7 +207,7 @@ class HealRun:
         if self.cfg.full:
             self.trainables.reapply_masks()
         self.step += 1
-        value = float(loss)
+        value = float(loss.detach())
         self.losses.append(value)
         return value
 

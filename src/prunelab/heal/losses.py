@@ -41,9 +41,6 @@ def kept_positions(operations: Sequence[dict], num_blocks: int) -> list[int]:
             raise ConfigError(f"the depth record removes blocks {sorted(drop)} of "
                               f"{len(positions)}: the manifest does not fit this model")
         positions = [p for i, p in enumerate(positions) if i not in drop]
-    if len(positions) != num_blocks:
-        raise ConfigError(f"the depth records leave {len(positions)} blocks, the model has "
-                          f"{num_blocks}")
     return positions
 
 
