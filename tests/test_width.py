@@ -96,7 +96,7 @@ def test_scores_and_allocations_are_registered_configs():
                                          ratio=0.5), "--heads groups"),
                           (lambda: Width(unit="ffn", score="nope", ratio=0.5),
                            "score for unit ffn must be one of wanda-sp, magnitude-profile, "
-                           "flap, ablation-kl, putri, got 'nope'")):
+                           "flap, ablation-kl, putri, rep-lie, got 'nope'")):
         with pytest.raises(ConfigError, match=message):
             make()
 
