@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 import transformers as tf
-from tiny_models import tiny_config, tiny_model, tiny_tokens
 
 from prunelab.errors import UnsupportedOperationError
 from prunelab.heal import FlowAccumulator, HealConfig, fan_in_profile, heal
@@ -18,6 +17,8 @@ from prunelab.models.loading import wrap
 from prunelab.probes import run_probes
 from prunelab.pruning import Depth
 from prunelab.pruning.surgery import run_depth
+
+from tiny_models import tiny_config, tiny_model, tiny_tokens
 
 
 def _two_blocks():
@@ -46,7 +47,7 @@ def _hand(model, ids_list, a_factors, scale):
     for ids in ids_list:
         outs = []
         hooks = [ad.block(i).register_forward_hook(
-            lambda m, a, o: outs.append(o[0] if isinstance(o, tuple) else o))
+            lambda m, a, o, _outs=outs: _outs.append(o[0] if isinstance(o, tuple) else o))
             for i in range(2)]
         weights = {(i, n): lin.weight for i in range(2) for n, lin in ad.linears(i).items()}
         loss = _ce(model, ids)
@@ -130,3 +131,22 @@ def test_fan_in_profile_correlations():
     assert out["spearman"]["block-influence"] == pytest.approx(-1.0)
     assert out["spearman"]["partial"] == pytest.approx(-1.0)
     assert fan_in_profile([1.0, 3.0, 2.0])["spearman_depth"] == pytest.approx(0.5)
+
+
+def test_fan_in_from_probe_results():
+    from prunelab.heal.cascadeflow import fan_in_from_results, fan_in_markdown
+    from prunelab.probes import ProbeResult
+
+    def layer(name, vals):
+        return ProbeResult(name, {}, [{"layers": [i], "value": v} for i, v in
+                                      enumerate(vals)], kind="layer", num_blocks=len(vals))
+
+    results = {"gradient-flow": layer("gradient-flow", [4.0, 3.0, 2.0]),
+               "block-influence": layer("block-influence", [0.3, 0.2, 0.1]),
+               "cka": layer("cka", [1.0, 2.0, 3.0])}
+    prof = fan_in_from_results(results)
+    assert prof["spearman"] == {"block-influence": pytest.approx(1.0)}
+    assert prof["spearman_depth"] == pytest.approx(-1.0)
+    text = fan_in_markdown(results)
+    assert "Spearman with depth: -1.00" in text and "block-influence: +1.00" in text
+    assert fan_in_from_results({"cka": results["cka"]}) is None

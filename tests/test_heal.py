@@ -10,15 +10,16 @@ import math
 
 import pytest
 import torch
-from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
 import prunelab
 from prunelab.errors import ConfigError, PrunelabError, ResumeMismatchError
 from prunelab.heal import HealConfig, eval_nll, heal, kept_positions
-from prunelab.heal.losses import kd_loss
 from prunelab.heal.lora import zero_count
+from prunelab.heal.losses import kd_loss
 from prunelab.models.loading import wrap
 from prunelab.pruning.bridges import LinearBridge, attach_bridge
+
+from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
 FAST = dict(eval_every=0, patience=0, quiet=True, batch_size=2)
 

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_tokens
 
 import prunelab
 from prunelab.heal import HealConfig, heal, lora_gradient_estimate, unit_importance
@@ -18,6 +17,8 @@ from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
 from prunelab.pruning.width.execute import run_width
 from prunelab.pruning.width.scoring import RepLie
+
+from tiny_models import tiny_model, tiny_tokens
 
 
 def test_estimator_is_the_tangent_space_projection_of_the_full_gradient():

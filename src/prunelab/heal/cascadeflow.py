@@ -119,6 +119,36 @@ def fan_in_profile(values: list[float], others: dict | None = None) -> dict:
     return out
 
 
+POST_HOC = ("block-influence", "leave-one-out")
+
+
+def fan_in_from_results(results: dict) -> dict | None:
+    """:func:`fan_in_profile` of a ``gradient-flow`` probe result against the post-hoc
+    probes present in ``results`` (``{name: ProbeResult}``, e.g. a probe session's or the
+    summary's); ``None`` without a ``gradient-flow`` result."""
+    flow = results.get("gradient-flow")
+    if flow is None:
+        return None
+    values = [v if v is not None else float("nan") for v in flow.layer_values()]
+    return fan_in_profile(values, {n: results[n] for n in POST_HOC if n in results})
+
+
+def fan_in_markdown(results: dict) -> str:
+    """A short markdown section on the gradient fan-in profile (empty without a
+    ``gradient-flow`` result), for the probe summary."""
+    prof = fan_in_from_results(results)
+    if prof is None:
+        return ""
+    lines = ["## Gradient fan-in (CascadeFlow)", "",
+             "Mean accumulated gradient norm per block (0-based, low = removable): "
+             + ", ".join(f"{i}: {v:.3g}" for i, v in enumerate(prof["profile"])), "",
+             f"- Spearman with depth: {prof['spearman_depth']:+.2f} "
+             "(negative: early blocks collect more gradient)"]
+    for name, rho in prof["spearman"].items():
+        lines.append(f"- Spearman with {name}: {rho:+.2f}")
+    return "\n".join(lines) + "\n"
+
+
 def gradient_flow(lm, input_ids: torch.Tensor, steps: int = 20, lr: float = 2e-4,
                   rank: int = 8, seed: int = 0, measure: str = "params",
                   batch_size: int = 4) -> tuple[list[float], dict]:

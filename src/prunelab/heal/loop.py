@@ -24,7 +24,6 @@ event). At the end the best state is restored and the LoRA merged (masked), leav
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +34,7 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.heal import losses as L
 from prunelab.heal.config import HealConfig
 from prunelab.heal.lora import Trainables, zero_count
+from prunelab.heal.record import heal_record
 from prunelab.heal.state import DataOrder, fingerprint, load_state, save_state
 from prunelab.models.loading import LoadedModel, wrap
 from prunelab.registry import to_dict
@@ -339,39 +339,7 @@ class HealRun:
         return self.record(after, completed)
 
     def record(self, after: float | None, completed: bool) -> dict:
-        cfg = self.cfg
-        before = self.evals[0]["nll"] if self.evals and self.evals[0]["step"] == 0 else None
-        warm = round(cfg.warmup * self.total)
-        rec = {
-            "loss": cfg.loss, "weights": cfg.weights(), "mode": "full" if cfg.full else "lora",
-            "lora_rank": None if cfg.full else cfg.lora_rank,
-            "lora_alpha": None if cfg.full else cfg.lora_alpha,
-            "steps": self.step, "planned_steps": self.total,
-            "tokens": self.step * cfg.batch_size * self.window, "window": self.window,
-            "lr_schedule": {"peak": cfg.peak_lr, "warmup_steps": warm,
-                            "schedule": "linear warm-up, cosine decay",
-                            "final": cfg.peak_lr * cfg.final_lr_ratio},
-            "held_out": {"before": _metric(before), "after": _metric(after),
-                         "history": self.evals},
-            "best_step": self.best["step"] if self.best else self.step,
-            "early_stopped": self.stopped_early, "completed": completed,
-            "train_loss_first": self.losses[0] if self.losses else None,
-            "train_loss_last": self.losses[-1] if self.losses else None,
-            "wall_seconds": self.seconds, "resumed_from_step": self.resumed_from,
-            "zeros_before": self.zeros_before,
-            "zeros_after": zero_count(self.lm.model, self.lm.adapter),
-            "not_adapted": self.trainables.skipped, "bridges_trained": cfg.train_bridges,
-            "config": to_dict(cfg),
-        }
-        if self.pruner is not None:
-            rec["prune"] = self.pruner.report(self)
-        return rec
-
-
-def _metric(nll: float | None) -> dict | None:
-    if nll is None:
-        return None
-    return {"nll": nll, "perplexity": math.exp(min(nll, 700.0))}
+        return heal_record(self, after, completed)
 
 
 def heal(student_lm, teacher_lm, train_ids: torch.Tensor, eval_ids: torch.Tensor | None,

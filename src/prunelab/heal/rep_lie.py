@@ -106,7 +106,7 @@ def unit_index(adapter, i: int, kind: str, mode: str = "groups") -> dict[str, tu
                                              for c in range(width)]))
         return out
     geo = adapter.head_geometry(i)
-    hd, gs = geo.head_dim, geo.group_size
+    hd = geo.head_dim
     roles = adapter.attn_projections(i)
     if mode == "query":
         heads = _rows([torch.arange(h * hd, (h + 1) * hd) for h in range(geo.num_heads)])

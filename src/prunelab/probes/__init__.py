@@ -26,8 +26,8 @@ from prunelab.probes.similarity import CKA, BlockInfluence, SpanAngular
 from prunelab.probes.swap import Interchange, Replacement
 from prunelab.probes.weights import WeightRedundancy
 
-__all__ = ["CKA", "PROBES", "BlockInfluence", "Contraction", "GradientFlow", "Interchange", "Interval",
-           "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
+__all__ = ["CKA", "PROBES", "BlockInfluence", "Contraction", "GradientFlow", "Interchange",
+           "Interval", "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
            "SpanAngular", "SublayerAblation", "WeightRedundancy", "make_config",
            "options_for", "probe_names", "probe_spec", "register", "route_options",
            "run_probes"]
