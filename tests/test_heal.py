@@ -253,3 +253,29 @@ def test_user_errors_are_one_line():
         assert _no_peft(lm.model)
     with pytest.raises(PrunelabError, match="encoder"):
         heal(wrap(tiny_model("bert")), None, ids, None, HealConfig(**FAST))
+
+
+def test_api_heal_reads_the_pruned_checkpoint_manifest_and_saves(tmp_path):
+    from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+
+    dense_dir = save_tiny_checkpoint("llama", tmp_path / "dense")
+    text = tmp_path / "text.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+    lm = prunelab.load(str(dense_dir))
+    prunelab.prune(lm, prunelab.Depth(blocks=(1,)), f"text:{text}", seqlen=16, samples=4,
+                   batch_size=2)
+    pruned_dir = prunelab.save(lm, tmp_path / "pruned")
+    healed, rec = prunelab.api.heal(str(pruned_dir), teacher=str(dense_dir),
+                                    data=f"text:{text}", eval_data=f"text:{text}",
+                                    loss="hidden", steps=3, seqlen=16, eval_every=0,
+                                    patience=0, quiet=True, batch_size=2, eval_samples=2)
+    assert rec["steps"] == 3 and rec["data"]["train"]["seqlen"] == 16
+    assert rec["held_out"]["after"]["nll"] < rec["held_out"]["before"]["nll"] + 1.0
+    out = prunelab.save(healed, tmp_path / "healed", extra={"healing": rec})
+    man = json.loads((out / "manifest.json").read_text())
+    assert [op["operation"] for op in man["operations"]] == ["prune-depth", "heal"]
+    assert man["healing"]["loss"] == "hidden" and man["loads_with"].startswith("plain")
+    import transformers
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.config.num_hidden_layers == 3
