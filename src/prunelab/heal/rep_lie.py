@@ -89,10 +89,22 @@ def _rows(index: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.as_tensor(i, dtype=torch.long) for i in index])
 
 
+_INDEX_CACHE: dict = {}
+
+
 def unit_index(adapter, i: int, kind: str, mode: str = "groups") -> dict[str, tuple]:
     """``{role: ("rows" | "cols", index [units, k])}``: which rows / columns of each
     projection of block ``i`` a unit owns (``kind`` ffn or heads; ``mode`` groups or
-    query)."""
+    query). Cached per family and shape."""
+    shape = adapter.ffn_width(i) if kind == "ffn" else adapter.head_geometry(i)
+    key = (adapter.family, tuple(adapter.spec.attn_proj), tuple(adapter.spec.mlp_proj),
+           kind, mode, shape)
+    if key not in _INDEX_CACHE:
+        _INDEX_CACHE[key] = _unit_index(adapter, i, kind, mode)
+    return _INDEX_CACHE[key]
+
+
+def _unit_index(adapter, i: int, kind: str, mode: str) -> dict[str, tuple]:
     spec = adapter.spec
     if kind == "ffn":
         width = adapter.ffn_width(i)
