@@ -35,6 +35,7 @@ from prunelab.pruning import (
 )
 from prunelab.pruning.width import AblationKL, Putri, Width
 from prunelab.pruning.width import scores as S
+from prunelab.pruning.width.scoring import RepLie
 
 from tiny_models import ARCHS, char_tokenizer, tiny_model, tiny_tokens
 
@@ -85,6 +86,9 @@ def _width_cases():
     for arch, score in (("qwen2", "wanda-sp"), ("gemma3_text", "magnitude-profile"),
                         ("mistral", AblationKL(samples=2))):
         cases.append((arch, Width(unit="heads", heads="query", score=score, ratio=0.5)))
+    for arch, unit in (("phi3", "ffn"), ("llama", "heads")):  # REP-LIE (issue 16)
+        cases.append((arch, Width(unit=unit, score=RepLie(steps=2), ratio=0.5 if unit ==
+                                  "heads" else 0.3)))
     return cases
 
 
@@ -185,4 +189,5 @@ def test_every_registered_piece_documents_its_options_for_the_cli():
     assert flat_options(RECOVERIES)["token_aware"].owners == {"ghost": "token_aware",
                                                               "lra": "token_aware"}
     assert sorted(flat_options(WIDTH_SCORES)) == ["ablation_samples", "channel_group",
-                                                  "outlier_z", "putri_per_round"]
+                                                  "lora_rank", "outlier_z", "putri_per_round",
+                                                  "rep_lie_lr", "rep_lie_seed", "rep_lie_steps"]

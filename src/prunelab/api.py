@@ -1,5 +1,5 @@
 """Public verbs: ``load``, ``info``, ``tokens_for``, ``evaluate``, ``probe``, ``prune``,
-``save``.
+``heal``, ``save``.
 
 The CLI is a thin face over these functions; everything it does can be done from Python.
 """
@@ -274,6 +274,19 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
                        "config": report.config, **details.history()})
     lm.last_report = report
     return report
+
+
+def heal(model, teacher=None, data="wiki-vital:calib", eval_data="wiki-vital:test",
+         config=None, out_dir: str | Path | None = None, manifest: dict | None = None,
+         **options):
+    """Heal a pruned model with a short fine-tune that keeps its structure (LoRA or full;
+    ce / kd / hidden / mix losses; optional REP-LIE or CascadeFlow pruning while tuning):
+    see :mod:`prunelab.heal`. ``config``: a :class:`~prunelab.heal.HealConfig` (or its
+    fields as ``options``); ``out_dir``: the resumable state folder. Returns
+    ``(lm, record)``; save with ``prunelab.save(lm, out, extra={"healing": record})``."""
+    from prunelab.heal.entry import heal_specs
+
+    return heal_specs(model, teacher, data, eval_data, config, out_dir, manifest, **options)
 
 
 def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bool = False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from rich.console import Console
@@ -36,13 +36,15 @@ def info(message: str) -> None:
         console.print(message, markup=False, soft_wrap=True)
 
 
-def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
-    """Iterate ``items`` showing a bar with the time elapsed and an estimate of the time left."""
+def progress(items: Iterable[T], total: int | None = None, desc: str = "",
+             status: Callable[[], str] | None = None) -> Iterator[T]:
+    """Iterate ``items`` showing a bar with the time elapsed and an estimate of the time left;
+    ``status()`` (e.g. loss and tokens/s) is appended to the description after each item."""
     if _state["quiet"]:
         yield from items
         return
     if not sys.stderr.isatty():
-        yield from _plain_progress(items, total, desc)
+        yield from _plain_progress(items, total, desc, status=status)
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
@@ -51,10 +53,13 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "") -> It
         for item in items:
             yield item
             bar.advance(task)
+            if status is not None:
+                bar.update(task, description=f"{desc} {status()}")
 
 
 def _plain_progress(items: Iterable[T], total: int | None, desc: str,
-                    every: float = 15.0) -> Iterator[T]:
+                    every: float = 15.0, status: Callable[[], str] | None = None
+                    ) -> Iterator[T]:
     """Without a terminal: a status line at most every ``every`` seconds, with an ETA."""
     start = last = time.perf_counter()
     done = 0
@@ -64,5 +69,7 @@ def _plain_progress(items: Iterable[T], total: int | None, desc: str,
         now = time.perf_counter()
         if now - last >= every and total:
             eta = (now - start) / done * (total - done)
-            info(f"{desc}: {done}/{total} after {now - start:.0f} s, about {eta:.0f} s left")
+            extra = f" ({status()})" if status is not None else ""
+            info(f"{desc}: {done}/{total} after {now - start:.0f} s, about {eta:.0f} s "
+                 f"left{extra}")
             last = now

@@ -22,14 +22,15 @@ from prunelab.probes.context import ProbeContext
 from prunelab.probes.contraction import Contraction
 from prunelab.probes.head_weights import StableRank
 from prunelab.probes.heads import HeadAblation, Induction
+from prunelab.probes.gradient_flow import GradientFlow
 from prunelab.probes.interval import Interval
 from prunelab.probes.session import run_probes
 from prunelab.probes.similarity import CKA, BlockInfluence, SpanAngular
 from prunelab.probes.swap import Interchange, Replacement
 from prunelab.probes.weights import WeightRedundancy
 
-__all__ = ["CKA", "DLA", "PROBES", "BlockInfluence", "Contraction", "HeadAblation",
-           "Induction", "Interchange", "Interval", "StableRank",
+__all__ = ["CKA", "DLA", "PROBES", "BlockInfluence", "Contraction", "GradientFlow",
+           "HeadAblation", "Induction", "Interchange", "Interval", "StableRank",
            "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
            "SpanAngular", "SublayerAblation", "WeightRedundancy", "make_config",
            "options_for", "probe_names", "probe_spec", "register", "route_options",

@@ -16,8 +16,9 @@ from prunelab.pruning.width.scoring.flap import Flap
 from prunelab.pruning.width.scoring.ablation_kl import AblationKL
 from prunelab.pruning.width.scoring.putri import Putri
 from prunelab.pruning.width.scoring.cocurve import CoCurve
+from prunelab.pruning.width.scoring.rep_lie import RepLie
 from prunelab.pruning.width.scoring.stable_rank import StableRankScore
 # isort: on
 
 __all__ = ["WIDTH_SCORES", "AblationKL", "CoCurve", "ColumnScore", "Flap",
-           "MagnitudeProfile", "Putri", "StableRankScore", "WandaSP", "WidthScore"]
+           "MagnitudeProfile", "Putri", "RepLie", "StableRankScore", "WandaSP", "WidthScore"]

@@ -1,0 +1,25 @@
+"""Healing: a short fine-tune that recovers a pruned model without breaking its structure
+(LoRA through ``peft`` or full fine-tuning; CE, logit distillation, hidden-state matching),
+and pruning while fine-tuning from training signals: REP-LIE (unit importance from the
+LoRA matrices) and CascadeFlow (blocks ranked by accumulated gradient).
+
+``prunelab.heal(lm, teacher, "wiki-vital:calib", "wiki-vital:test", HealConfig(loss="kd"))``
+(:func:`prunelab.api.heal`) or, on token windows, :func:`heal`.
+"""
+
+from prunelab.heal.cascadeflow import FlowAccumulator, fan_in_profile, gradient_flow
+from prunelab.heal.config import HealConfig
+from prunelab.heal.loop import HealRun, eval_nll, heal
+from prunelab.heal.losses import kept_positions
+from prunelab.heal.rep_lie import (
+    RepLieTracker,
+    lora_gradient_estimate,
+    rep_lie_importances,
+    unit_importance,
+    weight_importance,
+)
+
+__all__ = ["FlowAccumulator", "HealConfig", "HealRun", "RepLieTracker", "eval_nll",
+           "fan_in_profile", "gradient_flow", "heal", "kept_positions",
+           "lora_gradient_estimate", "rep_lie_importances", "unit_importance",
+           "weight_importance"]
