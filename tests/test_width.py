@@ -74,7 +74,7 @@ def test_config_round_trip_and_validation():
 
 def test_scores_and_allocations_are_registered_configs():
     assert WIDTH_SCORES.names() == ["wanda-sp", "magnitude-profile", "flap", "ablation-kl",
-                                    "putri", "cocurve", "stable-rank", "rep-lie"]
+                                    "putri", "cocurve", "rep-lie", "stable-rank"]
     assert WIDTH_ALLOCATIONS.names() == ["uniform", "global"]
     typed = Width(unit="ffn", score=WandaSP(), ratio=0.2, allocation=Uniform())
     assert Width(unit="ffn", score="wanda-sp", ratio=0.2) == typed
