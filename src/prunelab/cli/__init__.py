@@ -15,6 +15,7 @@ from prunelab import log
 from prunelab.cli import (  # noqa: F401  (register)
     conditional_cmds,
     factor_cmds,
+    heal_cmds,
     inspect_cmds,
     prune_cmds,
 )

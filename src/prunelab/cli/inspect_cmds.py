@@ -231,6 +231,12 @@ def probe(model: str = ModelOpt,
           induction_sequences: Optional[int] = typer.Option(
               None, help="induction: repeated random sequences (8)"),
           top_k: Optional[int] = typer.Option(None, help="induction: top heads ablated (4)"),
+          steps: Optional[int] = typer.Option(None, help="gradient-flow: LoRA fine-tune steps "
+                                              "(20)"),
+          lr: Optional[float] = typer.Option(None, help="gradient-flow: learning rate (2e-4)"),
+          rank: Optional[int] = typer.Option(None, help="gradient-flow: LoRA rank (8)"),
+          measure: Optional[str] = typer.Option(None, help="gradient-flow: params (block "
+                                                "parameters' gradient) or residual"),
           samples: int = typer.Option(16, help="calibration windows"),
           seqlen: int = typer.Option(256, help="window length in tokens"),
           seed: int = typer.Option(0, help="window sampling and noise seed"),
@@ -266,7 +272,8 @@ def probe(model: str = ModelOpt,
                             states=states, window=window, pairs=parse_pairs(pairs) or None,
                             span=span, max_length=max_length, max_remove=max_remove,
                             bootstrap=bootstrap, ablation=ablation, length=induction_length,
-                            sequences=induction_sequences, top_k=top_k)
+                            sequences=induction_sequences, top_k=top_k, steps=steps,
+                            lr=lr, rank=rank, measure=measure)
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
     for col in ("probe", "most removable", "ranking stability", "block evals", "seconds"):
         t.add_column(col, overflow="fold")

@@ -289,6 +289,12 @@ def prune_width_cmd(
                                                        "/ cocurve (default 4)"),
         channel_group: Optional[int] = typer.Option(None, help="FFN channels per ablation / "
                                                     "cocurve unit (default 64)"),
+        rep_lie_steps: Optional[int] = typer.Option(None, help="rep-lie: LoRA fine-tune "
+                                                    "steps (default 20)"),
+        rep_lie_lr: Optional[float] = typer.Option(None, help="rep-lie: learning rate "
+                                                   "(default 2e-4)"),
+        lora_rank: Optional[int] = typer.Option(None, help="rep-lie: LoRA rank (default 8)"),
+        rep_lie_seed: Optional[int] = typer.Option(None, help="rep-lie: seed (default 0)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling seed"),
@@ -305,7 +311,8 @@ def prune_width_cmd(
                          allocation=allocation, heads=heads, compensate=compensate,
                          bias_compensation=not no_bias_compensation, round_to=round_to,
                          damp=damp, ablation_samples=ablation_samples,
-                         channel_group=channel_group)
+                         channel_group=channel_group, rep_lie_steps=rep_lie_steps,
+                         rep_lie_lr=rep_lie_lr, lora_rank=lora_rank, rep_lie_seed=rep_lie_seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

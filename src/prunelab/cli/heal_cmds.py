@@ -1,0 +1,138 @@
+"""``prunelab heal``: a short structure-preserving fine-tune of a pruned checkpoint (LoRA or
+full; ce / kd / hidden / mix), optionally pruning while tuning (REP-LIE, CascadeFlow)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from prunelab.cli.apps import app
+from prunelab.cli.common import (
+    DeviceOpt,
+    DtypeOpt,
+    MissingOpt,
+    ModelOpt,
+    PickleOpt,
+    RemoteOpt,
+    out,
+    writing,
+)
+
+
+def _opt(help_text: str, *names: str):
+    return typer.Option(None, *names, help=help_text)
+
+
+@app.command("heal")
+def heal_cmd(
+        model: str = ModelOpt,
+        out_dir: Path = typer.Option(..., "--out", help="healed checkpoint directory"),
+        teacher: Optional[str] = _opt("dense model spec (needed by --loss kd / hidden / mix)"),
+        data: str = typer.Option("wiki-vital:calib", help="training data spec"),
+        eval_data: Optional[str] = typer.Option(
+            "wiki-vital:test", help="held-out data spec for early stopping ('none': off)"),
+        eval_samples: int = typer.Option(32, help="held-out windows"),
+        train_samples: Optional[int] = _opt("training windows (default: all of --data)"),
+        loss: Optional[str] = _opt("ce | kd | hidden | mix (default ce)"),
+        ce_weight: Optional[float] = _opt("mix: weight of the cross-entropy"),
+        kd_weight: Optional[float] = _opt("mix: weight of the logit distillation"),
+        hidden_weight: Optional[float] = _opt("mix: weight of the hidden-state MSE"),
+        temperature: Optional[float] = _opt("kd: softmax temperature (default 2)"),
+        lora_rank: Optional[int] = _opt("LoRA rank (default 8)"),
+        lora_alpha: Optional[float] = _opt("LoRA alpha (default 16)"),
+        full: bool = typer.Option(False, "--full", help="train every block parameter "
+                                  "instead of LoRA"),
+        train_bridges: bool = typer.Option(False, "--train-bridges", help="train the linear "
+                                           "bridges of depth-pruned models too"),
+        tokens: Optional[int] = _opt("training tokens (or --steps)"),
+        steps: Optional[int] = _opt("optimizer steps (or --tokens)"),
+        lr: Optional[float] = _opt("peak learning rate (default 2e-4 LoRA, 2e-5 full)"),
+        warmup: Optional[float] = _opt("warm-up fraction of the steps (default 0.05)"),
+        final_lr_ratio: Optional[float] = _opt("the cosine ends at this fraction of --lr"),
+        weight_decay: Optional[float] = _opt("AdamW weight decay (default 0)"),
+        max_grad_norm: Optional[float] = _opt("gradient clipping, 0 = off (default 1)"),
+        seqlen: Optional[int] = _opt("window length in tokens (default 256)"),
+        batch_size: Optional[int] = _opt("windows per step (default 4)"),
+        eval_every: Optional[int] = _opt("held-out NLL every K steps (default 25)"),
+        patience: Optional[int] = _opt("stop after P evaluations without improvement "
+                                       "(default 3; 0 = never)"),
+        min_delta: Optional[float] = _opt("an improvement below this does not count"),
+        seed: Optional[int] = _opt("LoRA init and data order seed (default 0)"),
+        prune: Optional[str] = _opt("prune while tuning: rep-lie | cascadeflow"),
+        unit: Optional[str] = _opt("rep-lie: ffn | heads (KV groups)"),
+        ratio: Optional[float] = _opt("rep-lie: fraction of the units removed (default 0.2)"),
+        prune_every: Optional[int] = _opt("prune events every K steps (default 10)",
+                                          "--prune-every", "--every"),
+        prune_fraction: Optional[float] = _opt("rep-lie: fraction of the units per event"),
+        stability: Optional[float] = _opt("rep-lie: how stably unimportant a unit must be"),
+        remove: Optional[int] = _opt("cascadeflow: blocks removed (one per event)"),
+        flow_measure: Optional[str] = _opt("cascadeflow: params or residual gradient norm"),
+        state_dir: Optional[Path] = typer.Option(
+            None, "--state", help="resumable state folder (default OUT.heal-state; removed "
+            "after the checkpoint is written)"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt):
+    """Heal a pruned model: a short fine-tune that keeps its sparsity, shapes and bridges,
+    merged and saved (no peft needed to load it); held-out early stopping; resumable."""
+    from prunelab import api, log
+    from prunelab.heal import HealConfig
+    from prunelab.log import is_quiet
+
+    given = {"loss": loss, "ce_weight": ce_weight, "kd_weight": kd_weight,
+             "hidden_weight": hidden_weight, "temperature": temperature,
+             "lora_rank": lora_rank, "lora_alpha": lora_alpha, "full": full or None,
+             "train_bridges": train_bridges or None, "tokens": tokens, "steps": steps,
+             "lr": lr, "warmup": warmup, "final_lr_ratio": final_lr_ratio,
+             "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "seqlen": seqlen,
+             "batch_size": batch_size, "eval_every": eval_every, "patience": patience,
+             "min_delta": min_delta, "seed": seed, "prune": prune, "unit": unit,
+             "ratio": ratio, "prune_every": prune_every, "prune_fraction": prune_fraction,
+             "stability": stability, "remove": remove, "flow_measure": flow_measure}
+    cfg = HealConfig(quiet=is_quiet(), **{k: v for k, v in given.items() if v is not None})
+    state = state_dir if state_dir is not None else out_dir.with_name(out_dir.name +
+                                                                      ".heal-state")
+    held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
+    load = {"dtype": dtype, "device": device, "trust_remote_code": trust_remote_code,
+            "allow_pickle": allow_pickle, "allow_missing_weights": allow_missing_weights}
+    with writing(out_dir, "checkpoint", overwrite, on_interrupt=(
+            f"the run's state is in {state}/; rerun the same command to resume")):
+        lm, rec = api.heal(model, teacher, data, held_out, config=cfg, out_dir=state,
+                           train_samples=train_samples, eval_samples=eval_samples,
+                           load_options=load)
+        api.save(lm, out_dir, overwrite=overwrite, data=rec.get("data", {}).get("train"),
+                 metrics=_metrics(rec), extra={"healing": rec})
+    shutil.rmtree(state, ignore_errors=True)
+    _show(rec, model, out_dir)
+    log.info(f"wrote {out_dir}/")
+
+
+def _metrics(rec: dict) -> dict:
+    held = rec.get("held_out") or {}
+    return {f"held_out_{k}_perplexity": (held.get(k) or {}).get("perplexity")
+            for k in ("before", "after")}
+
+
+def _show(rec: dict, model: str, out_dir: Path) -> None:
+    held = rec.get("held_out") or {}
+
+    def ppl(key: str) -> str:
+        v = (held.get(key) or {}).get("perplexity")
+        return "-" if v is None else f"{v:.3f}"
+    t = Table(title=f"healing of {model}", show_header=False)
+    rows = [("loss", str(rec.get("loss"))), ("steps", str(rec.get("steps"))),
+            ("tokens", f"{rec.get('tokens', 0):,}"),
+            ("held-out perplexity before -> after", f"{ppl('before')} -> {ppl('after')}"),
+            ("best step", str(rec.get("best_step"))),
+            ("wall seconds", f"{rec.get('wall_seconds') or 0.0:.1f}"),
+            ("checkpoint", str(out_dir))]
+    if rec.get("zeros_before") is not None:
+        rows.insert(4, ("zero weights before -> after",
+                        f"{rec['zeros_before']:,} -> {rec['zeros_after']:,}"))
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
