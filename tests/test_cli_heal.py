@@ -83,3 +83,14 @@ def test_gradient_flow_probe_and_rep_lie_width_score(tiny_dir):
     assert res.returncode == 0, res.stderr
     cfg = json.loads((width / "config.json").read_text())
     assert cfg["intermediate_size"] == 32  # 48 x 0.75 = 36: nearest multiple of 8, ties even
+
+
+def test_the_probe_summary_shows_the_gradient_fan_in(tiny_dir):
+    out = tiny_dir / "flow-summary"
+    res = cli("--quiet", "probe", "--model", str(tiny_dir / "model"), "--probe",
+              "gradient-flow,block-influence,leave-one-out", "--steps", "2", "--samples", "4",
+              *_common(tiny_dir), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    summary = (out / "summary.md").read_text()
+    assert "## Gradient fan-in (CascadeFlow)" in summary
+    assert "Spearman with block-influence" in summary and "Spearman with leave-one-out" in summary

@@ -294,6 +294,10 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
         lines += ["Fewer than two protocols with at least 3 common per-block values.", ""]
 
     lines += head_summary_lines(results)  # attention-head probes, if any
+    if "gradient-flow" in results:  # CascadeFlow's fan-in profile against the post-hoc probes
+        from prunelab.heal.cascadeflow import fan_in_markdown
+
+        lines += fan_in_markdown(results).rstrip("\n").split("\n") + [""]
 
     pair_results = {n: r for n, r in results.items() if r.kind == "pair"}
     adjacent: list[dict] = []
