@@ -33,6 +33,10 @@ PR = ["probe", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"
 SW = ["sweep", "depth", "--model", M, "--out", O, "--data", f"text:{T}", "--test",
       f"text:{T}", "--seqlen", "16", "--test-seqlen", "16"]
 EV = ["eval", "--model", M, "--data", f"text:{T}", "--seqlen", "16"]
+PG = ["prune", "gates", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
+PM = ["prune", "moe", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16"]
+HE = ["heal", "--model", M, "--out", O, "--data", f"text:{T}", "--seqlen", "16",
+      "--eval-data", f"text:{T}"]
 
 CASES = {
     # usage errors (click): unknown commands and options, bad types, missing values
@@ -108,6 +112,35 @@ CASES = {
                                                     "spectrum"],
     "factor energy 0": PF + ["--widths", "energy", "--energy", "0"],
     "factor energy with target params": PF + ["--widths", "energy", "--target-params", "0.8"],
+    "gates budget above 1": PG + ["--budget", "1.5"],
+    "gates budget nan": PG + ["--budget", "nan"],
+    "gates unknown select": PG + ["--select", "bogus"],
+    "gates rounds 0": PG + ["--rounds", "0"],
+    "gates unknown --set key": PG + ["--set", "bogus=1"],
+    "moe experts 0": PM + ["--experts", "0"],
+    "moe mass 0": PM + ["--mass", "0"],
+    "moe mass inf": PM + ["--mass", "inf"],
+    "moe unknown clustering": PM + ["--clustering", "bogus"],
+    "moe more experts than channels": PM + ["--experts", "4096"],
+    "heal unknown loss": HE + ["--loss", "bogus"],
+    "heal steps 0": HE + ["--steps", "0"],
+    "heal lr nan": HE + ["--lr", "nan"],
+    "heal kd without a teacher": HE + ["--loss", "kd", "--steps", "2"],
+    "heal unknown prune method": HE + ["--prune", "bogus"],
+    "heal tokens and steps": HE + ["--tokens", "100", "--steps", "2"],
+    "depth unknown granularity": PD + ["--remove", "1", "--granularity", "bogus"],
+    "depth sleb score on beam": PD + ["--remove", "1", "--strategy", "beam", "--sleb-score",
+                                      "kl"],
+    "depth bootstrap negative": PD + ["--remove", "1", "--bootstrap", "-1"],
+    "depth max instability above 1": PD + ["--remove", "1", "--max-instability", "2"],
+    "depth sublayer with boundary recovery": PD + ["--remove", "1", "--granularity",
+                                                   "sublayer", "--recovery", "boundary"],
+    "probe bootstrap negative": PR + ["--probe", "leave-one-out", "--bootstrap", "-1"],
+    "probe ablation on a probe without it": PR + ["--probe", "stable-rank", "--ablation",
+                                                  "mean"],
+    "probe unknown ablation": PR + ["--probe", "head-ablation", "--ablation", "bogus"],
+    "probe gradient-flow steps 0": PR + ["--probe", "gradient-flow", "--steps", "0"],
+    "width rep-lie option on wanda-sp": PW + ["--ratio", "0.2", "--rep-lie-steps", "3"],
     "factor multiple 0": PF + ["--multiple", "0"],
     "factor damping negative": PF + ["--damping", "-1"],
     "factor damping inf": PF + ["--damping", "inf"],
