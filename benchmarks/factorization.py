@@ -1,6 +1,7 @@
 """Factorization at matched parameter budgets: SliceGPT (per-layer), one global rotation,
-sensitivity-aware slicing, per-block widths (``slicegpt-widths``), SVD-LLM, Basis Sharing and the optimized shared dictionary,
-against FFN width pruning with compensation and depth pruning with foldable recovery.
+sensitivity-aware slicing, per-block widths (``slicegpt-widths``), SVD-LLM, Basis Sharing and
+the optimized shared dictionary, against FFN width pruning with compensation and depth
+pruning with foldable recovery.
 
 Every point prunes a fresh copy of the model to the same kept fraction of the model's
 parameters (``target_params``: everything the checkpoint stores counted, an untied head

@@ -20,9 +20,9 @@ from prunelab.probes.base import (
 )
 from prunelab.probes.context import ProbeContext
 from prunelab.probes.contraction import Contraction
+from prunelab.probes.gradient_flow import GradientFlow
 from prunelab.probes.head_weights import StableRank
 from prunelab.probes.heads import HeadAblation, Induction
-from prunelab.probes.gradient_flow import GradientFlow
 from prunelab.probes.interval import Interval
 from prunelab.probes.session import run_probes
 from prunelab.probes.similarity import CKA, BlockInfluence, SpanAngular

@@ -17,12 +17,13 @@ checkpoint needs remote code). Until its next boundary is known, a branch writes
 original coordinates; the model meanwhile keeps its full width with the dropped
 directions zeroed, and is cut to ``d'`` at the end.
 
-``rotation="global"``: one ``Q`` from the summed covariances of every boundary of the dense
-model (each divided by its trace unless ``global_weights="raw"``: every boundary reads the
-stream through a norm, so what matters is the share of its own energy a slice loses); no shortcut maps. For llama, mistral, qwen2, qwen3, phi3 and gemma the result is an
-ordinary checkpoint of the same family with ``hidden_size = d'``; Gemma 2/3 norm the branch
-outputs before the residual add, so their writers cannot be rotated and a map after each
-post-norm (remote code) does it.
+``rotation="global"``: one ``Q`` from the summed covariances of every boundary of the
+dense model (each divided by its trace unless ``global_weights="raw"``: every boundary
+reads the stream through a norm, so what matters is the share of its own energy a slice
+loses); no shortcut maps. For llama, mistral, qwen2, qwen3, phi3 and gemma the result is
+an ordinary checkpoint of the same family with ``hidden_size = d'``; Gemma 2/3 norm the
+branch outputs before the residual add, so their writers cannot be rotated and a map after
+each post-norm (remote code) does it.
 
 ``widths="spectrum"`` / ``"energy"`` (per-layer only) give every block its own width
 (:mod:`.widths`): by the energy share per parameter under the same parameter budget as

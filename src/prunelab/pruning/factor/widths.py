@@ -170,7 +170,7 @@ class StreamShapes(PrunelabModule):
 def record_shapes(lm) -> StreamShapes:
     """A :class:`StreamShapes` listing every stream reader / writer / norm and the head of
     ``lm`` with their current shapes."""
-    from prunelab.pruning.factor.folding import stream_branches, stream_boundaries
+    from prunelab.pruning.factor.folding import stream_boundaries, stream_branches
 
     names = {id(m): n for n, m in lm.model.named_modules()}
     linears: dict[str, list] = {}
