@@ -71,7 +71,8 @@ def test_prune_moe_then_eval_at_another_mass(tiny_dir):
     assert "experts per token" in res.stdout and "prunelab_moe_mass" in res.stdout
     man = json.loads((out / "manifest.json").read_text())
     assert man["operations"][-1]["config"]["experts"] == 4
-    assert json.loads((out / "config.json").read_text())["prunelab_moe_mass"] == 0.9
+    config = json.loads((out / "config.json").read_text())
+    assert config["prunelab_moe_mass"] == 0.9 and config["model_type"] == "prunelab_moe_llama"
     figures = {}
     for mass in ("1.0", "0.5"):
         js = tiny_dir / f"moe-eval-{mass}.json"

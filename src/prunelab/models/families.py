@@ -224,11 +224,24 @@ BERT = FamilySpec(
 FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT)
 
 
+#: model-type prefixes of prunelab's remote-code checkpoints: ``prunelab_bridged_<type>``
+#: (bridges, custom modules, per-block widths) and ``prunelab_moe_<type>`` (PrunePath)
+REMOTE_PREFIXES = ("prunelab_bridged_", "prunelab_moe_")
+
+
+def original_model_type(model_type: str | None) -> str | None:
+    """``model_type`` without a prunelab remote-code prefix."""
+    for prefix in REMOTE_PREFIXES:
+        if model_type and model_type.startswith(prefix):
+            return model_type[len(prefix):]
+    return model_type
+
+
 def family_for_model_type(model_type: str | None) -> FamilySpec | None:
-    """The family that handles ``config.model_type``, or ``None`` (prunelab's bridged
-    checkpoints, ``prunelab_bridged_<type>``, belong to the family of ``<type>``)."""
-    if model_type and model_type.startswith("prunelab_bridged_"):
-        model_type = model_type[len("prunelab_bridged_"):]
+    """The family that handles ``config.model_type``, or ``None`` (prunelab's remote-code
+    checkpoints, ``prunelab_bridged_<type>`` / ``prunelab_moe_<type>``, belong to the
+    family of ``<type>``)."""
+    model_type = original_model_type(model_type)
     for fam in FAMILIES:
         if model_type in fam.model_types:
             return fam

@@ -27,9 +27,10 @@ LAYERNORM_TYPES = ("gpt2", "gpt_neox", "opt")
 
 
 def base_type(model: nn.Module) -> str:
-    """``config.model_type`` without prunelab's ``prunelab_bridged_`` prefix."""
-    mt = str(getattr(model.config, "model_type", ""))
-    return mt[len("prunelab_bridged_"):] if mt.startswith("prunelab_bridged_") else mt
+    """``config.model_type`` without prunelab's remote-code prefix."""
+    from prunelab.models.families import original_model_type
+
+    return original_model_type(str(getattr(model.config, "model_type", "")))
 
 
 def check_sliceable(lm, method: str = "slicegpt") -> None:
