@@ -372,3 +372,17 @@ def test_depth_records_the_selection_stability_and_warns(tmp_path, capsys):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             Depth(remove=1, **bad)
     assert torch.is_tensor(IDS)
+
+
+def test_warnings_show_even_when_quiet(capsys):
+    from prunelab import log
+
+    log.set_quiet(True)
+    try:
+        log.info("a status line")
+        log.warn("something may not be what was asked")
+    finally:
+        log.set_quiet(False)
+    err = capsys.readouterr().err
+    assert "a status line" not in err
+    assert err.count("prunelab: warning: something may not be what was asked") == 1

@@ -1,4 +1,5 @@
-"""Messages and progress for long work, on stderr; ``set_quiet(True)`` silences both."""
+"""Messages and progress for long work, on stderr; ``set_quiet(True)`` silences both (not
+:func:`warn`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def info(message: str) -> None:
     """Print one status line to stderr unless quiet."""
     if not _state["quiet"]:
         console.print(message, markup=False, soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    """Print one ``prunelab: warning: ...`` line to stderr, also when quiet (a warning is
+    not a status line: ``--quiet`` must not hide that a result may not be what was asked)."""
+    console.print(f"prunelab: warning: {message}", markup=False, soft_wrap=True)
 
 
 def progress(items: Iterable[T], total: int | None = None, desc: str = "",

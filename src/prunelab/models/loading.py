@@ -32,7 +32,7 @@ from prunelab.errors import (
     PickleRefusedError,
     UnsupportedArchitectureError,
 )
-from prunelab.log import info
+from prunelab.log import info, warn
 from prunelab.models.adapters import Adapter, get_adapter
 from prunelab.models.embedded import EMBEDDED, resolve_embedded, sha256_file
 from prunelab.models.families import family_for_model_type, supported_model_types
@@ -386,8 +386,7 @@ def _check_loading_info(model: nn.Module, loading_info: dict, spec: str, encoder
         return
     text = f"{spec}: the weights do not match the config: " + "; ".join(problems)
     if allow:
-        info(f"prunelab: warning: {text}; they were initialised at random "
-             "(allow_missing_weights)")
+        warn(f"{text}; they were initialised at random (allow_missing_weights)")
         return
     raise MissingWeightsError(f"{text}; they would be random values: pass "
                               "--allow-missing-weights (allow_missing_weights=True) to load anyway")

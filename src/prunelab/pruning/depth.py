@@ -207,7 +207,7 @@ def check_selection(strategy: Strategy, job: SelectJob, removed: list[int], how:
     ``cfg.max_instability`` (default 0.5: the chosen set is then not even the likelier
     outcome of another calibration sample of the same size; at 200 resamples the share's
     standard error is at most 0.035, well inside that margin)."""
-    from prunelab.log import info
+    from prunelab.log import warn
     from prunelab.probes.reliability import selection_stability
 
     cfg = job.cfg
@@ -219,7 +219,6 @@ def check_selection(strategy: Strategy, job: SelectJob, removed: list[int], how:
         return
     how["selection_stability"] = stab
     if 1.0 - stab["share_same"] > cfg.max_instability:
-        info(f"prunelab: warning: blocks {sorted(removed)} are not stable under the "
-             f"bootstrap of the calibration windows: only {stab['share_same']:.0%} of "
-             f"{stab['bootstrap']} resamples give the same set (more --samples, or another "
-             "probe)")
+        warn(f"blocks {sorted(removed)} are not stable under the bootstrap of the "
+             f"calibration windows: only {stab['share_same']:.0%} of {stab['bootstrap']} "
+             "resamples give the same set (more --samples, or another probe)")
