@@ -1,0 +1,17 @@
+"""Inference-time presses: KV-cache eviction and mid-prefill token pruning applied to a
+loaded model as a context manager (``with press(lm, SnapKV(ratio=0.5)): ...``)."""
+
+from prunelab.inference.config import (
+    H2O,
+    PRESSES,
+    EntroPrefill,
+    LazyLLM,
+    Press,
+    SnapKV,
+    StreamingLLM,
+)
+from prunelab.inference.kv import cache_bytes
+from prunelab.inference.press import Session, press
+
+__all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "LazyLLM", "EntroPrefill",
+           "press", "Session", "cache_bytes"]
