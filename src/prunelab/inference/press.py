@@ -199,15 +199,16 @@ class Session:
         cfg = self.config
         if cfg.kind == "kv":
             self.budget = kv.budget(cfg, length)
-            if not cfg.is_noop:
-                kv.evict(cfg, cache, self.budget, self.scores)
+            kept = {} if cfg.is_noop else kv.evict(cfg, cache, self.budget, self.scores)
             if not (isinstance(cfg, H2O) and cfg.every):
                 self.scores = {}
-            self.report = {"prompt": length, "kept": min(self.budget, length)}
+            self.report = {"prompt": length, "kept": min(self.budget, length),
+                           "keep": kept}
         elif self.pruner is not None:
             self.pruner.trim_cache(cache)
             kept = length if self.pruner.keep is None else self.pruner.keep.shape[1]
-            self.report = {"prompt": length, "kept": kept, **self.pruner.info}
+            self.report = {"prompt": length, "kept": kept, "keep": self.pruner.keep,
+                           **self.pruner.info}
         else:
             self.report = {"prompt": length, "kept": length}
         self.report["cache_bytes"] = kv.cache_bytes(cache)
