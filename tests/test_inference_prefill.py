@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_tokens
 
 from prunelab.inference import EntroPrefill, LazyLLM, press
 from prunelab.inference.scores import (
@@ -16,6 +15,8 @@ from prunelab.inference.scores import (
     smooth,
 )
 from prunelab.models.loading import wrap
+
+from tiny_models import tiny_model, tiny_tokens
 
 
 def _causal(n):

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_model, tiny_tokens
 from transformers import DynamicCache
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
@@ -22,6 +21,8 @@ from prunelab.inference import (
 from prunelab.inference.kv import keep_indices
 from prunelab.models.loading import wrap
 from prunelab.registry import to_dict
+
+from tiny_models import tiny_model, tiny_tokens
 
 NOOPS = [StreamingLLM(ratio=0.0), H2O(ratio=0.0), SnapKV(ratio=0.0, window=4),
          LazyLLM(ratio=0.0), EntroPrefill(max_ratio=0.0)]

@@ -10,8 +10,9 @@ from prunelab.inference.config import (
     SnapKV,
     StreamingLLM,
 )
+from prunelab.inference.decay import DecayEviction, fit_decay
 from prunelab.inference.kv import cache_bytes
 from prunelab.inference.press import Session, press
 
 __all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "LazyLLM", "EntroPrefill",
-           "press", "Session", "cache_bytes"]
+           "DecayEviction", "fit_decay", "press", "Session", "cache_bytes"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from prunelab.inference.config import H2O, Press, SnapKV, StreamingLLM
+from prunelab.inference.decay import DecayEviction
 from prunelab.inference.scores import (
     attention_rows,
     group_heads,
@@ -55,8 +56,10 @@ def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | N
         idx = torch.cat([torch.arange(sinks, device=device),
                          torch.arange(length - (keep - sinks), length, device=device)])
         return idx.expand(batch, groups, keep).contiguous()
-    if isinstance(config, SnapKV):
+    if isinstance(config, (SnapKV, DecayEviction)):
         fixed[max(length - config.window, 0):] = True
+        if isinstance(config, DecayEviction):
+            fixed[0] = True
     elif isinstance(config, H2O):
         recent = min(int(keep * config.recent), keep)
         if recent:

@@ -32,6 +32,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from prunelab.errors import UnsupportedOperationError
 from prunelab.inference import kv
 from prunelab.inference.config import H2O, PRESSES, Press, StreamingLLM
+from prunelab.inference.decay import DecayEviction, decay_scores
 from prunelab.inference.prefill import TokenPruner
 from prunelab.inference.scores import attention_rows
 from prunelab.registry import check_range
@@ -199,6 +200,8 @@ class Session:
         cfg = self.config
         if cfg.kind == "kv":
             self.budget = kv.budget(cfg, length)
+            if isinstance(cfg, DecayEviction) and not cfg.is_noop:
+                self.scores = decay_scores(cfg, cache, kv.evictable_layers(cache))
             kept = {} if cfg.is_noop else kv.evict(cfg, cache, self.budget, self.scores)
             if not (isinstance(cfg, H2O) and cfg.every):
                 self.scores = {}
