@@ -1,13 +1,14 @@
 """Learned decay-based KV eviction (after Universal Attention) on tiny random models."""
 
 import torch
-from tiny_models import tiny_model, tiny_tokens
 from transformers import DynamicCache
 
 from prunelab.inference import PRESSES, DecayEviction, StreamingLLM, fit_decay, press
 from prunelab.inference.decay import key_features
 from prunelab.models.loading import wrap
 from prunelab.registry import to_dict
+
+from tiny_models import tiny_model, tiny_tokens
 
 
 def test_fit_matches_an_independent_least_squares_on_the_attention_targets():
