@@ -154,3 +154,19 @@ def test_pooling_hand_cases():
     assert group_heads(s, 2, 1.0).tolist() == [[[2.0, 3.0], [4.0, 4.0]]]
     x = torch.tensor([[[0.0, 5.0, 0.0, 0.0, 1.0]]])
     assert smooth(x, 3, "max").tolist() == [[[5.0, 5.0, 5.0, 1.0, 1.0]]]
+
+
+@pytest.mark.parametrize("stability,layer", [(0.0, 1), (1.0, 3)])
+def test_adaptive_layer_is_the_first_stable_block_and_keeps_positions(stability, layer):
+    """Stability 0: every ranking is 'stable', the cut happens at block 1; stability 1 on
+    a random model (removal sets differ between blocks): only at the last allowed block."""
+    m = tiny_model("llama")
+    lm = wrap(m)
+    ids = tiny_tokens(2, 20)
+    cfg = EntroPrefill(layer=3, adaptive=True, stability=stability, mass_bound=0.6,
+                       window=3, keep_scale=0.3)
+    with press(lm, cfg) as s:
+        out = m(ids, use_cache=True)
+    assert s.report["layer"] == layer and s.report["removed"] > 0
+    ref = _reference_logits(m, ids, layer, s.report["keep"])
+    assert torch.allclose(out.logits, ref, atol=1e-5)

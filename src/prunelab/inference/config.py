@@ -135,7 +135,9 @@ class EntroPrefill(Press):
     (keep ``ceil(keep_scale * exp(H_alpha))`` candidates: concentrated attention lets more
     go), capped at ``max_ratio`` of the prompt, and accepted only up to the deletion
     envelope: the largest removal (in pooled order) whose discarded attention mass is at
-    most ``mass_bound`` for every head of the block."""
+    most ``mass_bound`` for every head of the block. ``adaptive``: prune at the first block
+    ``1..layer`` whose removal set overlaps the previous block's by at least ``stability``
+    (Jaccard; the ranking has stabilised), else at ``layer``."""
 
     kind: ClassVar[str] = "prefill"
     layer: int = 1
@@ -145,9 +147,14 @@ class EntroPrefill(Press):
     alpha: float = 2.0
     keep_scale: float = 1.0
     max_ratio: float = 0.9
+    adaptive: bool = False
+    stability: float = 0.8
 
     def __post_init__(self) -> None:
         check_range("layer", self.layer, 0, None, integer=True)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
+        check_range("stability", self.stability, 0.0, 1.0)
         check_range("mass_bound", self.mass_bound, 0.0, 1.0)
         check_range("window", self.window, 1, None, integer=True)
         check_range("mix", self.mix, 0.0, 1.0)
@@ -159,4 +166,4 @@ class EntroPrefill(Press):
 
     @property
     def is_noop(self) -> bool:
-        return self.max_ratio == 0.0 or self.mass_bound == 0.0
+        return self.max_ratio == 0.0

@@ -74,6 +74,17 @@ def _complement(idx: torch.Tensor, length: int) -> torch.Tensor:
     return mask.nonzero()[:, 1].view(idx.shape[0], length - idx.shape[1])
 
 
+def _jaccard_removed(a: torch.Tensor, b: torch.Tensor, length: int) -> float:
+    """Jaccard overlap of the removed sets (complements of kept ``[B, K]`` indices),
+    over the batch; 1 when both remove nothing."""
+    ra = torch.ones(a.shape[0], length, dtype=torch.bool, device=a.device)
+    rb = torch.ones_like(ra)
+    ra.scatter_(1, a, False)
+    rb.scatter_(1, b, False)
+    union = int((ra | rb).sum())
+    return 1.0 if union == 0 else int((ra & rb).sum()) / union
+
+
 def _gather_seq(t: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
     """Gather ``keep`` ``[B, K]`` along ``dim`` of ``t`` (batch first; a batch of one is
     broadcast)."""
@@ -87,19 +98,24 @@ def _gather_seq(t: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class TokenPruner:
-    """Hooks on the blocks of one model that shorten the prefill after ``config.layer``.
-    Active only while ``session.phase == "prefill"``; ``remove()`` takes every hook off."""
+    """Hooks on the blocks of one model that shorten the prefill after block ``layer`` (or,
+    for an adaptive EntroPrefill, after the first block ``1..layer`` whose removal set is
+    stable: Jaccard overlap with the previous block's at least ``stability``). Active only
+    while ``session.phase == "prefill"``; ``remove()`` takes every hook off."""
 
     def __init__(self, session, config: Press):
         self.session, self.config = session, config
-        blocks = session.lm.adapter.blocks()
+        blocks = list(session.lm.adapter.blocks())
+        self.adaptive = bool(getattr(config, "adaptive", False))
+        self.max_layer = config.layer
+        first = 1 if self.adaptive and config.layer > 0 else config.layer
+        self.candidates = range(first if not self.adaptive else 0, config.layer + 1)
         self.layer = config.layer
-        self.probs: torch.Tensor | None = None
-        self.keep: torch.Tensor | None = None
-        self.exit_hidden: torch.Tensor | None = None
-        self.info: dict = {}
-        self.handles = [blocks[self.layer].register_forward_hook(self._after_layer)]
-        for blk in list(blocks)[self.layer + 1:]:
+        self.probs: dict[int, torch.Tensor] = {}
+        self.reset()
+        self.handles = [blocks[i].register_forward_hook(self._hook(i))
+                        for i in range(first, config.layer + 1)]
+        for blk in blocks[first + 1:]:
             self.handles.append(blk.register_forward_pre_hook(self._before_layer,
                                                               with_kwargs=True))
 
@@ -107,24 +123,55 @@ class TokenPruner:
     def rows(self) -> int:
         return self.config.window if isinstance(self.config, EntroPrefill) else 1
 
+    def wants(self, layer: int) -> bool:
+        """Whether the attention of block ``layer`` is needed now."""
+        return not self.decided and layer in self.candidates
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []
 
     def reset(self) -> None:
-        self.probs = self.keep = self.exit_hidden = None
+        self.probs = {}
+        self.keep = self.exit_hidden = self.previous = None
+        self.decided = False
+        self.info: dict = {}
 
-    def _after_layer(self, module, args, output):
-        if self.session.phase != "prefill" or self.probs is None:
-            return output
-        hidden = output[0] if isinstance(output, tuple) else output
-        groups = self.session.groups
+    def _hook(self, index: int):
+        def hook(module, args, output):
+            return self._after_layer(index, output)
+        return hook
+
+    def _decide(self, index: int) -> tuple[torch.Tensor, dict] | None:
+        """Kept indices at block ``index``, or ``None`` to wait for a later block."""
+        if self.adaptive and index - 1 in self.probs and self.previous is None:
+            prev, _ = entroprefill_keep(self.config, self.probs.pop(index - 1),
+                                        self.session.groups)
+            self.previous = prev
+        probs = self.probs.pop(index)
         if isinstance(self.config, EntroPrefill):
-            keep, self.info = entroprefill_keep(self.config, self.probs, groups)
+            keep, info = entroprefill_keep(self.config, probs, self.session.groups)
         else:
-            keep, self.info = lazyllm_keep(self.config, self.probs)
-        self.probs = None
+            keep, info = lazyllm_keep(self.config, probs)
+        if self.adaptive and index < self.max_layer:
+            overlap = _jaccard_removed(self.previous, keep, probs.shape[-1])
+            self.previous = keep
+            if overlap < self.config.stability:
+                return None
+        return keep, info
+
+    def _after_layer(self, index: int, output):
+        if self.session.phase != "prefill" or self.decided or index not in self.probs:
+            return output
+        decision = self._decide(index)
+        if decision is None:
+            return output
+        keep, self.info = decision
+        self.info["layer"] = index
+        self.decided, self.layer = True, index
+        self.probs = {}
+        hidden = output[0] if isinstance(output, tuple) else output
         if keep.shape[1] == hidden.shape[1]:
             return output
         self.keep, self.exit_hidden = keep, hidden

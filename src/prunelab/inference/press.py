@@ -113,7 +113,7 @@ class Session:
             self.base.forward = self._forward
             self._undo.append(lambda: setattr(self.base, "forward", old_forward) if had
                               else self.base.__dict__.pop("forward", None))
-            if cfg.kind == "prefill" and not cfg.is_noop:
+            if cfg.kind == "prefill":  # also at ratio 0: the hooks run and keep everything
                 self.pruner = TokenPruner(self, cfg)
                 self._undo.append(self.pruner.remove)
         except BaseException:
@@ -129,7 +129,7 @@ class Session:
     # ----------------------------------------------------------------- attention
     def on_attention(self, module, query, key, kwargs) -> None:
         cfg, layer = self.config, module.layer_idx
-        if self.phase is None or cfg.is_noop:
+        if self.phase is None:
             return
         scaling = kwargs.get("scaling") or module.scaling
         softcap = kwargs.get("softcap")
@@ -137,8 +137,9 @@ class Session:
             s = kv.prefill_scores(cfg, query, key, scaling, softcap)
             if s is not None:
                 self.scores[layer] = s
-        elif self.phase == "prefill" and self.pruner is not None and layer == cfg.layer:
-            self.pruner.probs = attention_rows(query, key, scaling, self.pruner.rows, softcap)
+        elif self.phase == "prefill" and self.pruner is not None and self.pruner.wants(layer):
+            self.pruner.probs[layer] = attention_rows(query, key, scaling, self.pruner.rows,
+                                                      softcap)
         elif self.phase == "decode" and isinstance(cfg, H2O) and cfg.every \
                 and layer in self.scores:
             acc = self.scores[layer]
@@ -200,9 +201,9 @@ class Session:
         cfg = self.config
         if cfg.kind == "kv":
             self.budget = kv.budget(cfg, length)
-            if isinstance(cfg, DecayEviction) and not cfg.is_noop:
+            if isinstance(cfg, DecayEviction):
                 self.scores = decay_scores(cfg, cache, kv.evictable_layers(cache))
-            kept = {} if cfg.is_noop else kv.evict(cfg, cache, self.budget, self.scores)
+            kept = kv.evict(cfg, cache, self.budget, self.scores)
             if not (isinstance(cfg, H2O) and cfg.every):
                 self.scores = {}
             self.report = {"prompt": length, "kept": min(self.budget, length),
@@ -245,7 +246,8 @@ class Session:
             idx = self.pruner.keep[..., None].expand(-1, -1, full.shape[-1])
             prefix = full.scatter(1, idx, prefix)
         rest = self._step(dict(input_ids=ids[:, c:], cache=cache, use_cache=True), cache)
-        self.pruner is not None and self.pruner.reset()
+        if self.pruner is not None:
+            self.pruner.reset()
         hidden = torch.cat([prefix, rest.last_hidden_state], dim=1)
         return BaseModelOutputWithPast(last_hidden_state=hidden)
 
