@@ -226,3 +226,14 @@ def test_refusals():
         with press(_lm("gemma3_text"), EntroPrefill()):
             pass
     assert "forward" not in lm.model.model.__dict__
+
+
+def test_cache_filled_outside_the_press_continues_at_its_length():
+    m = tiny_model("llama")
+    ids, nxt = tiny_tokens(1, 12), tiny_tokens(1, 1, seed=7)
+    cache = m(ids, use_cache=True).cache
+    ref = m(nxt, cache=cache, use_cache=True).logits
+    cache.crop(-1)
+    with press(m, H2O(ratio=0.5)):  # a bare HF model is wrapped
+        out = m(nxt, cache=cache, use_cache=True).logits
+    assert torch.equal(out, ref)

@@ -35,6 +35,7 @@ from prunelab.inference.config import H2O, PRESSES, Press, StreamingLLM
 from prunelab.inference.decay import DecayEviction, decay_scores
 from prunelab.inference.prefill import TokenPruner
 from prunelab.inference.scores import attention_rows
+from prunelab.models.loading import LoadedModel, wrap
 from prunelab.registry import check_range
 
 _PREFIX = "prunelab_press_"
@@ -165,7 +166,8 @@ class Session:
         return self._step(kw, cache)
 
     def _new_sequence(self, cache) -> None:
-        self.cache, self.seen, self.steps, self.budget = cache, 0, 0, None
+        # a cache filled outside the press is uncompressed: its length is the token count
+        self.cache, self.seen, self.steps, self.budget = cache, cache.get_seq_length(), 0, None
         self.scores = {}
         if self.pruner is not None:
             self.pruner.reset()
@@ -182,9 +184,10 @@ class Session:
                 raise UnsupportedOperationError(
                     "press: padded batches are not supported; give prompts of equal length")
             kw["attention_mask"] = None
-        if kw.get("position_ids") is None:
-            pos = torch.arange(self.seen, self.seen + s, device=x.device)
-            kw["position_ids"] = pos[None].expand(b, -1)
+        # positions continue from the tokens seen, never from the (shrunken) cache length;
+        # padding is refused, so this is also what generate passes
+        pos = torch.arange(self.seen, self.seen + s, device=x.device)
+        kw["position_ids"] = pos[None].expand(b, -1)
         self.phase = "prefill" if self.seen == 0 else "decode"
         try:
             out = self._orig(**kw)
@@ -254,12 +257,15 @@ class Session:
 
 @contextmanager
 def press(lm, config: Press | str, context: float = 0.5, **options):
-    """Run ``lm`` (a prunelab ``LoadedModel``) under ``config`` (a press config or its
-    registered name with ``options``) inside a ``with`` block; yields the :class:`Session`
-    (its ``report`` describes the last prefill). The model is restored exactly on exit.
+    """Run ``lm`` (a prunelab ``LoadedModel`` or a Hugging Face causal LM) under
+    ``config`` (a press config or its registered name with ``options``) inside a ``with``
+    block; yields the :class:`Session` (its ``report`` describes the last prefill). The
+    model is restored exactly on exit.
 
     ``context``: for cache-less forwards (the evaluator), the fraction of each window
     that is the pressed prompt; the rest is scored on the pressed cache."""
+    if not isinstance(lm, LoadedModel):
+        lm = wrap(lm)
     config = PRESSES.make(config, **options)
     check_range("context", context, 0.0, 1.0)
     session = Session(lm, config, context)
