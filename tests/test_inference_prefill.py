@@ -170,3 +170,14 @@ def test_adaptive_layer_is_the_first_stable_block_and_keeps_positions(stability,
     assert s.report["layer"] == layer and s.report["removed"] > 0
     ref = _reference_logits(m, ids, layer, s.report["keep"])
     assert torch.allclose(out.logits, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox"])
+def test_prefill_pruning_table_generates_on_the_shortened_cache(arch):
+    m = tiny_model(arch)
+    ids = tiny_tokens(2, 20)
+    with press(m, LazyLLM(ratio=0.5, layer=1)) as s:
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                         do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    assert s.report["kept"] == 10 and out.sequences.shape == (2, 23)
+    assert all(layer.keys.shape[2] == 12 for layer in out.past_key_values.layers)

@@ -140,6 +140,27 @@ def test_decode_positions_continue_from_the_original_length():
     assert not torch.allclose(step.logits, wrong.logits, atol=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "gemma", "gemma2", "phi3", "gpt2",
+                                  "gpt_neox", "gemma3_text"])
+def test_eviction_table_matches_hand_built_cache_with_explicit_positions(arch):
+    """SnapKV on every causal family: the next tokens equal the plain model run on the
+    plain cache with the press's kept entries and explicit original positions."""
+    m = tiny_model(arch)
+    ids, nxt = tiny_tokens(1, 20), tiny_tokens(1, 3, seed=4)
+    with press(m, SnapKV(ratio=0.5, window=4)) as s:
+        out = m(ids, use_cache=True)
+        step = m(nxt, cache=out.cache, use_cache=True)
+    assert s.report["keep"] and all(i.shape[-1] == 10 for i in s.report["keep"].values())
+    cache = DynamicCache(config=m.config)
+    m(ids, cache=cache, use_cache=True)
+    for i, idx in s.report["keep"].items():
+        layer = cache.layers[i]
+        g = idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
+        layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
+    ref = m(nxt, cache=cache, use_cache=True, position_ids=torch.tensor([[20, 21, 22]]))
+    assert torch.allclose(step.logits, ref.logits, atol=1e-5)
+
+
 def test_generate_with_eviction_matches_hand_built_reference():
     lm = _lm()
     ids = tiny_tokens(1, 20)
@@ -224,6 +245,12 @@ def test_refusals():
             pass
     with pytest.raises(UnsupportedOperationError, match="full-attention"):
         with press(_lm("gemma3_text"), EntroPrefill()):
+            pass
+    with pytest.raises(UnsupportedOperationError, match="opt is not supported"):
+        with press(_lm("opt"), SnapKV()):
+            pass
+    with pytest.raises(UnsupportedOperationError, match="gpt2"):
+        with press(_lm("gpt2"), LazyLLM()):
             pass
     assert "forward" not in lm.model.model.__dict__
 

@@ -187,11 +187,19 @@ class TokenPruner:
             kwargs["position_embeddings"] = tuple(_gather_seq(t, keep, 1) for t in pe)
         if kwargs.get("position_ids") is not None:
             kwargs["position_ids"] = _gather_seq(kwargs["position_ids"], keep, 1)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-            mask = _gather_seq(mask, keep, 2)
-            kwargs["attention_mask"] = _gather_seq(mask, keep, 3)
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = self._mask(kwargs["attention_mask"])
+        args = (args[0], *(self._mask(a) for a in args[1:]))  # GPT-2 passes it by position
         return args, kwargs
+
+    def _mask(self, mask):
+        """The kept rows and columns of a ``[B, 1, L, L]`` prefill mask (else unchanged)."""
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or self.exit_hidden is None:
+            return mask
+        n = self.exit_hidden.shape[1]
+        if mask.shape[-1] != n or mask.shape[-2] != n:
+            return mask
+        return _gather_seq(_gather_seq(mask, self.keep, 2), self.keep, 3)
 
     def trim_cache(self, cache) -> None:
         """Remove the dropped tokens' entries from the cache layers ``0..layer``."""

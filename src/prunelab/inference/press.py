@@ -40,6 +40,8 @@ from prunelab.registry import check_range
 
 _PREFIX = "prunelab_press_"
 _SESSIONS: dict[int, Session] = {}
+_BYPASS_BASE = {"opt"}
+_NO_PREFILL = {"gpt2"}
 
 
 def _wrapped(impl: str):
@@ -82,11 +84,20 @@ class Session:
         lm, cfg = self.lm, self.config
         if lm.adapter.is_encoder:
             raise UnsupportedOperationError("press: encoder models have no KV cache")
+        if getattr(lm.model.config, "model_type", "") in _BYPASS_BASE:
+            raise UnsupportedOperationError(
+                f"press: {lm.model.config.model_type} is not supported (its causal-LM "
+                "class calls the decoder directly, bypassing the base model's forward)")
         nblocks = lm.adapter.num_blocks
         if cfg.kind == "prefill":
             if cfg.layer >= nblocks:
                 raise UnsupportedOperationError(
                     f"press: layer {cfg.layer} does not exist (0..{nblocks - 1})")
+            if getattr(lm.model.config, "model_type", "") in _NO_PREFILL:
+                raise UnsupportedOperationError(
+                    f"press: prefill token pruning does not support "
+                    f"{lm.model.config.model_type} (its base model reshapes the output to "
+                    "the input length)")
             if any(t != "full_attention" for t in (lm.adapter.layer_types() or [])):
                 raise UnsupportedOperationError(
                     "press: prefill token pruning needs full-attention blocks only")
