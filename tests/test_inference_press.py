@@ -17,6 +17,7 @@ from prunelab.inference import (
     StreamingLLM,
     cache_bytes,
     press,
+    press_for,
 )
 from prunelab.inference.kv import keep_indices
 from prunelab.models.loading import wrap
@@ -252,7 +253,20 @@ def test_refusals():
     with pytest.raises(UnsupportedOperationError, match="gpt2"):
         with press(_lm("gpt2"), LazyLLM()):
             pass
+    with press(lm, SnapKV()):
+        with pytest.raises(UnsupportedOperationError, match="already active"):
+            with press(lm, H2O()):
+                pass
+        lm.model(ids, use_cache=True)  # the outer press still works
     assert "forward" not in lm.model.model.__dict__
+
+
+def test_press_for_maps_the_cli_ratio():
+    assert press_for("snapkv", 0.25) == SnapKV(ratio=0.25)
+    assert press_for("entroprefill", 0.5, mass_bound=0.1) == \
+        EntroPrefill(max_ratio=0.5, mass_bound=0.1)
+    with pytest.raises(ConfigError, match="unknown press"):
+        press_for("nope", 0.5)
 
 
 def test_cache_filled_outside_the_press_continues_at_its_length():

@@ -9,10 +9,11 @@ from prunelab.inference.config import (
     Press,
     SnapKV,
     StreamingLLM,
+    press_for,
 )
 from prunelab.inference.decay import DecayEviction, fit_decay
 from prunelab.inference.kv import cache_bytes
 from prunelab.inference.press import Session, press
 
 __all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "LazyLLM", "EntroPrefill",
-           "DecayEviction", "fit_decay", "press", "Session", "cache_bytes"]
+           "DecayEviction", "fit_decay", "press", "press_for", "Session", "cache_bytes"]

@@ -167,3 +167,16 @@ class EntroPrefill(Press):
     @property
     def is_noop(self) -> bool:
         return self.max_ratio == 0.0
+
+
+def press_for(name: str, ratio: float | None = None, **options) -> Press:
+    """The press ``name`` at compression ``ratio`` (the fraction of the prompt removed),
+    for a CLI's ``--press NAME --press-ratio R``: EntroPrefill takes ``ratio`` as its cap
+    ``max_ratio`` (its cut is decided by the mass bound under that cap)."""
+    cls = PRESSES.get(name)
+    if ratio is not None:
+        field = "max_ratio" if cls is EntroPrefill else "ratio"
+        if field in options:
+            raise ConfigError(f"press {name!r}: give the ratio once (ratio or {field})")
+        options[field] = ratio
+    return PRESSES.make(name, **options)

@@ -101,6 +101,8 @@ class Session:
             if any(t != "full_attention" for t in (lm.adapter.layer_types() or [])):
                 raise UnsupportedOperationError(
                     "press: prefill token pruning needs full-attention blocks only")
+        if any(id(lm.adapter.attention(i)) in _SESSIONS for i in range(nblocks)):
+            raise UnsupportedOperationError("press: a press is already active on this model")
         configs = {id(c): c for c in [lm.model.config] + [
             getattr(lm.adapter.attention(i), "config", lm.model.config)
             for i in range(nblocks)]}.values()
