@@ -30,6 +30,7 @@ Run (do not run inside the test suite)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -43,6 +44,11 @@ from prunelab.inference import PRESSES, cache_bytes, fit_decay, press
 
 PASSKEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def pressed(lm, cfg, **kw):
+    """The press context, or none for the plain model (``cfg`` None)."""
+    return contextlib.nullcontext(None) if cfg is None else press(lm, cfg, **kw)
 
 
 def sync(device: torch.device) -> None:
@@ -86,7 +92,7 @@ def retrieval(lm, cfg, length: int, depths: list[float]) -> float:
     for i, depth in enumerate(depths):
         key = 10000 + 7919 * (i + 1) % 90000
         ids = passkey_prompt(lm, length, depth, key).to(lm.device)
-        with press(lm, cfg):
+        with pressed(lm, cfg):
             out = lm.model.generate(ids, max_new_tokens=8, do_sample=False,
                                     pad_token_id=lm.tokenizer.eos_token_id)
         hits += str(key) in lm.tokenizer.decode(out[0, ids.shape[1]:])
@@ -111,7 +117,7 @@ def speed(lm, cfg, length: int, decode: int) -> dict:
     dev = lm.device
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    with press(lm, cfg) as session:
+    with pressed(lm, cfg) as session:
         lm.model(ids, use_cache=True)  # warm-up
         sync(dev)
         t0 = time.perf_counter()
@@ -127,7 +133,7 @@ def speed(lm, cfg, length: int, decode: int) -> dict:
             token = step.logits[:, -1:].argmax(-1)
         sync(dev)
         dt = time.perf_counter() - t0
-        kept = session.report.get("kept", length)
+        kept = length if session is None else session.report.get("kept", length)
     peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
     return {"ttft_s": ttft, "prefill_tokens_per_s": length / ttft,
             "decode_tokens_per_s": decode / dt, "cache_bytes": nbytes, "kept": kept,
@@ -163,8 +169,8 @@ def main() -> None:
     rows, ref_cache = [], {}
     for length in contexts:
         base = {"press": "none", "ratio": 0.0, "context": length,
-                "retrieval": retrieval(lm, PRESSES.make("snapkv", ratio=0.0), length, depths),
-                **speed(lm, PRESSES.make("snapkv", ratio=0.0), length, args.decode)}
+                "retrieval": retrieval(lm, None, length, depths),
+                **speed(lm, None, length, args.decode)}
         rows.append(base)
         print(json.dumps(base), flush=True)
         for name in names:
