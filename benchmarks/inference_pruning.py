@@ -1,0 +1,192 @@
+"""Inference-time presses on long inputs: retrieval, continuation KL, speed and cache bytes.
+
+For every press (``--presses``), compression ratio (``--ratios``, fraction of the prompt
+removed) and context length (``--contexts``), on text from the embedded corpus
+(``wiki-vital:test``, offline):
+
+* passkey retrieval: a pass key sentence inserted at relative depths ``--depths`` of a
+  haystack, then "What is the pass key? The pass key is" (a copy of the needle's start,
+  which even small models complete by induction); greedy decoding of 8 tokens;
+  accuracy = the key appears in the answer;
+* continuation KL: KL(full || pressed) of the next-token distributions over the
+  ``--continuation`` tokens that follow the context (the context prefilled under the press,
+  the continuation run on the pressed cache), and top-1 agreement;
+* prefill tokens/s and time to first token (prefill + eviction + first token), decode
+  tokens/s over ``--decode`` greedy steps on the pressed cache, cache bytes after the
+  prefill and peak accelerator memory.
+
+Token-pruning presses map the ratio to their cut: LazyLLM removes ``ratio`` at block
+``--prune-layer``; EntroPrefill caps its removal at ``max_ratio = ratio`` under
+``--mass-bound``. The decay press is fitted first on ``wiki-vital:calib`` windows.
+
+Run (do not run inside the test suite)::
+
+    python benchmarks/inference_pruning.py [--model smollm2-135m] [--device auto]
+        [--contexts 1024,2048,4096] [--ratios 0.25,0.5,0.75,0.9]
+        [--presses streaming-llm,h2o,snapkv,decay,lazyllm,entroprefill] [--json out.json]
+    # smoke: --contexts 128 --ratios 0.5 --depths 0.5 --continuation 16 --decode 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+
+import torch
+
+import prunelab
+from prunelab.data import make_batches
+from prunelab.eval.divergence import kl_from_logits, top1_agreement
+from prunelab.eval.perplexity import final_hidden
+from prunelab.inference import PRESSES, cache_bytes, fit_decay, press
+
+PASSKEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def pressed(lm, cfg, **kw):
+    """The press context, or none for the plain model (``cfg`` None)."""
+    return contextlib.nullcontext(None) if cfg is None else press(lm, cfg, **kw)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def haystack(lm, length: int, seed: int) -> torch.Tensor:
+    """``[1, length]`` corpus tokens (windows of the embedded test split)."""
+    batches = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=length, samples=None,
+                           mode="test", specials="none")
+    ids = batches.input_ids
+    return ids[seed % ids.shape[0]][None]
+
+
+def passkey_prompt(lm, length: int, depth: float, key: int) -> torch.Tensor:
+    tok = lm.tokenizer
+    needle = tok(PASSKEY.format(key=key), add_special_tokens=False,
+                 return_tensors="pt").input_ids
+    question = tok(QUESTION, add_special_tokens=False, return_tensors="pt").input_ids
+    body = haystack(lm, length - needle.shape[1] - question.shape[1], seed=key)
+    at = int(depth * body.shape[1])
+    return torch.cat([body[:, :at], needle, body[:, at:], question], dim=1)
+
+
+def make_press(name: str, ratio: float, args, lm, decay_cfg):
+    if name == "decay":
+        return PRESSES.get("decay")(ratio=ratio, window=decay_cfg.window,
+                                    weights=decay_cfg.weights)
+    if name == "lazyllm":
+        return PRESSES.make(name, ratio=ratio, layer=args.prune_layer)
+    if name == "entroprefill":
+        return PRESSES.make(name, max_ratio=ratio, layer=args.prune_layer,
+                            mass_bound=args.mass_bound, keep_scale=args.keep_scale)
+    return PRESSES.make(name, ratio=ratio)
+
+
+@torch.no_grad()
+def retrieval(lm, cfg, length: int, depths: list[float]) -> float:
+    hits = 0
+    for i, depth in enumerate(depths):
+        key = 10000 + 7919 * (i + 1) % 90000
+        ids = passkey_prompt(lm, length, depth, key).to(lm.device)
+        with pressed(lm, cfg):
+            out = lm.model.generate(ids, max_new_tokens=8, do_sample=False,
+                                    pad_token_id=lm.tokenizer.eos_token_id)
+        hits += str(key) in lm.tokenizer.decode(out[0, ids.shape[1]:])
+    return hits / len(depths)
+
+
+@torch.no_grad()
+def continuation(lm, cfg, length: int, cont: int, ref_cache: dict) -> dict:
+    ids = haystack(lm, length + cont, seed=1).to(lm.device)
+    if length not in ref_cache:
+        ref_cache[length] = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
+    ref = ref_cache[length]
+    with press(lm, cfg, context=(length + 0.5) / (length + cont)):
+        logits = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
+    return {"kl": float(kl_from_logits(ref, logits).mean()),
+            "top1": float(top1_agreement(ref, logits).float().mean())}
+
+
+@torch.no_grad()
+def speed(lm, cfg, length: int, decode: int) -> dict:
+    ids = haystack(lm, length, seed=2).to(lm.device)
+    dev = lm.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    with pressed(lm, cfg) as session:
+        lm.model(ids, use_cache=True)  # warm-up
+        sync(dev)
+        t0 = time.perf_counter()
+        out = lm.model(ids, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+        sync(dev)
+        ttft = time.perf_counter() - t0
+        cache = out.cache
+        nbytes = cache_bytes(cache)
+        t0 = time.perf_counter()
+        for _ in range(decode):
+            step = lm.model(token, cache=cache, use_cache=True)
+            token = step.logits[:, -1:].argmax(-1)
+        sync(dev)
+        dt = time.perf_counter() - t0
+        kept = length if session is None else session.report.get("kept", length)
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    return {"ttft_s": ttft, "prefill_tokens_per_s": length / ttft,
+            "decode_tokens_per_s": decode / dt, "cache_bytes": nbytes, "kept": kept,
+            "peak_bytes": peak}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--contexts", default="1024,2048,4096")
+    ap.add_argument("--ratios", default="0.25,0.5,0.75,0.9")
+    ap.add_argument("--presses", default="streaming-llm,h2o,snapkv,decay,lazyllm,entroprefill")
+    ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
+    ap.add_argument("--continuation", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--prune-layer", type=int, default=3)
+    ap.add_argument("--mass-bound", type=float, default=0.1)
+    ap.add_argument("--keep-scale", type=float, default=1.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    lm = prunelab.load(args.model, dtype=args.dtype, device=args.device)
+    lm.model.config._attn_implementation = "sdpa"
+    contexts = [int(c) for c in args.contexts.split(",")]
+    ratios = [float(r) for r in args.ratios.split(",")]
+    depths = [float(d) for d in args.depths.split(",")]
+    names = args.presses.split(",")
+    decay_cfg = None
+    if "decay" in names:
+        calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=512, samples=8)
+        decay_cfg = fit_decay(lm, calib.input_ids, window=16)
+    rows, ref_cache = [], {}
+    for length in contexts:
+        base = {"press": "none", "ratio": 0.0, "context": length,
+                "retrieval": retrieval(lm, None, length, depths),
+                **speed(lm, None, length, args.decode)}
+        rows.append(base)
+        print(json.dumps(base), flush=True)
+        for name in names:
+            for ratio in ratios:
+                cfg = make_press(name, ratio, args, lm, decay_cfg)
+                row = {"press": name, "ratio": ratio, "context": length,
+                       "retrieval": retrieval(lm, cfg, length, depths),
+                       **continuation(lm, cfg, length, args.continuation, ref_cache),
+                       **speed(lm, cfg, length, args.decode)}
+                row["prefill_speedup"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

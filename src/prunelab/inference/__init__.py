@@ -1,0 +1,19 @@
+"""Inference-time presses: KV-cache eviction and mid-prefill token pruning applied to a
+loaded model as a context manager (``with press(lm, SnapKV(ratio=0.5)): ...``)."""
+
+from prunelab.inference.config import (
+    H2O,
+    PRESSES,
+    EntroPrefill,
+    LazyLLM,
+    Press,
+    SnapKV,
+    StreamingLLM,
+    press_for,
+)
+from prunelab.inference.decay import DecayEviction, fit_decay
+from prunelab.inference.kv import cache_bytes
+from prunelab.inference.press import Session, press
+
+__all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "LazyLLM", "EntroPrefill",
+           "DecayEviction", "fit_decay", "press", "press_for", "Session", "cache_bytes"]

@@ -1,0 +1,182 @@
+"""Typed configs of the inference-time presses, registered in :data:`PRESSES`.
+
+A press changes how a loaded model runs on one input, never its weights (see
+:func:`prunelab.inference.press`). Two kinds:
+
+* ``kind = "kv"``: the prefill runs in full, then the KV cache is shrunk (real eviction:
+  the cache tensors get shorter). Selection is per KV group: every KV head keeps its own
+  tokens, the same number for every KV head (the query heads that share a KV head share
+  its choice; per-query-head budgets would need ragged cache tensors).
+* ``kind = "prefill"``: tokens are removed in the middle of the prefill, so the layers after
+  ``layer`` run on a shorter sequence; kept tokens keep their original RoPE positions.
+
+``ratio`` is always the fraction of the prompt's tokens removed (0 = the plain model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from prunelab.errors import ConfigError
+from prunelab.registry import Registry, check_range
+
+PRESSES = Registry("press")
+
+POOLINGS = ("max", "mean")
+
+
+@dataclass(frozen=True)
+class Press:
+    """Base of every press config."""
+
+    kind: ClassVar[str] = "kv"
+
+    def __post_init__(self) -> None:
+        ratio = getattr(self, "ratio", None)
+        if ratio is not None:
+            check_range("ratio", ratio, 0.0, 0.99)
+
+    @property
+    def is_noop(self) -> bool:
+        return getattr(self, "ratio", 1.0) == 0.0
+
+
+@PRESSES.register("streaming-llm")
+@dataclass(frozen=True)
+class StreamingLLM(Press):
+    """Keep the first ``sinks`` tokens (attention sinks) and the most recent ones; evict
+    the middle. Xiao et al. 2024, "Efficient Streaming Language Models with Attention
+    Sinks" (ICLR 2024). ``every > 0``: also shrink the cache back to its post-prefill size
+    every ``every`` decode steps (a rolling window)."""
+
+    ratio: float = 0.5
+    sinks: int = 4
+    every: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("sinks", self.sinks, 0, None, integer=True)
+        check_range("every", self.every, 0, None, integer=True)
+
+
+@PRESSES.register("h2o")
+@dataclass(frozen=True)
+class H2O(Press):
+    """Heavy-hitter oracle: keep the tokens with the largest attention accumulated over
+    all queries seen so far, plus a recent window of ``recent`` x the budget. Zhang et al.
+    2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
+    Models" (NeurIPS 2023). ``every > 0``: accumulate during decoding and evict back to the
+    post-prefill size every ``every`` decode steps."""
+
+    ratio: float = 0.5
+    recent: float = 0.5
+    every: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("recent", self.recent, 0.0, 1.0)
+        check_range("every", self.every, 0, None, integer=True)
+
+
+@PRESSES.register("snapkv")
+@dataclass(frozen=True)
+class SnapKV(Press):
+    """Score prompt tokens by the attention of the last ``window`` prompt queries (the
+    observation window), smoothed by a 1-D ``pooling`` of width ``kernel`` and averaged
+    over the query heads of each KV group; keep the window and the top tokens. Li et al.
+    2024, "SnapKV: LLM Knows What You are Looking for Before Generation"."""
+
+    ratio: float = 0.5
+    window: int = 32
+    kernel: int = 5
+    pooling: str = "max"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("window", self.window, 1, None, integer=True)
+        check_range("kernel", self.kernel, 1, None, integer=True)
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"kernel must be odd, got {self.kernel}")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"pooling must be one of {', '.join(POOLINGS)}, "
+                              f"got {self.pooling!r}")
+
+
+@PRESSES.register("lazyllm")
+@dataclass(frozen=True)
+class LazyLLM(Press):
+    """Mid-prefill token pruning by the attention of the last prompt token at block
+    ``layer`` (0-based), averaged over heads: the ``ratio`` least attended tokens are
+    removed and blocks ``layer + 1 ...`` run on the rest. Baseline after Fu et al. 2024,
+    "LazyLLM: Dynamic Token Pruning for Efficient Long Context LLM Inference" (fixed layer,
+    no revival of pruned tokens)."""
+
+    kind: ClassVar[str] = "prefill"
+    ratio: float = 0.5
+    layer: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("layer", self.layer, 0, None, integer=True)
+
+
+@PRESSES.register("entroprefill")
+@dataclass(frozen=True)
+class EntroPrefill(Press):
+    """Mid-prefill token pruning under an attention-mass bound (EntroPrefill, the seed
+    system of prunelab issue 18).
+
+    At block ``layer`` the last ``window`` prompt tokens (observers) give each query head a
+    distribution over the prompt (their mean attention). Heads are pooled per KV group and
+    the groups pooled again with ``(1 - mix) * mean + mix * max`` (mix 0: specialisation,
+    mix 1: worst-head coverage); the sink (token 0) and the observers are always kept. The
+    cut size is proposed from the Renyi entropy of order ``alpha`` of the pooled scores
+    (keep ``ceil(keep_scale * exp(H_alpha))`` candidates: concentrated attention lets more
+    go), capped at ``max_ratio`` of the prompt, and accepted only up to the deletion
+    envelope: the largest removal (in pooled order) whose discarded attention mass is at
+    most ``mass_bound`` for every head of the block. ``adaptive``: prune at the first block
+    ``1..layer`` whose removal set overlaps the previous block's by at least ``stability``
+    (Jaccard; the ranking has stabilised), else at ``layer``."""
+
+    kind: ClassVar[str] = "prefill"
+    layer: int = 1
+    mass_bound: float = 0.05
+    window: int = 8
+    mix: float = 0.5
+    alpha: float = 2.0
+    keep_scale: float = 1.0
+    max_ratio: float = 0.9
+    adaptive: bool = False
+    stability: float = 0.8
+
+    def __post_init__(self) -> None:
+        check_range("layer", self.layer, 0, None, integer=True)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
+        check_range("stability", self.stability, 0.0, 1.0)
+        check_range("mass_bound", self.mass_bound, 0.0, 1.0)
+        check_range("window", self.window, 1, None, integer=True)
+        check_range("mix", self.mix, 0.0, 1.0)
+        check_range("alpha", self.alpha, 0.0, None)
+        if self.alpha == 1.0:
+            raise ConfigError("alpha must differ from 1 (Renyi order), got 1.0")
+        check_range("keep_scale", self.keep_scale, 0.0, None)
+        check_range("max_ratio", self.max_ratio, 0.0, 0.99)
+
+    @property
+    def is_noop(self) -> bool:
+        return self.max_ratio == 0.0
+
+
+def press_for(name: str, ratio: float | None = None, **options) -> Press:
+    """The press ``name`` at compression ``ratio`` (the fraction of the prompt removed),
+    for a CLI's ``--press NAME --press-ratio R``: EntroPrefill takes ``ratio`` as its cap
+    ``max_ratio`` (its cut is decided by the mass bound under that cap)."""
+    cls = PRESSES.get(name)
+    if ratio is not None:
+        field = "max_ratio" if cls is EntroPrefill else "ratio"
+        if field in options:
+            raise ConfigError(f"press {name!r}: give the ratio once (ratio or {field})")
+        options[field] = ratio
+    return PRESSES.make(name, **options)

@@ -1,0 +1,125 @@
+"""KV-cache eviction: scores from the captured attention, selection per KV group and the
+real shrinking of the cache tensors.
+
+The cache stores one key/value per KV head, so selection is per KV group: each KV head
+keeps its own ``keep`` tokens (the same count for every KV head, so the cache stays a dense
+``[B, G, keep, D]`` tensor); query heads of a group share their KV head's choice. Order is
+preserved, and the keys were rotated (RoPE) before caching, so kept tokens keep their
+original positions; new tokens continue from the original length (see ``press.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prunelab.inference.config import H2O, Press, SnapKV, StreamingLLM
+from prunelab.inference.decay import DecayEviction
+from prunelab.inference.scores import (
+    attention_rows,
+    group_heads,
+    keep_top,
+    n_removed,
+    smooth,
+)
+
+
+def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scaling: float,
+                   softcap: float | None) -> torch.Tensor | None:
+    """Token scores ``[B, G, L]`` for eviction after the prefill, from one block's
+    queries ``[B, H, L, D]`` and keys ``[B, G, L, D]`` (``None`` when the press needs
+    none)."""
+    groups = key.shape[1]
+    if isinstance(config, SnapKV):
+        probs = attention_rows(query, key, scaling, config.window, softcap)
+        s = smooth(probs.sum(2), config.kernel, config.pooling)
+        return group_heads(s, groups)
+    if isinstance(config, H2O):
+        probs = attention_rows(query, key, scaling, query.shape[2], softcap)
+        return group_heads(probs.sum(2), groups)
+    return None
+
+
+def decode_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
+                  softcap: float | None) -> torch.Tensor:
+    """Attention ``[B, G, T]`` of the decode queries ``[B, H, q, D]`` (summed) over the
+    cached keys ``[B, G, T, D]`` (H2O's running accumulation)."""
+    probs = attention_rows(query, key, scaling, query.shape[2], softcap)
+    return group_heads(probs.sum(2), key.shape[1])
+
+
+def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | None,
+                 batch: int, groups: int, device) -> torch.Tensor:
+    """Sorted token indices ``[B, G, keep]`` each KV head keeps out of ``length``."""
+    fixed = torch.zeros(length, dtype=torch.bool, device=device)
+    if isinstance(config, StreamingLLM) or scores is None:
+        sinks = min(config.sinks if isinstance(config, StreamingLLM) else 0, keep)
+        idx = torch.cat([torch.arange(sinks, device=device),
+                         torch.arange(length - (keep - sinks), length, device=device)])
+        return idx.expand(batch, groups, keep).contiguous()
+    if isinstance(config, (SnapKV, DecayEviction)):
+        fixed[max(length - config.window, 0):] = True
+        if isinstance(config, DecayEviction):
+            fixed[0] = True
+    elif isinstance(config, H2O):
+        recent = min(int(keep * config.recent), keep)
+        if recent:
+            fixed[length - recent:] = True
+    if int(fixed.sum()) > keep:  # the window alone exceeds the budget: the most recent
+        fixed[:] = False
+        fixed[length - keep:] = True
+    return keep_top(scores, keep, fixed)
+
+
+def budget(config: Press, length: int) -> int:
+    """Tokens kept out of a ``length``-token prompt (at least one)."""
+    return max(length - n_removed(length, config.ratio), 1)
+
+
+def evictable_layers(cache) -> list[int]:
+    """Indices of the cache layers eviction may shrink: initialised, not sliding-window
+    (a sliding-window layer keeps its own bounded window)."""
+    out = []
+    for i, layer in enumerate(cache.layers):
+        if getattr(layer, "is_sliding", False) or not getattr(layer, "is_initialized", False):
+            continue
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        out.append(i)
+    return out
+
+
+def shrink_layer(layer, idx: torch.Tensor) -> None:
+    """Keep tokens ``idx`` ``[B, G, keep]`` of one cache layer (keys and values
+    ``[B, G, T, D]``); the new tensors are contiguous, so the memory is really freed."""
+    gather = idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
+    layer.keys = layer.keys.gather(2, gather).contiguous()
+    layer.values = layer.values.gather(
+        2, idx[..., None].expand(-1, -1, -1, layer.values.shape[-1])).contiguous()
+
+
+def evict(config: Press, cache, keep: int, scores: dict[int, torch.Tensor]) -> dict:
+    """Shrink every evictable layer of ``cache`` to ``keep`` tokens; ``scores`` maps a
+    layer to its ``[B, G, T]`` token scores. Returns ``{layer: kept indices}``."""
+    kept = {}
+    for i in evictable_layers(cache):
+        layer = cache.layers[i]
+        b, g, length, _ = layer.keys.shape
+        if length <= keep:
+            continue
+        idx = keep_indices(config, length, keep, scores.get(i), b, g, layer.keys.device)
+        shrink_layer(layer, idx)
+        if i in scores:
+            scores[i] = scores[i].gather(2, idx)
+        kept[i] = idx
+    return kept
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by the key and value tensors of ``cache``."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

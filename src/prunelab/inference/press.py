@@ -1,0 +1,289 @@
+"""``press(lm, config)``: run a loaded model under an inference-time press.
+
+Inside the context the model's weights are untouched; three things are swapped and put
+back on exit (``try/finally``): the attention implementation name of its configs (a
+registered wrapper around the same eager / sdpa function, which lets the press read the
+queries and keys of every block), the base model's ``forward`` (which tracks the original
+sequence length, passes explicit position ids and shrinks the cache after the prefill and
+during decoding) and, for prefill presses, block hooks that shorten the sequence.
+
+Positions: the cache stores rotated keys, so evicted entries take nothing else with them;
+the position ids of new tokens continue from the original length (the number of tokens
+seen), never from the shrunken cache length. The causal mask is built in cache-index space
+(query offset = cache length), which is correct because kept entries stay in order.
+
+Works with ``model.generate`` (batch of equal-length prompts; padding is refused) and with
+prunelab's evaluator: a forward without a cache (``use_cache=False``) is run as the
+prefill of its first ``context`` fraction under the press, then the rest on the pressed
+cache; for prefill presses the dropped prompt positions report their hidden state at the
+pruning block (after the final norm).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from prunelab.errors import UnsupportedOperationError
+from prunelab.inference import kv
+from prunelab.inference.config import H2O, PRESSES, Press, StreamingLLM
+from prunelab.inference.decay import DecayEviction, decay_scores
+from prunelab.inference.prefill import TokenPruner
+from prunelab.inference.scores import attention_rows
+from prunelab.models.loading import LoadedModel, wrap
+from prunelab.registry import check_range
+
+_PREFIX = "prunelab_press_"
+_SESSIONS: dict[int, Session] = {}
+_BYPASS_BASE = {"opt"}
+_NO_PREFILL = {"gpt2"}
+
+
+def _wrapped(impl: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        session = _SESSIONS.get(id(module))
+        if session is not None:
+            session.on_attention(module, query, key, kwargs)
+        if impl == "eager":  # the model's own eager function (softcapping, sinks, ...)
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            fn = AttentionInterface._global_mapping[impl]
+        return fn(module, query, key, value, attention_mask, **kwargs)
+    return attention
+
+
+for _impl, _mask in (("eager", eager_mask), ("sdpa", sdpa_mask)):
+    AttentionInterface.register(_PREFIX + _impl, _wrapped(_impl))
+    AttentionMaskInterface.register(_PREFIX + _impl, _mask)
+
+
+class Session:
+    """The state of one press on one model (returned by :func:`press`). ``report`` holds
+    what the last prefill did (tokens kept, discarded mass per head, cache bytes)."""
+
+    def __init__(self, lm, config: Press, context: float = 0.5):
+        self.lm, self.config, self.context = lm, config, context
+        self.base = lm.adapter.base
+        self.groups = lm.adapter.head_geometry(0).num_kv_heads
+        self.phase: str | None = None
+        self.cache = None
+        self.seen = self.steps = 0
+        self.budget: int | None = None
+        self.scores: dict[int, torch.Tensor] = {}
+        self.report: dict = {}
+        self.pruner: TokenPruner | None = None
+        self._undo: list = []
+
+    # ----------------------------------------------------------------- install
+    def install(self) -> None:
+        lm, cfg = self.lm, self.config
+        if lm.adapter.is_encoder:
+            raise UnsupportedOperationError("press: encoder models have no KV cache")
+        if getattr(lm.model.config, "model_type", "") in _BYPASS_BASE:
+            raise UnsupportedOperationError(
+                f"press: {lm.model.config.model_type} is not supported (its causal-LM "
+                "class calls the decoder directly, bypassing the base model's forward)")
+        nblocks = lm.adapter.num_blocks
+        if cfg.kind == "prefill":
+            if cfg.layer >= nblocks:
+                raise UnsupportedOperationError(
+                    f"press: layer {cfg.layer} does not exist (0..{nblocks - 1})")
+            if getattr(lm.model.config, "model_type", "") in _NO_PREFILL:
+                raise UnsupportedOperationError(
+                    f"press: prefill token pruning does not support "
+                    f"{lm.model.config.model_type} (its base model reshapes the output to "
+                    "the input length)")
+            if any(t != "full_attention" for t in (lm.adapter.layer_types() or [])):
+                raise UnsupportedOperationError(
+                    "press: prefill token pruning needs full-attention blocks only")
+        if any(id(lm.adapter.attention(i)) in _SESSIONS for i in range(nblocks)):
+            raise UnsupportedOperationError("press: a press is already active on this model")
+        configs = {id(c): c for c in [lm.model.config] + [
+            getattr(lm.adapter.attention(i), "config", lm.model.config)
+            for i in range(nblocks)]}.values()
+        for c in configs:
+            impl = c._attn_implementation
+            if impl not in ("eager", "sdpa"):
+                raise UnsupportedOperationError(
+                    f"press: attention implementation {impl!r} is not supported "
+                    "(load with eager or sdpa)")
+        try:
+            for c in configs:
+                old = c._attn_implementation
+                c._attn_implementation = _PREFIX + old
+                self._undo.append(lambda c=c, old=old: setattr(c, "_attn_implementation", old))
+            for i in range(nblocks):
+                key = id(lm.adapter.attention(i))
+                _SESSIONS[key] = self
+                self._undo.append(lambda key=key: _SESSIONS.pop(key, None))
+            had = "forward" in self.base.__dict__
+            old_forward = self.base.__dict__.get("forward")
+            self._orig = self.base.forward
+            self.base.forward = self._forward
+            self._undo.append(lambda: setattr(self.base, "forward", old_forward) if had
+                              else self.base.__dict__.pop("forward", None))
+            if cfg.kind == "prefill":  # also at ratio 0: the hooks run and keep everything
+                self.pruner = TokenPruner(self, cfg)
+                self._undo.append(self.pruner.remove)
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+        self.cache = None
+        self.scores = {}
+
+    # ----------------------------------------------------------------- attention
+    def on_attention(self, module, query, key, kwargs) -> None:
+        cfg, layer = self.config, module.layer_idx
+        if self.phase is None:
+            return
+        scaling = kwargs.get("scaling") or module.scaling
+        softcap = kwargs.get("softcap")
+        if self.phase == "prefill" and cfg.kind == "kv":
+            s = kv.prefill_scores(cfg, query, key, scaling, softcap)
+            if s is not None:
+                self.scores[layer] = s
+        elif self.phase == "prefill" and self.pruner is not None and self.pruner.wants(layer):
+            self.pruner.probs[layer] = attention_rows(query, key, scaling, self.pruner.rows,
+                                                      softcap)
+        elif self.phase == "decode" and isinstance(cfg, H2O) and cfg.every \
+                and layer in self.scores:
+            acc = self.scores[layer]
+            new = kv.decode_scores(query, key, scaling, softcap)
+            pad = new.shape[-1] - acc.shape[-1]
+            if pad >= 0:
+                self.scores[layer] = torch.nn.functional.pad(acc, (0, pad)) + new
+
+    # ----------------------------------------------------------------- forward
+    def _forward(self, *args, **kw):
+        if args:
+            kw["input_ids"] = args[0]
+        if "past_key_values" in kw:
+            kw["cache"] = kw.pop("past_key_values")
+        cache = kw.get("cache")
+        use_cache = kw.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self.base.config, "use_cache", True)
+        if cache is None and not use_cache:
+            return self._evaluate(kw)
+        if cache is None:
+            cache = kw["cache"] = DynamicCache(config=self.base.config)
+        return self._step(kw, cache)
+
+    def _new_sequence(self, cache) -> None:
+        # a cache filled outside the press is uncompressed: its length is the token count
+        self.cache, self.seen, self.steps, self.budget = cache, cache.get_seq_length(), 0, None
+        self.scores = {}
+        if self.pruner is not None:
+            self.pruner.reset()
+
+    def _step(self, kw: dict, cache):
+        x = kw.get("input_ids")
+        x = kw.get("inputs_embeds") if x is None else x
+        b, s = x.shape[0], x.shape[1]
+        if cache is not self.cache or cache.get_seq_length() == 0:
+            self._new_sequence(cache)
+        mask = kw.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            if not bool(mask.all()):
+                raise UnsupportedOperationError(
+                    "press: padded batches are not supported; give prompts of equal length")
+            kw["attention_mask"] = None
+        # positions continue from the tokens seen, never from the (shrunken) cache length;
+        # padding is refused, so this is also what generate passes
+        pos = torch.arange(self.seen, self.seen + s, device=x.device)
+        kw["position_ids"] = pos[None].expand(b, -1)
+        self.phase = "prefill" if self.seen == 0 else "decode"
+        try:
+            out = self._orig(**kw)
+            self.seen += s
+            if self.phase == "prefill":
+                self._after_prefill(cache, s)
+            else:
+                self._after_decode(cache)
+        finally:
+            self.phase = None
+        return out
+
+    def _after_prefill(self, cache, length: int) -> None:
+        cfg = self.config
+        if cfg.kind == "kv":
+            self.budget = kv.budget(cfg, length)
+            if isinstance(cfg, DecayEviction):
+                self.scores = decay_scores(cfg, cache, kv.evictable_layers(cache))
+            kept = kv.evict(cfg, cache, self.budget, self.scores)
+            if not (isinstance(cfg, H2O) and cfg.every):
+                self.scores = {}
+            self.report = {"prompt": length, "kept": min(self.budget, length),
+                           "keep": kept}
+        elif self.pruner is not None:
+            self.pruner.trim_cache(cache)
+            kept = length if self.pruner.keep is None else self.pruner.keep.shape[1]
+            self.report = {"prompt": length, "kept": kept, "keep": self.pruner.keep,
+                           **self.pruner.info}
+        else:
+            self.report = {"prompt": length, "kept": length}
+        self.report["cache_bytes"] = kv.cache_bytes(cache)
+
+    def _after_decode(self, cache) -> None:
+        cfg = self.config
+        self.steps += 1
+        every = getattr(cfg, "every", 0)
+        if cfg.is_noop or not every or self.steps % every:
+            return
+        if isinstance(cfg, (StreamingLLM, H2O)):
+            kv.evict(cfg, cache, self.budget, self.scores)
+
+    def _evaluate(self, kw: dict):
+        """A cache-less forward (the evaluator): prefill the first ``context`` fraction
+        under the press, then the rest on the pressed cache; ``[B, T, H]`` states."""
+        ids = kw.get("input_ids")
+        if ids is None or self.config.is_noop:
+            return self._orig(**kw)
+        t = ids.shape[1]
+        c = max(1, int(t * self.context))
+        if c >= t:
+            return self._orig(**kw)
+        cache = DynamicCache(config=self.base.config)
+        first = self._step(dict(input_ids=ids[:, :c], cache=cache, use_cache=True), cache)
+        prefix = first.last_hidden_state
+        if prefix.shape[1] != c:  # prefill pruning: dropped positions exit early
+            norm = self.lm.adapter.final_norm()
+            exit_h = self.pruner.exit_hidden
+            full = (norm(exit_h) if norm is not None else exit_h).clone()
+            idx = self.pruner.keep[..., None].expand(-1, -1, full.shape[-1])
+            prefix = full.scatter(1, idx, prefix)
+        rest = self._step(dict(input_ids=ids[:, c:], cache=cache, use_cache=True), cache)
+        if self.pruner is not None:
+            self.pruner.reset()
+        hidden = torch.cat([prefix, rest.last_hidden_state], dim=1)
+        return BaseModelOutputWithPast(last_hidden_state=hidden)
+
+
+@contextmanager
+def press(lm, config: Press | str, context: float = 0.5, **options):
+    """Run ``lm`` (a prunelab ``LoadedModel`` or a Hugging Face causal LM) under
+    ``config`` (a press config or its registered name with ``options``) inside a ``with``
+    block; yields the :class:`Session` (its ``report`` describes the last prefill). The
+    model is restored exactly on exit.
+
+    ``context``: for cache-less forwards (the evaluator), the fraction of each window
+    that is the pressed prompt; the rest is scored on the pressed cache."""
+    if not isinstance(lm, LoadedModel):
+        lm = wrap(lm)
+    config = PRESSES.make(config, **options)
+    check_range("context", context, 0.0, 1.0)
+    session = Session(lm, config, context)
+    session.install()
+    try:
+        yield session
+    finally:
+        session.uninstall()
