@@ -12,6 +12,7 @@ import torch
 import prunelab
 from prunelab.data.batches import TokenBatches
 from prunelab.errors import ConfigError
+from prunelab.eval.divergence import kl_from_logits
 from prunelab.models.loading import wrap
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.elastic import (
@@ -27,7 +28,7 @@ from prunelab.pruning.elastic import (
     threshold,
 )
 from prunelab.pruning.elastic.fit import ranking_dict
-from prunelab.pruning.elastic.ranking import removed_count
+from prunelab.pruning.elastic.ranking import initial_scores, removed_count
 from prunelab.pruning.width import Width
 from prunelab.registry import to_dict
 
@@ -152,7 +153,14 @@ def test_fit_improves_on_the_initial_ranking_and_errors():
     ids = tiny_tokens(4, 16, seed=7)
     units = model_units(lm.adapter)
     ranking = fit_ranking(lm, ids, steps=30, lr=0.1, budgets=(0.2, 0.5), batch_size=4)
-    assert ranking["fit"]["loss_last"] < ranking["fit"]["loss_first"]
+    dense = _logits(lm, ids)
+
+    def kl_at(scores, b):
+        with masked(lm, units, hard_keep(scores, units.costs, b).float()):
+            return float(kl_from_logits(dense, _logits(lm, ids)).mean())
+    fitted = torch.cat([torch.tensor(d["heads"] + d["ffn"]) for d in ranking["blocks"]])
+    start = initial_scores(lm.adapter, units)
+    assert sum(kl_at(fitted, b) for b in (0.25, 0.4)) < sum(kl_at(start, b) for b in (0.25, 0.4))
     assert all(p.requires_grad for p in lm.model.parameters())  # restored
     assert len(ranking["blocks"]) == 4 and len(ranking["blocks"][0]["ffn"]) == 48
     lm.elastic_ranking = ranking
