@@ -23,8 +23,8 @@ def test_taper_fractions_average_to_the_budget_and_follow_the_slope():
     # weighted mean with unequal block sizes, and clipping at 0 then one shift
     w = [1.0, 2.0, 1.0, 4.0]
     r = taper_fractions(4, 0.2, 0.8, w)
-    assert sum(a * b for a, b in zip(r, w)) / sum(w) == pytest.approx(0.2, abs=1e-9)
-    assert r[0] == 0.0 and all(b >= a for a, b in zip(r, r[1:])) and r[-1] > r[1]
+    assert sum(a * b for a, b in zip(r, w, strict=True)) / sum(w) == pytest.approx(0.2, abs=1e-9)
+    assert r[0] == 0.0 and all(b >= a for a, b in zip(r, r[1:], strict=False)) and r[-1] > r[1]
     assert taper_fractions(5, 0.4, -0.2)[0] > taper_fractions(5, 0.4, -0.2)[-1]
 
 
