@@ -16,7 +16,7 @@ each cut, each baseline run (calibration included).
 Run (the lead's machine; minutes per model)::
 
     python benchmarks/elastic.py --model smollm2-135m [--budgets 0.1,0.2,0.3,0.4,0.5,0.6]
-        [--steps 200 --samples 32 --seqlen 256] [--json out.json]
+        [--steps 100 --samples 32 --seqlen 256] [--device cuda] [--json out.json]
     python benchmarks/elastic.py --model minilm-l6 --seqlen 128
 """
 
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--budgets", default="0.1,0.2,0.3,0.4,0.5,0.6")
     ap.add_argument("--fit-budgets", default="0.1..0.6")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--eval-data", default="wiki-vital:test")
@@ -75,9 +75,10 @@ def main() -> None:
     ap.add_argument("--round-to", type=int, default=8)
     ap.add_argument("--baselines", default=",".join(BASELINES))
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    lm = prunelab.load(args.model, dtype=args.dtype)
+    lm = prunelab.load(args.model, dtype=args.dtype, device=args.device)
     calib = tokens_for(lm, "wiki-vital:calib", seqlen=args.seqlen, samples=args.samples,
                        mode="calib")
     dense = _copy(lm)
