@@ -207,7 +207,8 @@ class ElasticModel:
         small = wrap(copy.deepcopy(self.lm.model), self.lm.tokenizer)
         for name in ("spec", "source", "dtype", "device"):
             setattr(small, name, getattr(self.lm, name))
-        small.history = copy.deepcopy(self.lm.history)
+        small.history = [{k: v for k, v in op.items() if k != "ranking"}
+                         for op in copy.deepcopy(self.lm.history)]
         small.size_before = getattr(self.lm, "size_before", None)
         small.elastic_ranking = self.ranking
         cut(small, keep, self.allocation, self.round_to)
@@ -230,11 +231,10 @@ def export(model: str, keep: float, out: str | Path, allocation: str = "global",
     check_output_path(out, kind="checkpoint", overwrite=overwrite)
     lm = load(model, dtype=dtype, device=device, trust_remote_code=True)
     _from_manifest_history(lm)
-    info = cut(lm, keep, allocation, round_to)
+    cut(lm, keep, allocation, round_to)
     return save(lm, out, overwrite=overwrite,
                 extra={"elastic_export": {"keep": keep, "allocation": allocation,
-                                          "source": str(model)}},
-                metrics={}) if info else out
+                                          "source": str(model)}})
 
 
 def _from_manifest_history(lm) -> None:
