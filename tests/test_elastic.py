@@ -30,6 +30,7 @@ from prunelab.pruning.elastic import (
 from prunelab.pruning.elastic.fit import ranking_dict
 from prunelab.pruning.elastic.ranking import initial_scores, removed_count
 from prunelab.pruning.width import Width
+from prunelab.pruning.width.scoring import ElasticScore
 from prunelab.registry import to_dict
 
 from tiny_models import char_tokenizer, save_tiny_checkpoint, tiny_model, tiny_tokens
@@ -193,3 +194,17 @@ def test_elastic_checkpoint_export_and_encoder(tmp_path):
     enc = wrap(tiny_model("bert"), char_tokenizer())
     enc.elastic_ranking = fit_ranking(enc, tiny_tokens(2, 8), steps=2, batch_size=2)
     assert elastic(enc).at(0.5).adapter.ffn_width(0) < 48
+
+
+def test_width_score_fits_a_ranking_when_none_is_found(tmp_path):
+    lm = wrap(tiny_model("qwen2"), char_tokenizer())
+    cfg = Width(unit="ffn", score=ElasticScore(steps=3), ratio=0.25, allocation="global",
+                round_to=1)
+    report = prunelab.prune(lm, cfg, _calib(), batch_size=2)
+    assert sum(lm.adapter.ffn_width(i) for i in range(4)) == 4 * 48 - 48
+    assert report["removed_params"] > 0
+    # a model pruned after its ranking was fitted writes no stale elastic.json
+    lm.elastic_ranking = {"format": "prunelab-elastic/1", "blocks": [{}] * 4,
+                          "heads_per_block": [2] * 4, "ffn_per_block": [48] * 4}
+    prunelab.save(lm, tmp_path / "pruned")
+    assert not (tmp_path / "pruned" / "elastic.json").exists()

@@ -146,6 +146,16 @@ def find_ranking(lm, kind: str | None = None, path: str | None = None) -> dict |
     return ranking
 
 
+def ranking_to_save(lm) -> dict | None:
+    """The ranking ``prunelab.save`` writes as ``elastic.json``: the model's own, and only
+    while it still fits the model's shapes (a model pruned since is no elastic
+    checkpoint)."""
+    ranking = getattr(lm, "elastic_ranking", None)
+    if ranking is None or not _matches(ranking, lm.adapter, None):
+        return None
+    return ranking
+
+
 def block_tensors(ranking: dict, kind: str) -> list[torch.Tensor]:
     return [torch.tensor(b[kind], dtype=torch.float64) for b in ranking["blocks"]]
 

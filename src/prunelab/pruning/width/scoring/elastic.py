@@ -44,7 +44,6 @@ class ElasticScore(WidthScore):
         if found is None:
             found = fit_ranking(job.lm, job.input_ids, steps=self.steps,
                                 batch_size=job.batch_size)
-            job.lm.elastic_ranking = found
         if kind == "heads" and not any(found["heads_per_block"]):
             raise ConfigError("the elastic ranking has no heads (multi-query model)")
         return found
