@@ -208,3 +208,11 @@ def test_width_score_fits_a_ranking_when_none_is_found(tmp_path):
                           "heads_per_block": [2] * 4, "ffn_per_block": [48] * 4}
     prunelab.save(lm, tmp_path / "pruned")
     assert not (tmp_path / "pruned" / "elastic.json").exists()
+
+
+def test_uncached_references_give_the_same_ranking():
+    lm = wrap(tiny_model("llama"))
+    ids = tiny_tokens(4, 16, seed=7)
+    a = fit_ranking(lm, ids, steps=4, batch_size=2)
+    b = fit_ranking(lm, ids, steps=4, batch_size=2, cache_bytes=0)
+    assert a["blocks"] == b["blocks"]

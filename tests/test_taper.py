@@ -55,3 +55,16 @@ def test_taper_sparsity_allocation_is_a_ramp():
     assert s == pytest.approx([0.4, 0.45, 0.5, 0.55, 0.6], abs=1e-12)
     down = ALLOCATIONS.make("taper", slope=-0.2).sparsities(0.5, [1.0] * 5, None)
     assert down == pytest.approx(s[::-1], abs=1e-12)
+
+
+def test_taper_sparsity_prunes_deeper_blocks_more():
+    from prunelab.pruning import Wanda
+
+    lm = wrap(tiny_model("llama"), char_tokenizer())
+    calib = TokenBatches(input_ids=tiny_tokens(4, 16), spec="tiny", seqlen=16, samples=4,
+                         seed=0, mode="calib", total_windows=4, sha256="0")
+    rep = prunelab.prune(lm, Wanda(sparsity=0.5, allocation=ALLOCATIONS.make("taper",
+                                                                              slope=0.3)),
+                         calib, batch_size=2)
+    s = rep["per_block_sparsity"]
+    assert s == pytest.approx([0.35, 0.45, 0.55, 0.65], abs=1e-9)

@@ -40,9 +40,10 @@ def output_loss(lm, ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def fit_ranking(lm, input_ids: torch.Tensor, *, budgets: tuple[float, float] = (0.1, 0.6),
                 steps: int = 200, lr: float = 0.05, budgets_per_step: int = 2,
                 t_start: float = 1.0, t_end: float = 0.05, batch_size: int = 8,
-                seed: int = 0) -> dict:
+                seed: int = 0, cache_bytes: int = 256 * 2**20) -> dict:
     """Learn the elastic ranking of ``lm`` on ``input_ids`` ``[N, T]``; returns the ranking
-    dict (:func:`ranking_dict`) with the fit's loss trace and time."""
+    dict (:func:`ranking_dict`) with the fit's first/last loss and time. The dense outputs
+    are cached up to ``cache_bytes``, else recomputed each step."""
     ad = lm.adapter
     units = model_units(ad)
     gen = torch.Generator().manual_seed(seed)
@@ -54,19 +55,19 @@ def fit_ranking(lm, input_ids: torch.Tensor, *, budgets: tuple[float, float] = (
     try:
         for p, _ in frozen:
             p.requires_grad_(False)
-        with torch.no_grad():
-            refs = [model_output(lm, b).detach() for b in batches]
+        refs = _References(lm, batches, cache_bytes)
         for step in range(steps):
             temp = temperature_at(step, steps, t_start, t_end)
             j = step % len(batches)
             draws = budgets[0] + (budgets[1] - budgets[0]) * torch.rand(budgets_per_step,
                                                                        generator=gen)
             opt.zero_grad()
+            ref = refs.get(j)  # outside the masks
             total = 0.0
             for b in draws.tolist():
                 mask = soft_keep(scores, units.costs.float(), b, temp)
                 with masked(lm, units, mask):
-                    loss = output_loss(lm, refs[j], model_output(lm, batches[j]))
+                    loss = output_loss(lm, ref, model_output(lm, batches[j]))
                 (loss / budgets_per_step).backward()
                 total += float(loss.detach()) / budgets_per_step
             opt.step()
@@ -80,6 +81,27 @@ def fit_ranking(lm, input_ids: torch.Tensor, *, budgets: tuple[float, float] = (
         budgets_per_step, "t_start": t_start, "t_end": t_end, "seed": seed,
         "windows": int(len(input_ids)), "seconds": seconds,
         "loss_first": trace[0] if trace else None, "loss_last": trace[-1] if trace else None})
+
+
+class _References:
+    """Dense outputs per batch: cached while they fit in ``cache_bytes`` (decoder logits
+    of a large vocabulary do not: 32 x 256 tokens x 49k logits is 1.6 GB), else recomputed
+    without grad when needed (one extra forward per step)."""
+
+    def __init__(self, lm, batches: list[torch.Tensor], cache_bytes: int = 256 * 2**20):
+        self.lm, self.batches = lm, batches
+        width = 1 if lm.is_encoder else int(lm.model.config.vocab_size)
+        size = sum(b.numel() for b in batches) * width * 4
+        self.cache = None
+        if size <= cache_bytes:
+            with torch.no_grad():
+                self.cache = [model_output(lm, b).detach() for b in batches]
+
+    def get(self, j: int) -> torch.Tensor:
+        if self.cache is not None:
+            return self.cache[j]
+        with torch.no_grad():
+            return model_output(self.lm, self.batches[j]).detach()
 
 
 FORMAT = "prunelab-elastic/1"
