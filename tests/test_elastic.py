@@ -190,6 +190,11 @@ def test_elastic_checkpoint_export_and_encoder(tmp_path):
     ids = tiny_tokens(2, 10, seed=9)
     torch.testing.assert_close(_logits(small, ids), _logits(mem, ids), rtol=1e-5, atol=1e-5)
     assert small.model.num_parameters() < lm.model.num_parameters()
+    export(str(tmp_path / "elastic"), 0.5, tmp_path / "plain", allocation="uniform")
+    plain = json.loads((tmp_path / "plain" / "manifest.json").read_text())
+    assert plain["loads_with"] == "plain transformers (no remote code)"
+    assert plain["elastic_export"]["keep"] == 0.5
+    assert not (tmp_path / "plain" / "elastic.json").exists()
     # an encoder: the 1 - cos objective, then a cut
     enc = wrap(tiny_model("bert"), char_tokenizer())
     enc.elastic_ranking = fit_ranking(enc, tiny_tokens(2, 8), steps=2, batch_size=2)
