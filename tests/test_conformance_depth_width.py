@@ -189,5 +189,6 @@ def test_every_registered_piece_documents_its_options_for_the_cli():
     assert flat_options(RECOVERIES)["token_aware"].owners == {"ghost": "token_aware",
                                                               "lra": "token_aware"}
     assert sorted(flat_options(WIDTH_SCORES)) == ["ablation_samples", "channel_group",
+                                                  "elastic_ranking", "elastic_steps",
                                                   "lora_rank", "outlier_z", "putri_per_round",
                                                   "rep_lie_lr", "rep_lie_seed", "rep_lie_steps"]

@@ -74,8 +74,8 @@ def test_config_round_trip_and_validation():
 
 def test_scores_and_allocations_are_registered_configs():
     assert WIDTH_SCORES.names() == ["wanda-sp", "magnitude-profile", "flap", "ablation-kl",
-                                    "putri", "cocurve", "rep-lie", "stable-rank"]
-    assert WIDTH_ALLOCATIONS.names() == ["uniform", "global"]
+                                    "putri", "cocurve", "rep-lie", "stable-rank", "elastic"]
+    assert WIDTH_ALLOCATIONS.names() == ["uniform", "global", "taper"]
     typed = Width(unit="ffn", score=WandaSP(), ratio=0.2, allocation=Uniform())
     assert Width(unit="ffn", score="wanda-sp", ratio=0.2) == typed
     cfg = Width(unit="joint", score=CoCurve(samples=2, channel_group=16), ratio=0.3,
@@ -96,7 +96,7 @@ def test_scores_and_allocations_are_registered_configs():
                                          ratio=0.5), "--heads groups"),
                           (lambda: Width(unit="ffn", score="nope", ratio=0.5),
                            "score for unit ffn must be one of wanda-sp, magnitude-profile, "
-                           "flap, ablation-kl, putri, rep-lie, got 'nope'")):
+                           "flap, ablation-kl, putri, rep-lie, elastic, got 'nope'")):
         with pytest.raises(ConfigError, match=message):
             make()
 

@@ -33,6 +33,7 @@ from prunelab.pruning import (  # noqa: E402
     Wanda,
     Width,
 )
+from prunelab.pruning.elastic import ElasticRanking, elastic  # noqa: E402
 from prunelab.pruning.width import (  # noqa: E402
     AblationKL,
     CoCurve,
@@ -49,9 +50,11 @@ from prunelab.errors import PrunelabError  # noqa: E402
 from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
 
-__all__ = ["AblationKL", "Beam", "Blend", "BlockRunner", "Boundary", "CoCurve", "Depth", "Flap",
+__all__ = ["AblationKL", "Beam", "Blend", "BlockRunner", "Boundary", "CoCurve", "Depth",
+           "ElasticRanking", "Flap",
            "Foldable", "Ghost", "Iterative", "LastN", "LoadedModel", "Lra", "Magnitude",
            "MagnitudeProfile", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals",
            "PrunelabError", "Putri", "QKWanda", "Ramp", "Random", "Rose", "Span", "SparseGPT",
            "SparsityConfig", "StateStore", "Uniform", "Wanda", "WandaSP", "Width", "evaluate",
-           "get_adapter", "info", "load", "probe", "prune", "save", "wrap", "__version__"]
+           "get_adapter", "info", "load", "probe", "prune", "elastic", "save", "wrap",
+           "__version__"]

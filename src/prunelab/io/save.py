@@ -289,6 +289,10 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
                 lm.model.save_pretrained(tmp)
                 if lm.tokenizer is not None:
                     lm.tokenizer.save_pretrained(tmp)
+                if getattr(lm, "elastic_ranking", None) is not None:  # elastic checkpoint
+                    from prunelab.pruning.elastic.method import ranking_to_save
+                    if (ranking := ranking_to_save(lm)) is not None:
+                        write_json(tmp / "elastic.json", ranking)
                 man = dict(manifest) if manifest is not None else build_manifest(lm)
                 if remote:
                     man["remote_code"] = write_remote_code(lm.model, tmp)

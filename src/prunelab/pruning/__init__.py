@@ -22,6 +22,7 @@ from prunelab.pruning.base import (
     register_pruner,
 )
 from prunelab.pruning.depth import Depth, depth_from_cli
+from prunelab.pruning.elastic import ElasticRanking  # noqa: F401 - registers "elastic"
 from prunelab.pruning.factor import FactorConfig, factor_methods
 from prunelab.pruning.gates import Gates, GatesPruner  # registers "gates"
 from prunelab.pruning.moe import PrunePath  # registers "prunepath"

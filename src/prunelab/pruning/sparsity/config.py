@@ -151,6 +151,25 @@ class Ramp(Allocation):
                     weights=weights)
 
 
+@ALLOCATIONS.register("taper")
+@dataclass(frozen=True)
+class Taper(Allocation):
+    """CascadeFormer's taper for sparsity: density falls linearly with depth, the first
+    block's density ``slope`` above the last's (a ramp of span ``slope / 2``)."""
+
+    slope: float = field(default=0.2, metadata=_help("taper: density of the first block "
+                                                     "minus the last's", flag="--taper-slope"))
+
+    def __post_init__(self):
+        check_range("taper slope", self.slope, -1.0, 1.0)
+
+    def sparsities(self, target, weights, values):
+        from prunelab.pruning.sparsity.allocation import ramp
+
+        return ramp(len(weights), target, span=abs(self.slope) / 2,
+                    increasing=self.slope >= 0, weights=weights)
+
+
 @dataclass(frozen=True)
 class BlockStage:
     """What a block-level hook (:meth:`SparsityConfig.prune_group`) may use: the model,

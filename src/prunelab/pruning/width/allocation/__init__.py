@@ -6,6 +6,7 @@ from prunelab.pruning.width.allocation.base import WIDTH_ALLOCATIONS, WidthAlloc
 # isort: off
 from prunelab.pruning.width.allocation.uniform import Uniform
 from prunelab.pruning.width.allocation.global_ import Global
+from prunelab.pruning.width.allocation.taper import Taper
 # isort: on
 
-__all__ = ["WIDTH_ALLOCATIONS", "Global", "Uniform", "WidthAllocation"]
+__all__ = ["WIDTH_ALLOCATIONS", "Global", "Taper", "Uniform", "WidthAllocation"]

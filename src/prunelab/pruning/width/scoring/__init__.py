@@ -18,7 +18,8 @@ from prunelab.pruning.width.scoring.putri import Putri
 from prunelab.pruning.width.scoring.cocurve import CoCurve
 from prunelab.pruning.width.scoring.rep_lie import RepLie
 from prunelab.pruning.width.scoring.stable_rank import StableRankScore
+from prunelab.pruning.width.scoring.elastic import ElasticScore
 # isort: on
 
-__all__ = ["WIDTH_SCORES", "AblationKL", "CoCurve", "ColumnScore", "Flap",
+__all__ = ["WIDTH_SCORES", "AblationKL", "CoCurve", "ColumnScore", "ElasticScore", "Flap",
            "MagnitudeProfile", "Putri", "RepLie", "StableRankScore", "WandaSP", "WidthScore"]
