@@ -6,12 +6,22 @@ Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`prune`, :func:`e
 
 __version__ = "0.1.0"
 
-from prunelab.pruning import (  # noqa: E402
+from prunelab.inference import (  # noqa: E402
+    H2O,
+    DecayEviction,
+    EntroPrefill,
+    LazyLLM,
+    SnapKV,
+    StreamingLLM,
+    press,
+)
+from prunelab.pruning import (  # noqa: E402  # noqa: E402
     Beam,
     Blend,
     Boundary,
     Depth,
     Foldable,
+    Gates,
     Ghost,
     Iterative,
     LastN,
@@ -22,10 +32,12 @@ from prunelab.pruning import (  # noqa: E402
     OneShot,
     Owl,
     Pals,
+    PrunePath,
     QKWanda,
     Ramp,
     Random,
     Rose,
+    Sleb,
     Span,
     SparseGPT,
     SparsityConfig,
@@ -51,7 +63,8 @@ from prunelab.models.adapters import get_adapter  # noqa: E402
 from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
 
 __all__ = ["AblationKL", "Beam", "Blend", "BlockRunner", "Boundary", "CoCurve", "Depth",
-           "ElasticRanking", "Flap",
+           "DecayEviction", "ElasticRanking", "EntroPrefill", "Flap", "Gates", "H2O",
+           "LazyLLM", "PrunePath", "Sleb", "SnapKV", "StreamingLLM", "press",
            "Foldable", "Ghost", "Iterative", "LastN", "LoadedModel", "Lra", "Magnitude",
            "MagnitudeProfile", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals",
            "PrunelabError", "Putri", "QKWanda", "Ramp", "Random", "Rose", "Span", "SparseGPT",
