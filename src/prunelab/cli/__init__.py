@@ -14,6 +14,7 @@ import typer
 from prunelab import log
 from prunelab.cli import (  # noqa: F401  (register)
     conditional_cmds,
+    elastic_cmds,
     factor_cmds,
     heal_cmds,
     inspect_cmds,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
@@ -24,8 +25,10 @@ from prunelab.cli.common import (
     fmt_bytes,
     out,
     parse_pairs,
+    parse_settings,
     writing,
 )
+from prunelab.errors import ConfigError
 
 
 @app.command()
@@ -111,6 +114,17 @@ def eval_cmd(model: str = ModelOpt,
              gradient_params: str = typer.Option(
                  "down_proj", help="linear (role, path or glob) whose gradients "
                  "--gradient-alignment compares"),
+             press_name: Optional[str] = typer.Option(
+                 None, "--press", help="score under an inference-time press: streaming-llm, "
+                 "h2o, snapkv, decay (KV eviction), lazyllm, entroprefill (prefill token "
+                 "pruning); each window's first --press-context is the pressed prompt"),
+             press_ratio: Optional[float] = typer.Option(
+                 None, help="fraction of the prompt removed (entroprefill: the cap)"),
+             press_options: Optional[list[str]] = typer.Option(
+                 None, "--press-option", help="KEY=VALUE: any option of the press "
+                 "(repeatable)"),
+             press_context: float = typer.Option(
+                 0.5, help="--press: share of each window that is the pressed prompt"),
              moe_mass: Optional[float] = typer.Option(
                  None, help="PrunePath checkpoints: routing mass p in (0, 1] to evaluate at "
                  "(reports the experts per token and FFN FLOPs used)"),
@@ -132,14 +146,22 @@ def eval_cmd(model: str = ModelOpt,
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights).load()
         moe = _moe_setup(lm, moe_mass)
-        res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
-                           batch_size=batch_size, reference=kl_reference, speed=speed,
-                           gradient_reference=gradient_alignment,
-                           gradient_params=gradient_params,
-                           trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                           allow_missing_weights=allow_missing_weights)
+        pressing = _press_context(lm, press_name, press_ratio, press_options, press_context)
+        with pressing as session:
+            res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
+                               batch_size=batch_size, reference=kl_reference, speed=speed,
+                               gradient_reference=gradient_alignment,
+                               gradient_params=gradient_params,
+                               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                               allow_missing_weights=allow_missing_weights)
+        if session is not None:
+            res["press"] = {"name": press_name, "context": press_context,
+                            "config": _press_dict(session.config), **_press_report(session)}
         t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
         shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
+        if session is not None:
+            shown = [*shown, ("press", f"{press_name} {_press_dict(session.config)} on the "
+                              f"first {press_context:.0%} of each window")]
         if moe:
             from prunelab.pruning.moe import routing_stats
 
@@ -188,6 +210,55 @@ def _encoder_rows(res: dict) -> list[tuple[str, str]]:
         shown += [("mean cosine to reference", f"{res['mean_cosine_to_reference']:.5f}"),
                   ("nearest-neighbour agreement", f"{res['nn_agreement']:.4f}")]
     return shown
+
+
+@contextlib.contextmanager
+def _press_context(lm, name, ratio, options, context):
+    """The press session of ``eval --press`` (``None`` without a press)."""
+    if name is None:
+        if ratio is not None or options:
+            raise ConfigError("--press-ratio / --press-option need --press NAME")
+        yield None
+        return
+    from prunelab.inference import press
+
+    cfg = _press_config(lm, name, ratio, options)
+    with press(lm, cfg, context=context) as session:
+        yield session
+
+
+def _press_config(lm, name: str, ratio, options):
+    """``--press NAME --press-ratio R --press-option K=V``; the decay press is fitted on 8
+    calibration windows first."""
+    from prunelab.inference import PRESSES, press_for
+
+    PRESSES.get(name)  # unknown names: one line naming the valid ones
+    opts = parse_settings(options, PRESSES.get(name))
+    cfg = press_for(name, ratio, **opts)
+    if name == "decay" and getattr(cfg, "weights", None) is None:
+        import dataclasses
+
+        from prunelab import api
+        from prunelab.inference import fit_decay
+
+        calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=512, samples=8, mode="calib")
+        fitted = fit_decay(lm, calib.input_ids, ratio=cfg.ratio, window=cfg.window)
+        cfg = dataclasses.replace(cfg, weights=fitted.weights)
+    return cfg
+
+
+def _press_dict(cfg) -> dict:
+    from prunelab.registry import to_dict
+
+    d = to_dict(cfg)
+    d.pop("weights", None)  # the decay press' fitted weights: many floats
+    return d
+
+
+def _press_report(session) -> dict:
+    rep = dict(getattr(session, "report", {}) or {})
+    keep = {k: v for k, v in rep.items() if isinstance(v, (int, float, str, bool))}
+    return {"last_prefill": keep}
 
 
 def _moe_setup(lm, mass: float | None) -> bool:

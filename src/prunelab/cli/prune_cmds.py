@@ -188,6 +188,9 @@ def prune_sparsity_cmd(
         pals_delta: Optional[float] = typer.Option(None, help="pals: delta (default 0.05)"),
         ramp_span: Optional[float] = typer.Option(None, help="ramp: +- span around the "
                                                   "target (default 0.1)"),
+        taper_slope: Optional[float] = typer.Option(
+            None, help="taper (sparsity / width allocation): kept density (width) of the "
+            "first block minus the last's (default 0.2)"),
         ramp_down: bool = typer.Option(False, "--ramp-down", help="ramp: sparsity falls "
                                        "with depth"),
         group: Optional[str] = typer.Option(None, help="unstructured comparison group: row "
@@ -242,7 +245,8 @@ def prune_sparsity_cmd(
     alloc = build_config(alloc_cls, f"--allocation {allocation}", {
         "m": ("--owl-m", owl_m), "lam": ("--owl-lambda", owl_lambda),
         "delta": ("--pals-delta", pals_delta), "span": ("--ramp-span", ramp_span),
-        "increasing": ("--ramp-down", False if ramp_down else None)})
+        "increasing": ("--ramp-down", False if ramp_down else None),
+        "slope": ("--taper-slope", taper_slope)})
     flat = {"sparsity": ("--sparsity", sparsity), "pattern": ("--pattern", pattern),
             "group": ("--group", group), "targets": ("--targets", parse_list(targets) or None),
             "ignore": ("--ignore", parse_list(ignore) or None),
@@ -295,6 +299,13 @@ def prune_width_cmd(
                                                    "(default 2e-4)"),
         lora_rank: Optional[int] = typer.Option(None, help="rep-lie: LoRA rank (default 8)"),
         rep_lie_seed: Optional[int] = typer.Option(None, help="rep-lie: seed (default 0)"),
+        elastic_ranking: Optional[str] = typer.Option(
+            None, help="elastic: an elastic.json (default: the model's own, or fit one)"),
+        elastic_steps: Optional[int] = typer.Option(None, help="elastic: fit steps when no "
+                                                    "ranking is found (default 200)"),
+        taper_slope: Optional[float] = typer.Option(
+            None, help="--allocation taper: kept fraction of the first block minus the "
+            "last's (default 0.2)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling seed"),
@@ -312,7 +323,9 @@ def prune_width_cmd(
                          bias_compensation=not no_bias_compensation, round_to=round_to,
                          damp=damp, ablation_samples=ablation_samples,
                          channel_group=channel_group, rep_lie_steps=rep_lie_steps,
-                         rep_lie_lr=rep_lie_lr, lora_rank=lora_rank, rep_lie_seed=rep_lie_seed)
+                         rep_lie_lr=rep_lie_lr, lora_rank=lora_rank, rep_lie_seed=rep_lie_seed,
+                         elastic_ranking=elastic_ranking, elastic_steps=elastic_steps,
+                         taper_slope=taper_slope)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

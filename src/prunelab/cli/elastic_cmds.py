@@ -1,0 +1,167 @@
+"""Elastic models and inference presses: ``prunelab prune elastic`` (one ranking for every
+budget), ``prunelab export`` (cut any size from an elastic checkpoint) and ``prunelab
+generate`` (text generation, optionally under an inference-time press)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from prunelab.cli.apps import app, prune_app
+from prunelab.cli.common import (
+    BatchOpt,
+    DeviceOpt,
+    DtypeOpt,
+    LoadArgs,
+    MissingOpt,
+    ModelOpt,
+    OffloadOpt,
+    PickleOpt,
+    RemoteOpt,
+    fmt_bytes,
+    out,
+    writing,
+)
+from prunelab.cli.prune_cmds import build_config, prune_and_save
+
+
+@prune_app.command("elastic")
+def prune_elastic_cmd(
+        model: str = ModelOpt,
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        out_dir: Path = typer.Option(..., "--out", help="elastic checkpoint to write (dense "
+                                     "weights + elastic.json)"),
+        budgets: str = typer.Option("0.1..0.6", help="removal budgets trained, a range of "
+                                    "fractions of the units' parameters"),
+        steps: Optional[int] = typer.Option(None, help="optimisation steps (default 200)"),
+        lr: Optional[float] = typer.Option(None, help="Adam learning rate (default 0.05)"),
+        budgets_per_step: Optional[int] = typer.Option(None, help="budgets drawn per step "
+                                                       "(default 2)"),
+        t_start: Optional[float] = typer.Option(None, help="initial temperature (1.0)"),
+        t_end: Optional[float] = typer.Option(None, help="final temperature (0.05)"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling and budget draws seed"),
+        batch_size: int = BatchOpt,
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
+        offload: bool = OffloadOpt):
+    """Learn one ranking of every KV group and FFN channel across a range of budgets (the
+    weights frozen); the checkpoint stays dense and `prunelab export --keep F` cuts any
+    size from it without calibration."""
+    from prunelab.pruning.elastic import ElasticRanking
+    from prunelab.pruning.elastic.method import parse_budgets
+
+    low, high = parse_budgets(budgets)
+    flat = {"budget_min": ("--budgets", low), "budget_max": ("--budgets", high),
+            "steps": ("--steps", steps), "lr": ("--lr", lr),
+            "budgets_per_step": ("--budgets-per-step", budgets_per_step),
+            "t_start": ("--t-start", t_start), "t_end": ("--t-end", t_end),
+            "seed": ("--seed", seed)}
+    cfg = build_config(ElasticRanking, "prune elastic", flat)
+    load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                    allow_missing_weights, offload)
+    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
+                   samples=samples, seed=seed, batch_size=batch_size, metrics=("units",),
+                   show=lambda lm, rep: _show_elastic(rep, model, out_dir))
+
+
+def _show_elastic(rep, model: str, out_dir: Path) -> None:
+    t = Table(title=f"elastic ranking of {model}", show_header=False)
+    fit = rep["fit"] or {}
+    rows = [("units ranked (KV groups + FFN channels)", f"{rep['units']:,}"),
+            ("fit", ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                              for k, v in fit.items() if not isinstance(v, (list, dict)))),
+            ("seconds", f"{rep['seconds']:.1f}"),
+            ("elastic checkpoint", f"{out_dir} (dense weights + elastic.json)"),
+            ("cut a size", f"prunelab export --model {out_dir} --keep 0.7 --out SMALL")]
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+
+
+@app.command("export")
+def export_cmd(
+        model: str = ModelOpt,
+        keep: float = typer.Option(..., help="fraction of the units' parameters (attention "
+                                   "KV groups and FFN channels) kept"),
+        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
+        allocation: str = typer.Option("global", help="global (one threshold over every "
+                                       "unit: per-block widths, remote code) or uniform "
+                                       "(the same share in every block: a plain checkpoint)"),
+        round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt):
+    """Cut a size from an elastic checkpoint (`prunelab prune elastic`), in seconds, with
+    no calibration."""
+    from prunelab.errors import ConfigError
+    from prunelab.pruning.elastic.method import export
+
+    if allocation not in ("global", "uniform"):
+        raise ConfigError(f"--allocation must be global or uniform, got {allocation!r}")
+    with writing(out_dir, "checkpoint", overwrite):
+        path = export(model, keep, out_dir, allocation=allocation, round_to=round_to,
+                      overwrite=overwrite, device=device, dtype=dtype)
+    import json
+
+    man = json.loads((Path(path) / "manifest.json").read_text())
+    b, a = man["size_before"], man["size_after"]
+    out.print(f"exported {model} at keep {keep} ({allocation}): {b['params']:,} -> "
+              f"{a['params']:,} parameters, {fmt_bytes(a['bytes'])}; {man['loads_with']}")
+
+
+@app.command("generate")
+def generate_cmd(
+        model: str = ModelOpt,
+        prompt: str = typer.Option(..., help="the prompt text (@FILE reads a file)"),
+        max_new_tokens: int = typer.Option(64, help="tokens to generate (greedy)"),
+        press_name: Optional[str] = typer.Option(
+            None, "--press", help="an inference-time press: streaming-llm, h2o, snapkv, decay, "
+            "lazyllm, entroprefill"),
+        press_ratio: Optional[float] = typer.Option(None, help="fraction of the prompt "
+                                                    "removed (entroprefill: the cap)"),
+        press_options: Optional[list[str]] = typer.Option(
+            None, "--press-option", help="KEY=VALUE: any option of the press (repeatable)"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
+        allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt):
+    """Greedy generation, optionally under an inference-time press (KV-cache eviction or
+    prefill token pruning); prints the text, the kept prompt tokens and the cache bytes."""
+    import time
+
+    import torch
+
+    from prunelab.cli.common import check_positive
+    from prunelab.cli.inspect_cmds import _press_context, _press_report
+    from prunelab.errors import ConfigError
+
+    check_positive("--max-new-tokens", max_new_tokens)
+    text = prompt
+    if prompt.startswith("@"):
+        try:
+            text = Path(prompt[1:]).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {prompt[1:]}: {exc.strerror or exc}") from None
+    lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                  allow_missing_weights).load()
+    if lm.is_encoder or lm.tokenizer is None:
+        raise ConfigError(f"{model} cannot generate (an encoder, or no tokenizer)")
+    ids = lm.tokenizer(text, return_tensors="pt")["input_ids"].to(lm.device)
+    with _press_context(lm, press_name, press_ratio, press_options, 1.0) as session:
+        start = time.perf_counter()
+        with torch.no_grad():
+            gen = lm.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=lm.tokenizer.eos_token_id)
+        seconds = time.perf_counter() - start
+    new = gen[0, ids.shape[1]:]
+    out.print(lm.tokenizer.decode(new, skip_special_tokens=True))
+    t = Table(show_header=False)
+    t.add_row("prompt tokens", str(ids.shape[1]))
+    t.add_row("generated tokens", f"{len(new)} in {seconds:.2f} s")
+    if session is not None:
+        for k, v in _press_report(session)["last_prefill"].items():
+            t.add_row(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else str(v))
+    out.print(t)
