@@ -38,6 +38,12 @@ def test_prune_gates_removes_sublayers_and_reloads(tiny_dir):
     assert rep["flops_per_token_after"] < rep["flops_per_token_before"]
     op = man["operations"][-1]
     assert op["config"]["budget"] == 0.3 and op["config"]["rounds"] == 2
+    info = cli("info", "--model", str(out), "--trust-remote-code", "--json",
+               str(tiny_dir / "gated-info.json"))
+    assert info.returncode == 0, info.stderr
+    blocks = json.loads((tiny_dir / "gated-info.json").read_text())["block_details"]
+    removed = sum(b[p] == "removed" for b in blocks for p in ("attention", "mlp"))
+    assert removed == len(rep["removed_sublayers"]) - 2 * len(rep["deleted_blocks"])
     remote = rep["needs_remote_code"]
     again = tf.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=remote).eval()
     ours = prunelab.load(str(out), trust_remote_code=remote)

@@ -63,19 +63,21 @@ def info(model) -> dict[str, Any]:
     module (factors, shared dictionaries, shortcut maps) with its kind and shapes."""
     lm = _as_loaded(model)
     ad = lm.adapter
-    geo = ad.head_geometry(0)
+    geo = ad.head_geometry(ad.first_block_with("attention"))
     types = ad.layer_types()
     blocks = []
-    for i in range(ad.num_blocks):
-        g = ad.head_geometry(i)
+    for i in range(ad.num_blocks):  # a removed branch (sub-block pruning) shows as such
+        attn, mlp = ad.has_branch(i, "attention"), ad.has_branch(i, "mlp")
+        g = ad.head_geometry(i) if attn else None
         blocks.append({
             "index": i,
             "attention_type": types[i] if types else "full_attention",
-            "heads": g.num_heads, "kv_heads": g.num_kv_heads, "ffn": ad.ffn_width(i),
+            "heads": g.num_heads if g else 0, "kv_heads": g.num_kv_heads if g else 0,
+            "ffn": ad.ffn_width(i) if mlp else 0,
             "attention": {r: list(in_out_features(m))[::-1]
-                          for r, m in ad.attn_projections(i).items()},
+                          for r, m in ad.attn_projections(i).items()} if attn else "removed",
             "mlp": {r: list(in_out_features(m))[::-1]
-                    for r, m in ad.mlp_projections(i).items()},
+                    for r, m in ad.mlp_projections(i).items()} if mlp else "removed",
         })
     size = model_size(lm.model)
     from prunelab.models.custom import flops_per_token
@@ -88,7 +90,8 @@ def info(model) -> dict[str, Any]:
         "model_type": lm.model.config.model_type, "encoder": ad.is_encoder,
         "blocks": ad.num_blocks, "hidden_size": ad.hidden_size(),
         "heads": geo.num_heads, "kv_heads": geo.num_kv_heads, "gqa_group_size": geo.group_size,
-        "head_dim": geo.head_dim, "ffn": ad.ffn_width(0), "gated_mlp": ad.is_gated(),
+        "head_dim": geo.head_dim, "ffn": ad.ffn_width(ad.first_block_with("mlp")),
+        "gated_mlp": ad.is_gated(),
         "vocab_size": int(lm.model.config.vocab_size),
         "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", False)),
         "dtype": str(lm.dtype).replace("torch.", ""), "device": str(lm.device),

@@ -67,8 +67,9 @@ def _print_info(d: dict) -> None:
     for col in ("blocks", "type", "heads/kv", "attention", "mlp"):
         bt.add_column(col, overflow="fold")
     for first, last, b in _group_blocks(d["block_details"]):
-        att = " ".join(f"{k}{v}" for k, v in b["attention"].items()).replace(", ", "x")
-        mlp = " ".join(f"{k}{v}" for k, v in b["mlp"].items()).replace(", ", "x")
+        att, mlp = (" ".join(f"{k}{v}" for k, v in b[part].items()).replace(", ", "x")
+                    if isinstance(b[part], dict) else str(b[part])
+                    for part in ("attention", "mlp"))
         span = str(first) if first == last else f"{first}-{last}"
         bt.add_row(span, b["attention_type"], f"{b['heads']}/{b['kv_heads']}", att, mlp)
     out.print(bt)

@@ -163,7 +163,8 @@ class Adapter:
             self.mlp_projections(index)
         return all(m is not None for m in proj.values())
 
-    def _first_with(self, part: str) -> int:
+    def first_block_with(self, part: str) -> int:
+        """The first block that still has its ``part`` branch (0 when none has)."""
         return next((i for i in range(self.num_blocks) if self.has_branch(i, part)), 0)
 
     def linear_groups(self, index: int, chosen: dict[str, nn.Module] | None = None
@@ -384,8 +385,8 @@ class Adapter:
             return ""
         try:
             cfg.num_hidden_layers = self.num_blocks
-            self.spec.write_config(cfg, self.head_geometry(self._first_with("attention")),
-                                   self.ffn_width(self._first_with("mlp")))
+            self.spec.write_config(cfg, self.head_geometry(self.first_block_with("attention")),
+                                   self.ffn_width(self.first_block_with("mlp")))
             validate()
         except Exception as exc:  # noqa: BLE001 - any refusal makes the shapes non-vanilla
             cause = exc.__cause__ or exc
@@ -408,8 +409,8 @@ class Adapter:
             )
         cfg = self.config
         cfg.num_hidden_layers = self.num_blocks
-        geo = self.head_geometry(self._first_with("attention"))
-        self.spec.write_config(cfg, geo, self.ffn_width(self._first_with("mlp")))
+        geo = self.head_geometry(self.first_block_with("attention"))
+        self.spec.write_config(cfg, geo, self.ffn_width(self.first_block_with("mlp")))
 
 
 def _ranges(spans: list[tuple[int, int]]) -> torch.Tensor:
