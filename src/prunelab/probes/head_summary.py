@@ -87,6 +87,11 @@ def head_summary_lines(results: dict[str, ProbeResult]) -> list[str]:
         return lines + ["Fewer than two head probes with at least 3 common heads.", ""]
     lines += ["| a | b | heads | Spearman |", "|---|---|---|---|"]
     lines += [f"| {c['a']} | {c['b']} | {c['n']} | {_fmt(c['spearman'])} |" for c in corr]
+    ablation = named.get("head-ablation")
+    if ablation is not None and (ablation.config or {}).get("ablation", "zero") == "zero" \
+            and "ablation-kl" not in named:
+        lines += ["", "`head-ablation` (zero) is the width score `ablation-kl` at query-head "
+                  "level (the same KLs), so its rows are the agreement with `ablation-kl`."]
     return lines + [""]
 
 
