@@ -23,7 +23,8 @@ Run (do not run inside the test suite)::
 
     python benchmarks/inference_pruning.py [--model smollm2-135m] [--device auto]
         [--contexts 1024,2048,4096] [--ratios 0.25,0.5,0.75,0.9]
-        [--presses streaming-llm,h2o,snapkv,decay,lazyllm,entroprefill] [--json out.json]
+        [--presses streaming-llm,h2o,snapkv,decay,decay-keys,lazyllm,entroprefill]
+        [--decay-observe 32 --decay-horizon 64] [--json out.json]
     # smoke: --contexts 128 --ratios 0.5 --depths 0.5 --continuation 16 --decode 4
 """
 
@@ -75,9 +76,10 @@ def passkey_prompt(lm, length: int, depth: float, key: int) -> torch.Tensor:
 
 
 def make_press(name: str, ratio: float, args, lm, decay_cfg):
-    if name == "decay":
-        return PRESSES.get("decay")(ratio=ratio, window=decay_cfg.window,
-                                    weights=decay_cfg.weights)
+    if name in ("decay", "decay-keys"):
+        fitted = decay_cfg[name]
+        return PRESSES.get("decay")(ratio=ratio, window=fitted.window,
+                                    weights=fitted.weights, observe=fitted.observe)
     if name == "lazyllm":
         return PRESSES.make(name, ratio=ratio, layer=args.prune_layer)
     if name == "entroprefill":
@@ -148,6 +150,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,2048,4096")
     ap.add_argument("--ratios", default="0.25,0.5,0.75,0.9")
     ap.add_argument("--presses", default="streaming-llm,h2o,snapkv,decay,lazyllm,entroprefill")
+    ap.add_argument("--decay-observe", type=int, default=32,
+                    help="observation window of the learned decay press (0: keys only)")
+    ap.add_argument("--decay-horizon", type=int, default=64,
+                    help="future tokens whose attention the decay press is fitted to")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9")
     ap.add_argument("--continuation", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)
@@ -162,10 +168,15 @@ def main() -> None:
     ratios = [float(r) for r in args.ratios.split(",")]
     depths = [float(d) for d in args.depths.split(",")]
     names = args.presses.split(",")
-    decay_cfg = None
-    if "decay" in names:
+    decay_cfg = {}
+    if "decay" in names or "decay-keys" in names:
         calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=512, samples=8)
-        decay_cfg = fit_decay(lm, calib.input_ids, window=16)
+        # decay: key statistics + the observation window's attention, fitted to the
+        # attention of the next --decay-horizon tokens; decay-keys: key statistics only
+        decay_cfg["decay"] = fit_decay(lm, calib.input_ids, window=16,
+                                       observe=args.decay_observe,
+                                       horizon=args.decay_horizon)
+        decay_cfg["decay-keys"] = fit_decay(lm, calib.input_ids, window=16)
     rows, ref_cache = [], {}
     for length in contexts:
         base = {"press": "none", "ratio": 0.0, "context": length,

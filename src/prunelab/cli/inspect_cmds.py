@@ -230,7 +230,8 @@ def _press_context(lm, name, ratio, options, context):
 
 def _press_config(lm, name: str, ratio, options):
     """``--press NAME --press-ratio R --press-option K=V``; the decay press is fitted on 8
-    calibration windows first."""
+    calibration windows first (with ``observe > 0``: to the attention of the next 64
+    tokens)."""
     from prunelab.inference import PRESSES, press_for
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
@@ -243,7 +244,8 @@ def _press_config(lm, name: str, ratio, options):
         from prunelab.inference import fit_decay
 
         calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=512, samples=8, mode="calib")
-        fitted = fit_decay(lm, calib.input_ids, ratio=cfg.ratio, window=cfg.window)
+        fitted = fit_decay(lm, calib.input_ids, ratio=cfg.ratio, window=cfg.window,
+                           observe=cfg.observe, horizon=64 if cfg.observe else 0)
         cfg = dataclasses.replace(cfg, weights=fitted.weights)
     return cfg
 

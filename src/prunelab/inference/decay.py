@@ -10,7 +10,16 @@ Retention score of cached token ``j`` at a KV head (layer ``l``, head ``g``)::
 entries after ``j``.) The ``theta`` are fitted by least squares to distil which tokens
 carry attention mass: the target is ``log`` of the mean attention a token receives from
 the last ``window`` queries of each calibration window (the queries closest to what
-decoding will ask), averaged over the query heads of the group. The softmax attention and
+decoding will ask), averaged over the query heads of the group.
+
+With ``observe = o > 0`` a sixth feature joins: ``log`` of the attention token ``j``
+received from the last ``o`` prompt queries (the observation window, group-averaged, as
+SnapKV scores), and the fit looks **ahead**: each calibration window of ``T`` tokens is
+cut into a prompt of ``T - horizon`` tokens and a continuation, and the target is the
+attention mass the ``horizon`` continuation queries put on each prompt token, which is
+what the evicted cache will be asked for. The learned score then weighs what the prompt's
+last queries saw against key statistics and age by how well each predicts the future
+(with only the sixth feature it is SnapKV's score without smoothing). The softmax attention and
 RoPE of the model are untouched: only which entries stay in the cache changes. Without
 fitted weights the score is the recency prior ``-log(1 + age)``.
 """
@@ -23,7 +32,7 @@ import torch
 
 from prunelab.errors import ConfigError
 from prunelab.inference.config import PRESSES, Press
-from prunelab.inference.scores import attention_rows
+from prunelab.inference.scores import attention_rows, group_heads, smooth
 from prunelab.registry import check_range
 
 FEATURES = 5
@@ -39,16 +48,29 @@ class DecayEviction(Press):
     ratio: float = 0.5
     window: int = 8
     weights: tuple[float, ...] | None = None
+    observe: int = 0
+    kernel: int = 5
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("window", self.window, 1, None, integer=True)
+        check_range("observe", self.observe, 0, None, integer=True)
+        check_range("kernel", self.kernel, 1, None, integer=True)
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"kernel must be odd, got {self.kernel}")
         if self.weights is not None:
-            if len(self.weights) % FEATURES:
-                raise ConfigError(f"weights: length must be a multiple of {FEATURES}, "
+            f = self.features
+            if len(self.weights) % f:
+                raise ConfigError(f"weights: length must be a multiple of {f} "
+                                  f"({'observe > 0' if self.observe else 'observe 0'}), "
                                   f"got {len(self.weights)}")
             for w in self.weights:
                 check_range("weights", w)
+
+    @property
+    def features(self) -> int:
+        """Features per KV head: 5, or 6 with the observation-window attention."""
+        return FEATURES + (1 if self.observe else 0)
 
 
 def key_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -64,16 +86,34 @@ def key_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
                         v.norm(dim=-1).clamp_min(1e-6).log(), age], -1)
 
 
-def decay_scores(config: DecayEviction, cache, layers: list[int]) -> dict[int, torch.Tensor]:
-    """Retention scores ``{layer: [B, G, T]}`` of the cached tokens."""
+def observation_scores(rows: torch.Tensor, groups: int, kernel: int) -> torch.Tensor:
+    """The observation-window feature ``[B, G, T]`` from attention rows ``[B, H, r, T]``:
+    mean over the rows, max-pooled over ``kernel`` neighbouring tokens and averaged over
+    the query heads of each KV group (SnapKV's score, as a mean)."""
+    return group_heads(smooth(rows.mean(2), kernel, "max"), groups)
+
+
+def with_observed(x: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, G, T, 5]`` with ``log`` of the observed attention ``[B, G, T]`` appended."""
+    return torch.cat([x, torch.log(observed.float() + 1e-6)[..., None]], -1)
+
+
+def decay_scores(config: DecayEviction, cache, layers: list[int],
+                 observed: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+    """Retention scores ``{layer: [B, G, T]}`` of the cached tokens (``observed``: the
+    observation-window attention per layer, needed when ``config.observe > 0``)."""
     out = {}
     weights = None
     if config.weights is not None:
         groups = cache.layers[layers[0]].keys.shape[1] if layers else 1
-        weights = torch.tensor(config.weights).view(-1, groups, FEATURES)
+        weights = torch.tensor(config.weights).view(-1, groups, config.features)
     for i in layers:
         layer = cache.layers[i]
         x = key_features(layer.keys, layer.values)
+        if config.observe and weights is not None and i < weights.shape[0]:
+            if observed is None or i not in observed:
+                raise ConfigError(f"decay: no observation-window attention for layer {i}")
+            x = with_observed(x, observed[i])
         if weights is None or i >= weights.shape[0]:
             out[i] = -x[..., 4]
         else:
@@ -90,20 +130,28 @@ def fit_least_squares(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.T
 
 @torch.no_grad()
 def fit_decay(lm, input_ids: torch.Tensor, ratio: float = 0.5, window: int = 8,
-              ridge: float = 1e-3) -> DecayEviction:
+              ridge: float = 1e-3, observe: int = 0, horizon: int = 0,
+              kernel: int = 5) -> DecayEviction:
     """Fit the decay weights of every layer and KV head on calibration windows
     ``input_ids`` ``[N, T]`` (base model frozen; one forward per window, with the
     queries and keys read from the cache and a hook-free eager recomputation of the
-    observer attention). Returns a ready :class:`DecayEviction`."""
+    observer attention). ``observe > 0`` adds the observation-window feature and
+    ``horizon > 0`` fits to the attention of the last ``horizon`` tokens of each window
+    on the prompt before them (see the module docstring). Returns a ready
+    :class:`DecayEviction`."""
     from transformers import DynamicCache
 
     from prunelab.inference.config import StreamingLLM
     from prunelab.inference.press import press as _press
 
     n, t = input_ids.shape
-    if t <= window + 1:
+    check_range("horizon", horizon, 0, None, integer=True)
+    check_range("observe", observe, 0, None, integer=True)
+    prompt = t - horizon
+    if prompt <= max(window, observe) + 1:
         raise ConfigError(f"fit_decay: windows of {t} tokens are too short for window "
-                          f"{window}")
+                          f"{window}, observe {observe} and horizon {horizon}")
+    rows_needed = horizon + observe if horizon else max(window, observe)
     from prunelab.inference.kv import evictable_layers
 
     rows: dict[int, list] = {}
@@ -111,23 +159,52 @@ def fit_decay(lm, input_ids: torch.Tensor, ratio: float = 0.5, window: int = 8,
     with _press(lm, StreamingLLM(ratio=0.0)) as session:  # reuse the attention capture
         session.on_attention = lambda module, q, k, kw: captured.__setitem__(
             module.layer_idx, attention_rows(q, k, kw.get("scaling") or module.scaling,
-                                             window, kw.get("softcap")).mean(2))
+                                             rows_needed, kw.get("softcap")))
         for row in input_ids.split(1):
             cache = DynamicCache(config=lm.adapter.base.config)
             lm.adapter.base(input_ids=row.to(lm.device), cache=cache, use_cache=True)
             for i in evictable_layers(cache):
-                mass, layer = captured[i], cache.layers[i]
-                g = layer.keys.shape[1]
-                x = key_features(layer.keys, layer.values)[0, :, 1:t - window]  # [G, C, 5]
-                m = mass[0].view(g, -1, t).mean(1)[:, 1:t - window]
-                rows.setdefault(i, []).append((x, torch.log(m + 1e-6)))
+                rows.setdefault(i, []).append(
+                    _fit_rows(captured[i], cache.layers[i], prompt, window, observe, horizon,
+                              kernel))
             captured.clear()
     geo = lm.adapter.head_geometry(0)
-    weights = torch.zeros(lm.adapter.num_blocks, geo.num_kv_heads, FEATURES)
+    features = FEATURES + (1 if observe else 0)
+    weights = torch.zeros(lm.adapter.num_blocks, geo.num_kv_heads, features)
     weights[..., 4] = -1.0  # layers not fitted (sliding windows) keep the recency prior
     for i, pairs in rows.items():
         x = torch.cat([a for a, _ in pairs], 1).double()  # [G, N*C, 5]
         y = torch.cat([b for _, b in pairs], 1).double()
         weights[i] = fit_least_squares(x, y, ridge).float()
     flat = weights.flatten().tolist()
-    return DecayEviction(ratio=ratio, window=window, weights=tuple(flat))
+    return DecayEviction(ratio=ratio, window=window, weights=tuple(flat), observe=observe,
+                         kernel=kernel)
+
+
+def _fit_rows(probs: torch.Tensor, layer, prompt: int, window: int, observe: int,
+              horizon: int, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``[G, C, F]`` and log-attention targets ``[G, C]`` of one calibration
+    window, over the prompt tokens ``1 .. prompt - window - 1`` (the sink and the protected
+    last ``window`` prompt tokens are always kept, so they are not fitted). ``probs``:
+    the captured attention rows ``[1, H, R, T]`` of the window's last ``R`` queries."""
+    g = layer.keys.shape[1]
+    keys, values = layer.keys[:, :, :prompt], layer.values[:, :, :prompt]
+    x = key_features(keys, values)  # [1, G, prompt, 5]
+    h = probs.shape[1]
+
+    def pooled(rows: torch.Tensor) -> torch.Tensor:  # [1, H, r, T] -> [G, prompt]
+        return rows[0].mean(1).view(g, h // g, -1).mean(1)[:, :prompt]
+
+    if horizon:
+        future = probs[:, :, probs.shape[2] - horizon:]
+        if observe:
+            seen = probs[:, :, probs.shape[2] - horizon - observe:probs.shape[2] - horizon]
+            x = with_observed(x, observation_scores(seen[..., :prompt], g, kernel))
+        target = pooled(future)
+    else:
+        if observe:
+            x = with_observed(x, observation_scores(probs[:, :, probs.shape[2] - observe:],
+                                                    g, kernel))
+        target = pooled(probs[:, :, probs.shape[2] - window:])
+    cut = slice(1, prompt - window)
+    return x[0, :, cut], torch.log(target[:, cut] + 1e-6)

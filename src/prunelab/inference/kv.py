@@ -36,6 +36,11 @@ def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scalin
     if isinstance(config, H2O):
         probs = attention_rows(query, key, scaling, query.shape[2], softcap)
         return group_heads(probs.sum(2), groups)
+    if isinstance(config, DecayEviction) and config.observe:  # observation-window feature
+        from prunelab.inference.decay import observation_scores
+
+        probs = attention_rows(query, key, scaling, config.observe, softcap)
+        return observation_scores(probs, groups, config.kernel)
     return None
 
 

@@ -218,7 +218,8 @@ class Session:
         if cfg.kind == "kv":
             self.budget = kv.budget(cfg, length)
             if isinstance(cfg, DecayEviction):
-                self.scores = decay_scores(cfg, cache, kv.evictable_layers(cache))
+                self.scores = decay_scores(cfg, cache, kv.evictable_layers(cache),
+                                           observed=self.scores)
             kept = kv.evict(cfg, cache, self.budget, self.scores)
             if not (isinstance(cfg, H2O) and cfg.every):
                 self.scores = {}
