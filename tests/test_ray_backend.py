@@ -1,0 +1,183 @@
+"""Points of a study as Ray tasks: same results as the serial run, resumable, retried.
+
+One local Ray instance with 2 CPUs for the module (its start costs seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from prunelab.errors import ConfigError
+from prunelab.workflow.executor import Point, run_points
+
+ray = pytest.importorskip("ray")
+
+HERE = Path(__file__).resolve().parent
+SRC = str(HERE.parent / "src")
+
+
+# ---------------------------------------------------------------- module-level points
+def prune_and_score(point: Point, folder: Path) -> dict:
+    """Prune a tiny llama (Wanda sparsity or depth) and score it against the dense one."""
+    import torch as t
+
+    from prunelab.eval.perplexity import score_windows
+    from prunelab.models.loading import wrap
+    from prunelab.pruning import Depth, Wanda, pruner_for
+    from tiny_models import char_tokenizer, tiny_model, tiny_tokens
+
+    t.set_num_threads(1)
+    tok = char_tokenizer()
+    dense = wrap(tiny_model("llama", seed=0), tok)
+    work = wrap(tiny_model("llama", seed=0), tok)
+    calib, test = tiny_tokens(4, 16, seed=1), tiny_tokens(4, 16, seed=2)
+    p = point.payload
+    cfg = Wanda(sparsity=p["sparsity"]) if p["method"] == "wanda" else Depth(remove=p["remove"])
+    pruner_for(cfg).run(work, cfg, calib, batch_size=2)
+    scores = score_windows(work, test, batch_size=2, reference=dense)
+    (folder / "note.txt").write_text(f"{point.key} pid {os.getpid()}\n")
+    return {"perplexity": scores["perplexity"], "kl": scores["kl_to_reference"],
+            "top1": scores["top1_agreement"],
+            "params": sum(int((q != 0).sum()) for q in work.model.parameters())}
+
+
+def crash_once(point: Point, folder: Path) -> dict:
+    """The first attempt kills its worker process (a lost worker); the retry succeeds."""
+    marker = folder / "attempted"
+    if not marker.exists():
+        marker.write_text("1")
+        os._exit(1)
+    return {"key": point.key, "attempts": 2}
+
+
+def flaky_connection(point: Point, folder: Path) -> dict:
+    marker = folder / "attempted"
+    if not marker.exists():
+        marker.write_text("1")
+        raise ConnectionError("storage hiccup")
+    return {"ok": True}
+
+
+def user_error(point: Point, folder: Path) -> dict:
+    marker = folder / "attempts"
+    marker.write_text(str(int(marker.read_text()) + 1 if marker.exists() else 1))
+    raise ConfigError("sparsity 1.5 is out of range")
+
+
+POINTS = [Point("wanda-0.5", {"method": "wanda", "sparsity": 0.5}),
+          Point("wanda-0.25", {"method": "wanda", "sparsity": 0.25}),
+          Point("depth-1", {"method": "depth", "remove": 1})]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from prunelab.workflow.ray_backend import connect
+
+    started = connect("auto", num_cpus=2, object_store_memory=100 * 1024 * 1024)
+    yield
+    if started:
+        ray.shutdown()
+
+
+# ---------------------------------------------------------------- tests
+def test_ray_matches_serial_and_rerun_skips(tmp_path, local_ray):
+    serial = run_points(POINTS, prune_and_score, tmp_path / "serial")
+    on_ray = run_points(POINTS, prune_and_score, tmp_path / "ray", ray="auto")
+    assert on_ray == serial  # exact: same floats, same order
+    assert serial[0]["params"] < serial[1]["params"]  # 50 % keeps fewer than 25 %
+    for p in POINTS:  # the serial layout, written by the workers
+        folder = tmp_path / "ray" / "points" / p.key
+        assert json.loads((folder / "result.json").read_text()) == on_ray[POINTS.index(p)]
+        assert (folder / "note.txt").read_text().startswith(p.key)
+    notes = {(tmp_path / "ray" / "points" / p.key / "note.txt").read_text() for p in POINTS}
+    assert all(str(os.getpid()) not in n for n in notes)  # ran in Ray workers
+    # a rerun reads every point back: a function that would fail is never called
+    assert run_points(POINTS, user_error, tmp_path / "ray", ray="auto") == serial
+    # a changed payload reruns only that point
+    changed = [POINTS[0], Point("wanda-0.25", {"method": "wanda", "sparsity": 0.3}), POINTS[2]]
+    again = run_points(changed, prune_and_score, tmp_path / "ray", ray="auto")
+    assert again[0] == serial[0] and again[2] == serial[2]
+    assert serial[0]["params"] < again[1]["params"] < serial[1]["params"]
+
+
+def test_lost_worker_is_retried(tmp_path, local_ray):
+    res = run_points([Point("a")], crash_once, tmp_path, ray="auto", retries=1)
+    assert res == [{"key": "a", "attempts": 2}]
+
+
+def test_system_error_retried_user_error_not(tmp_path, local_ray):
+    assert run_points([Point("c")], flaky_connection, tmp_path, ray="auto") == [{"ok": True}]
+    with pytest.raises(ConfigError, match="sparsity 1.5"):
+        run_points([Point("u")], user_error, tmp_path, ray="auto", retries=3)
+    assert (tmp_path / "points" / "u" / "attempts").read_text() == "1"
+    assert not (tmp_path / "points" / "u" / "result.json").exists()
+
+
+def test_crash_without_retries_is_one_line(tmp_path, local_ray):
+    from prunelab.workflow.ray_backend import RayError
+
+    with pytest.raises(RayError, match="point z was lost on Ray") as info:
+        run_points([Point("z")], crash_once, tmp_path, ray="auto", retries=0)
+    assert "\n" not in str(info.value)
+
+
+def test_unreachable_address_is_one_line(tmp_path):
+    from prunelab.workflow import ray_backend
+
+    port = _free_port()  # nothing listens there
+    with pytest.raises(ray_backend.RayError, match="cannot reach the Ray cluster") as info:
+        ray_backend._check_reachable(f"127.0.0.1:{port}", timeout=1)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        ray_backend._check_reachable("nonsense")
+
+
+def test_missing_ray_is_one_line(monkeypatch):
+    from prunelab.workflow import ray_backend
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ray_backend.RayError, match="pip install"):
+        ray_backend.import_ray()
+
+
+# ---------------------------------------------------------------- slow: join by address
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_join_cluster_by_address(tmp_path):
+    if ray.is_initialized():
+        ray.shutdown()
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(HERE)]),
+           "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+    temp = tmp_path / "ray-tmp"
+    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
+             f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+             "--include-dashboard=false", f"--temp-dir={temp}",
+             f"--object-store-memory={100 * 1024 * 1024}"]
+    subprocess.run(start, check=True, env=env, capture_output=True, timeout=120)
+    try:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        t0 = time.time()
+        serial = run_points(POINTS[:2], prune_and_score, tmp_path / "serial")
+        res = run_points(POINTS[:2], prune_and_score, tmp_path / "ray",
+                         ray=f"127.0.0.1:{port}")
+        assert res == serial
+        assert time.time() - t0 < 300
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                       env=env, capture_output=True, timeout=120)
