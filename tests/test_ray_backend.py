@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from prunelab.errors import ConfigError
 from prunelab.workflow.executor import Point, run_points
@@ -32,6 +31,7 @@ def prune_and_score(point: Point, folder: Path) -> dict:
     from prunelab.eval.perplexity import score_windows
     from prunelab.models.loading import wrap
     from prunelab.pruning import Depth, Wanda, pruner_for
+
     from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
     t.set_num_threads(1)
