@@ -16,6 +16,7 @@ import pytest
 
 from prunelab.errors import ConfigError
 from prunelab.workflow.executor import Point, run_points
+from tiny_models import tiny_tokens
 
 ray = pytest.importorskip("ray")
 
@@ -146,6 +147,40 @@ def test_missing_ray_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     with pytest.raises(ray_backend.RayError, match="pip install"):
         ray_backend.import_ray()
+
+
+def test_sweep_depth_on_ray_equals_serial(tmp_path, local_ray):
+    from prunelab import api
+    from prunelab.pruning.sweep import sweep_depth
+    from tiny_models import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint("llama", tmp_path / "ckpt")
+    lm = api.load(str(ckpt), dtype="float32")
+    calib, test = tiny_tokens(4, 12, seed=3), tiny_tokens(2, 12, seed=4)
+    grid = (["block-influence", "last-n"], [1], ["none", "foldable"])
+    serial = sweep_depth(lm, *grid, calib, test, tmp_path / "serial", batch_size=2)
+    on_ray = sweep_depth(lm, *grid, calib, test, tmp_path / "ray", batch_size=2, ray="auto",
+                         load={"spec": str(ckpt), "dtype": "float32"})
+    assert on_ray == serial and len(serial) == 4
+    assert any(p["error"] is None and p["recovery"] == "foldable" for p in serial)
+    for name in ("points.json", "curve.md", "curve.csv"):
+        assert (tmp_path / "ray" / name).read_text() == (tmp_path / "serial" / name).read_text()
+    stored = sorted(p.name for p in (tmp_path / "ray" / "points").iterdir())
+    assert stored == sorted(f"{p['probe']}.{p['recovery']}.n{p['removed_count']}"
+                            for p in serial)
+    # a rerun finds every point in points.json: nothing is sent to Ray
+    again = sweep_depth(lm, *grid, calib, test, tmp_path / "ray", batch_size=2, ray="auto",
+                        load={"spec": "no-such-model"})
+    assert again == serial
+
+
+def test_sweep_cli_ray_flags_need_ray(tmp_path, capsys):
+    from prunelab.cli import cli_main
+
+    code = cli_main(["sweep", "depth", "--model", "x", "--out", str(tmp_path / "o"),
+                     "--gpus-per-point", "1"])
+    assert code == 2
+    assert "--cpus-per-point and --gpus-per-point need --ray" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- slow: join by address
