@@ -16,6 +16,7 @@ import pytest
 
 from prunelab.errors import ConfigError
 from prunelab.workflow.executor import Point, run_points
+
 from tiny_models import tiny_tokens
 
 ray = pytest.importorskip("ray")
@@ -152,6 +153,7 @@ def test_missing_ray_is_one_line(monkeypatch):
 def test_sweep_depth_on_ray_equals_serial(tmp_path, local_ray):
     from prunelab import api
     from prunelab.pruning.sweep import sweep_depth
+
     from tiny_models import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint("llama", tmp_path / "ckpt")

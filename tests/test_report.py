@@ -4,7 +4,6 @@ self-contained page (no script, no network), ``prunelab report DIR``, headless C
 from __future__ import annotations
 
 import base64
-import json
 import re
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ from prunelab.report.plots import (
     plot_swap_diagonals,
     plot_swap_pair,
 )
+
 from tiny_models import tiny_model, tiny_tokens
 
 N = 30
