@@ -282,6 +282,7 @@ def write_report(out_dir: str | Path, *, filename: str = "report.html",
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(page)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
