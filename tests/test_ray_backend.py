@@ -110,6 +110,32 @@ def test_ray_matches_serial_and_rerun_skips(tmp_path, local_ray):
     assert serial[0]["params"] < again[1]["params"] < serial[1]["params"]
 
 
+def test_sweep_depth_on_ray_equals_serial(tmp_path, local_ray):
+    from prunelab import api
+    from prunelab.pruning.sweep import sweep_depth
+
+    from tiny_models import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint("llama", tmp_path / "ckpt")
+    lm = api.load(str(ckpt), dtype="float32")
+    calib, test = tiny_tokens(4, 12, seed=3), tiny_tokens(2, 12, seed=4)
+    grid = (["block-influence"], [1], ["none", "foldable"])
+    serial = sweep_depth(lm, *grid, calib, test, tmp_path / "serial", batch_size=2)
+    on_ray = sweep_depth(lm, *grid, calib, test, tmp_path / "ray", batch_size=2, ray="auto",
+                         load={"spec": str(ckpt), "dtype": "float32"})
+    assert on_ray == serial and len(serial) == 2
+    assert any(p["error"] is None and p["recovery"] == "foldable" for p in serial)
+    for name in ("points.json", "curve.md", "curve.csv"):
+        assert (tmp_path / "ray" / name).read_text() == (tmp_path / "serial" / name).read_text()
+    stored = sorted(p.name for p in (tmp_path / "ray" / "points").iterdir())
+    assert stored == sorted(f"{p['probe']}.{p['recovery']}.n{p['removed_count']}"
+                            for p in serial)
+    # a rerun finds every point in points.json: nothing is sent to Ray
+    again = sweep_depth(lm, *grid, calib, test, tmp_path / "ray", batch_size=2, ray="auto",
+                        load={"spec": "no-such-model"})
+    assert again == serial
+
+
 def test_lost_worker_is_retried(tmp_path, local_ray):
     res = run_points([Point("a")], crash_once, tmp_path, ray="auto", retries=1)
     assert res == [{"key": "a", "attempts": 2}]
@@ -150,30 +176,18 @@ def test_missing_ray_is_one_line(monkeypatch):
         ray_backend.import_ray()
 
 
-def test_sweep_depth_on_ray_equals_serial(tmp_path, local_ray):
+def test_sweep_workers_reload_with_the_cli_load_options():
+    import inspect
+
     from prunelab import api
-    from prunelab.pruning.sweep import sweep_depth
+    from prunelab.cli.common import LoadArgs
+    from prunelab.cli.prune_cmds import ray_load_args
 
-    from tiny_models import save_tiny_checkpoint
-
-    ckpt = save_tiny_checkpoint("llama", tmp_path / "ckpt")
-    lm = api.load(str(ckpt), dtype="float32")
-    calib, test = tiny_tokens(4, 12, seed=3), tiny_tokens(2, 12, seed=4)
-    grid = (["block-influence", "last-n"], [1], ["none", "foldable"])
-    serial = sweep_depth(lm, *grid, calib, test, tmp_path / "serial", batch_size=2)
-    on_ray = sweep_depth(lm, *grid, calib, test, tmp_path / "ray", batch_size=2, ray="auto",
-                         load={"spec": str(ckpt), "dtype": "float32"})
-    assert on_ray == serial and len(serial) == 4
-    assert any(p["error"] is None and p["recovery"] == "foldable" for p in serial)
-    for name in ("points.json", "curve.md", "curve.csv"):
-        assert (tmp_path / "ray" / name).read_text() == (tmp_path / "serial" / name).read_text()
-    stored = sorted(p.name for p in (tmp_path / "ray" / "points").iterdir())
-    assert stored == sorted(f"{p['probe']}.{p['recovery']}.n{p['removed_count']}"
-                            for p in serial)
-    # a rerun finds every point in points.json: nothing is sent to Ray
-    again = sweep_depth(lm, *grid, calib, test, tmp_path / "ray", batch_size=2, ray="auto",
-                        load={"spec": "no-such-model"})
-    assert again == serial
+    args = ray_load_args(LoadArgs("smollm2-135m", dtype="bfloat16", offload=True))
+    assert args == {"spec": "smollm2-135m", "dtype": "bfloat16", "device": "cpu",
+                    "trust_remote_code": False, "allow_pickle": False,
+                    "allow_missing_weights": False, "offload": True}
+    assert set(args) <= set(inspect.signature(api.load).parameters)
 
 
 def test_sweep_cli_ray_flags_need_ray(tmp_path, capsys):
