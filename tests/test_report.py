@@ -19,13 +19,8 @@ from prunelab.models.loading import wrap
 from prunelab.probes import ProbeResult
 from prunelab.probes.session import run_probes
 from prunelab.report.html import write_report
-from prunelab.report.plots import (
-    diagonal_offsets,
-    pair_norm,
-    plot_result,
-    plot_swap_diagonals,
-    plot_swap_pair,
-)
+from prunelab.report.plots import pair_norm, plot_result, plot_swap_pair
+from prunelab.report.swap_plots import diagonal_offsets, plot_swap_diagonals
 
 from tiny_models import tiny_model, tiny_tokens
 

@@ -233,7 +233,8 @@ def _write_result(result: ProbeResult, out: Path) -> None:
 def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int,
                    fingerprint: dict | None = None) -> None:
     from prunelab.probes.summary import write_summary
-    from prunelab.report.plots import plot_swap_diagonals, plot_swap_pair
+    from prunelab.report.plots import plot_swap_pair
+    from prunelab.report.swap_plots import plot_swap_diagonals
 
     if "replacement" in results and "interchange" in results:
         plot_swap_pair(results["replacement"], results["interchange"],

@@ -65,8 +65,9 @@ def load_probes(folder: Path) -> dict:
     return out
 
 
-def fingerprint_summary(fp: Any) -> dict[str, Any]:
-    """Model / dtype / data lines of a fingerprint (:mod:`prunelab.io.fingerprint`)."""
+def fingerprint_summary(fp: Any, options: bool = True) -> dict[str, Any]:
+    """Model / dtype / data lines of a fingerprint (:mod:`prunelab.io.fingerprint`), with
+    its options unless ``options`` is False."""
     if not isinstance(fp, dict):
         return {}
     model, data = fp.get("model") or {}, fp.get("data") or {}
@@ -75,7 +76,7 @@ def fingerprint_summary(fp: Any) -> dict[str, Any]:
            "calibration data": _data_line(data), "prunelab": fp.get("prunelab")}
     if fp.get("test_data"):
         out["test data"] = _data_line(fp["test_data"])
-    if fp.get("options"):
+    if options and fp.get("options"):
         out["options"] = fp["options"]
     return {k: v for k, v in out.items() if v not in (None, "", {})}
 
@@ -143,7 +144,7 @@ def report_inputs(folder: str | Path) -> dict[str, Any]:
         used.update(f"{n}.png" for n in probes)
         used.update({"swap_heatmaps.png", "swap_diagonals.png"})
         first = next(iter(probes.values()))
-        kw["summary"].update(fingerprint_summary(first.meta.get("fingerprint")))
+        kw["summary"].update(fingerprint_summary(first.meta.get("fingerprint"), options=False))
         if (folder / "summary.md").is_file():
             kw["probe_summary"] = (folder / "summary.md").read_text()
     if (folder / "sweep.json").is_file():
