@@ -421,6 +421,20 @@ def _show_width(lm, rep, model: str, out_dir: Path, unit: str, score: str, alloc
         out.print(f"checkpoint {out_dir} (plain transformers)")
 
 
+RayOpt = typer.Option(None, "--ray", help="run the points as Ray tasks: 'auto' (a local "
+                      "Ray instance) or HOST:PORT of a Ray cluster (shared --out folder)")
+CpusOpt = typer.Option(1.0, "--cpus-per-point", help="with --ray: CPUs per point")
+GpusOpt = typer.Option(0.0, "--gpus-per-point", help="with --ray: GPUs per point")
+
+
+def ray_load_args(args: LoadArgs) -> dict:
+    """How a Ray worker reloads the model (``api.load`` keyword arguments)."""
+    from dataclasses import asdict
+
+    d = asdict(args)
+    return {"spec": d.pop("model"), **d}
+
+
 @sweep_app.command("depth")
 def sweep_depth_cmd(
         model: str = ModelOpt,
@@ -444,19 +458,24 @@ def sweep_depth_cmd(
                                        "or files prunelab did not write"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt):
+        offload: bool = OffloadOpt, ray: Optional[str] = RayOpt,
+        cpus_per_point: float = CpusOpt, gpus_per_point: float = GpusOpt):
     """Test perplexity and KL to dense against blocks removed, per probe x recovery."""
     from prunelab import api
     from prunelab.pruning.sweep import parse_range, sweep_depth
+    from prunelab.report.folder import record_command
 
     removes = parse_range(remove)
+    if ray is None and (cpus_per_point != 1.0 or gpus_per_point != 0.0):
+        raise ConfigError("--cpus-per-point and --gpus-per-point need --ray")
     for name, value in (("--batch-size", batch_size), ("--samples", samples),
                         ("--test-samples", test_samples)):
         check_positive(name, value)
     with writing(out_dir, None, overwrite, on_interrupt=f"finished points are in "
                  f"{out_dir}/points.json; rerun the same command to resume"):
-        lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights, offload).load()
+        load_args = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
+                             allow_missing_weights, offload)
+        lm = load_args.load()
         calib = api.tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed,
                                mode="calib")
         test_b = api.tokens_for(lm, test, seqlen=test_seqlen, samples=test_samples,
@@ -465,7 +484,10 @@ def sweep_depth_cmd(
                              list(parse_list(recovery)), calib.input_ids, test_b.input_ids,
                              out_dir, batch_size=batch_size, window=window, seed=seed,
                              strategy=strategy, data_info=calib.to_dict(),
-                             test_info=test_b.to_dict(), overwrite=overwrite)
+                             test_info=test_b.to_dict(), overwrite=overwrite, ray=ray,
+                             load=ray_load_args(load_args), cpus_per_point=cpus_per_point,
+                             gpus_per_point=gpus_per_point)
+        record_command(out_dir)
     print((out_dir / "curve.md").read_text())
     log.info(f"wrote {out_dir}/ (curve.png, curve.csv, curve.md, points.json); "
              f"{len(points)} points")

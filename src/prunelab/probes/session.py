@@ -2,7 +2,8 @@
 
 All probes share one :class:`~prunelab.probes.context.ProbeContext` (one dense pass caches
 every block boundary). With ``out_dir`` each probe writes ``NAME.json``, ``NAME.csv`` and
-``NAME.png``; replacement and interchange together also give ``swap_heatmaps.png``; and
+``NAME.png``; replacement and interchange together also give ``swap_heatmaps.png`` and
+``swap_diagonals.png``; and
 ``summary.md`` compares the protocols. Long probes save ``NAME.partial.json`` after every
 measured unit and resume from it when run again with the same fingerprint
 (:mod:`prunelab.io.fingerprint`: model config and weights, dtype, token windows, probe
@@ -96,7 +97,7 @@ def check_outputs(out: Path | None, names: list[str], overwrite: bool) -> None:
                 raise OutputExistsError(f"{out / (name + suffix)} exists; pass --overwrite")
     shared = ["summary.md"]
     if "replacement" in names and "interchange" in names:
-        shared.append("swap_heatmaps.png")
+        shared += ["swap_heatmaps.png", "swap_diagonals.png"]
     present = [f for f in shared if (out / f).exists()]
     if present and not _is_prunelab_folder(out):
         raise OutputExistsError(f"{out / present[0]} exists and {out} holds no probe result "
@@ -233,10 +234,13 @@ def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int,
                    fingerprint: dict | None = None) -> None:
     from prunelab.probes.summary import write_summary
     from prunelab.report.plots import plot_swap_pair
+    from prunelab.report.swap_plots import plot_swap_diagonals
 
     if "replacement" in results and "interchange" in results:
         plot_swap_pair(results["replacement"], results["interchange"],
                        out / "swap_heatmaps.png")
+        plot_swap_diagonals({k: results[k] for k in ("replacement", "interchange")},
+                            out / "swap_diagonals.png")
     # the summary compares every finished probe in the directory of the same model,
     # dtype and data as this run's, not only this run's
     everything = dict(results)

@@ -115,12 +115,17 @@ def open_sweep(out: Path, fingerprint: dict, overwrite: bool) -> list[dict]:
 def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str],
                 calib_ids, test_ids, out_dir, *, batch_size: int = 8, window: int | None = 1,
                 seed: int = 0, strategy: str | None = None, data_info: dict | None = None,
-                test_info: dict | None = None, overwrite: bool = False) -> list[dict]:
+                test_info: dict | None = None, overwrite: bool = False,
+                ray: str | None = None, load: dict | None = None, cpus_per_point: float = 1.0,
+                gpus_per_point: float = 0.0) -> list[dict]:
     """Run every (probe, recovery, n) point not yet in ``out_dir``; returns all points.
 
     ``data_info`` / ``test_info``: the batches' ``to_dict()`` (recorded to explain a
     fingerprint mismatch). ``overwrite``: replace a sweep of another fingerprint, or
-    files of a folder that holds no sweep of prunelab, instead of refusing."""
+    files of a folder that holds no sweep of prunelab, instead of refusing. ``ray``
+    (``"auto"`` or an address): the blocks of every point are chosen here, and each
+    point is pruned and scored as a Ray task (:mod:`prunelab.pruning.sweep_ray`; ``load``:
+    the :func:`prunelab.api.load` arguments a worker reloads the model with)."""
     if lm.adapter.is_encoder:
         raise ConfigError("sweep depth scores test perplexity, which an encoder does not "
                           "have; use prune depth and eval --reference per point")
@@ -143,6 +148,7 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
     done = {_point_key(p) for p in points}
     ctx = ProbeContext(lm, calib_ids, batch_size=batch_size, lazy=True)
     ref_cache: dict = {}
+    pending: list = []
     try:
         dense = score_windows(lm, test_ids, batch_size=4, reference=lm,
                               reference_cache=ref_cache, desc="dense test")
@@ -156,12 +162,26 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
                     key = (name, rec, n)
                     if key in done:
                         continue
+                    if ray is not None:
+                        _, removed, how = point_selection(lm, ctx, name, rec, n, result,
+                                                          strategy, window, seed)
+                        pending.append({"name": name, "recovery": rec, "n": n,
+                                        "strategy": strategy, "window": window, "seed": seed,
+                                        "removed": removed, "how": how})
+                        continue
                     info(f"prunelab: sweep point {name} / {rec} / n={n}")
                     point = _run_point(lm, ctx, name, rec, n, result, strategy, window, seed,
                                        test_ids, ref_cache, batch_size)
                     points.append(point)
                     done.add(key)
                     write_json(points_path, points, overwrite=True)
+        if pending:
+            from prunelab.pruning.sweep_ray import run_sweep_points
+
+            points += run_sweep_points(lm, pending, calib_ids, test_ids, out, fingerprint,
+                                       load=load, ray=ray, cpus_per_point=cpus_per_point,
+                                       gpus_per_point=gpus_per_point, batch_size=batch_size)
+            write_json(points_path, points, overwrite=True)
         write_sweep_reports(points, dense, out)
     finally:
         ctx.close()
@@ -170,10 +190,31 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
 
 def _run_point(lm, ctx, name, rec, n, result, strategy, window, seed, test_ids, ref_cache,
                batch_size) -> dict:
+    cfg, removed, how = point_selection(lm, ctx, name, rec, n, result, strategy, window, seed)
+    return prune_and_score(lm, ctx, cfg, removed, how, test_ids, ref_cache, batch_size,
+                           name=name, rec=rec)
+
+
+def point_config(name: str, rec: str, n: int, strategy, window, seed) -> Depth:
+    """The Depth config of the point (probe or baseline ``name``, recovery, n)."""
     is_base = name in BASELINES
-    cfg = Depth(remove=n, probe="block-influence" if is_base else name, recovery=rec,
-                strategy=name if is_base else strategy, window=window, seed=seed)
+    return Depth(remove=n, probe="block-influence" if is_base else name, recovery=rec,
+                 strategy=name if is_base else strategy, window=window, seed=seed)
+
+
+def point_selection(lm, ctx, name, rec, n, result, strategy, window, seed):
+    """The point's Depth config and the blocks it removes (chosen on the dense model)."""
+    cfg = point_config(name, rec, n, strategy, window, seed)
     removed, how = select(lm, cfg, ctx, n, result=result)
+    return cfg, removed, how
+
+
+def prune_and_score(lm, ctx, cfg: Depth, removed: list[int], how: dict, test_ids, ref_cache,
+                    batch_size: int, name: str, rec: str) -> dict:
+    """Prune a copy of ``lm`` (``removed``, then ``cfg``'s recovery) and score it on the
+    test windows against ``lm``: one point of the curve (``name``: the probe or baseline,
+    ``rec``: the recovery's name)."""
+    n = cfg.remove
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
     work.offload_to = getattr(lm, "offload_to", None)  # the copy calibrates alike
     try:

@@ -2,7 +2,11 @@
 
 * layer / sublayer probes: bars of ``value`` per block (sublayer: attention and MLP side by
   side); ``weight-redundancy`` and ``cka`` add a heatmap of their pair entries;
-* pair probes: an ``L x L`` heatmap of ``value`` (blank where not measured);
+* pair probes: an ``L x L`` heatmap of ``value`` (blank where not measured) on a log
+  colour scale when the values span more than a decade (:func:`pair_norm`): a few pairs
+  at KL 5-7 next to the first and last blocks would otherwise paint every middle pair
+  (0.07-0.6) one colour; the two swap protocols also get one line per diagonal
+  ``(i, i + d)`` against ``i`` (:func:`prunelab.report.swap_plots.plot_swap_diagonals`);
 * span probes: bars of ``value`` against the span start; interval probes: a heatmap of
   ``value`` by start and length;
 * head probes: a blocks x heads heatmap of ``value`` (``dla`` adds its sublayer bars).
@@ -85,11 +89,30 @@ def pair_array(entries: list[dict], size: int) -> np.ndarray:
     return mat
 
 
+def pair_norm(values: np.ndarray, decade: float = 10.0):
+    """The colour scale of a pair heatmap: :class:`~matplotlib.colors.LogNorm` over the
+    finite positive values when they are all positive and span more than ``decade``
+    (max / min), else a linear :class:`~matplotlib.colors.Normalize` over the finite
+    values (min == max widened by 1e-12)."""
+    from matplotlib.colors import LogNorm, Normalize
+
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return Normalize(0.0, 1.0)
+    lo, hi = float(v.min()), float(v.max())
+    if lo > 0 and hi / lo > decade:
+        return LogNorm(lo, hi)
+    return Normalize(lo, hi if hi > lo else lo + 1e-12)
+
+
 def _heatmap(fig: Figure, ax, mat: np.ndarray, label: str, title: str,
-             vmin: float | None = None, vmax: float | None = None, colorbar: bool = True):
+             vmin: float | None = None, vmax: float | None = None, colorbar: bool = True,
+             norm=None):
     """Draw ``mat`` on ``ax`` (NaN cells shown light grey); returns the image."""
-    im = ax.imshow(np.ma.masked_invalid(mat), cmap=_cmap(), vmin=vmin, vmax=vmax,
-                   origin="upper", interpolation="nearest")
+    scale = {"norm": norm} if norm is not None else {"vmin": vmin, "vmax": vmax}
+    im = ax.imshow(np.ma.masked_invalid(mat), cmap=_cmap(), origin="upper",
+                   interpolation="nearest", **scale)
     ax.set_xlabel(label)
     ax.set_ylabel(label)
     ax.set_title(title)
@@ -243,8 +266,9 @@ def plot_result(result: ProbeResult, path: str | Path | None = None) -> Figure:
         n = result.num_blocks or 1 + max((max(s["layers"]) for s in result.scores), default=0)
         fig = _new_figure(6.5, 5.5)
         ax = fig.add_subplot()
-        _heatmap(fig, ax, pair_array(_pair_entries(result, ("pair",)), n), "block (0-based)",
-                 title)
+        mat = pair_array(_pair_entries(result, ("pair",)), n)
+        norm = pair_norm(mat)
+        _heatmap(fig, ax, mat, "block (0-based)", title + _scale_note(norm), norm=norm)
         return _finish(fig, path)
     if result.kind == "interval":
         fig = _new_figure(8, 4.5)
@@ -313,22 +337,33 @@ def plot_heads(result: ProbeResult, path: str | Path | None = None) -> Figure:
     return _finish(fig, path)
 
 
-def plot_swap_pair(replacement: ProbeResult, interchange: ProbeResult,
-                   path: str | Path | None = None) -> Figure:
-    """Replacement and interchange heatmaps side by side on one colour scale (one colourbar)."""
+def _scale_note(norm) -> str:
+    from matplotlib.colors import LogNorm
+
+    return " [log colour]" if isinstance(norm, LogNorm) else ""
+
+
+def _swap_mats(results: list[ProbeResult]) -> list[np.ndarray]:
     mats = []
-    for res in (replacement, interchange):
+    for res in results:
         n = res.num_blocks or 1 + max((max(s["layers"]) for s in res.scores), default=0)
         mats.append(pair_array(_pair_entries(res, ("pair",)), n))
-    finite = np.concatenate([m[np.isfinite(m)] for m in mats])
-    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
-    if vmin == vmax:
-        vmax = vmin + 1e-12
+    return mats
+
+
+def plot_swap_pair(replacement: ProbeResult, interchange: ProbeResult,
+                   path: str | Path | None = None) -> Figure:
+    """Replacement and interchange heatmaps side by side on one colour scale (one
+    colourbar; log when the values span more than a decade, :func:`pair_norm`). The
+    diagonals as lines: :func:`prunelab.report.swap_plots.plot_swap_diagonals`."""
+    mats = _swap_mats([replacement, interchange])
+    norm = pair_norm(np.concatenate([m.ravel() for m in mats]))
     fig = _new_figure(12, 5.5)
     axes = fig.subplots(1, 2)
-    images = [_heatmap(fig, ax, mat, "block (0-based)", name, vmin=vmin, vmax=vmax, colorbar=False)
+    images = [_heatmap(fig, ax, mat, "block (0-based)", name, norm=norm, colorbar=False)
               for ax, mat, name in zip(axes, mats, ("replacement", "interchange"), strict=True)]
-    fig.colorbar(images[0], ax=list(axes), label="mean KL (value)")
+    label = "mean KL (value" + (", log scale)" if _scale_note(norm) else ")")
+    fig.colorbar(images[0], ax=list(axes), label=label)
     return _finish(fig, path)
 
 
