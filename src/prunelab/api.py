@@ -92,7 +92,7 @@ def info(model) -> dict[str, Any]:
         "heads": geo.num_heads, "kv_heads": geo.num_kv_heads, "gqa_group_size": geo.group_size,
         "head_dim": geo.head_dim, "ffn": ad.ffn_width(ad.first_block_with("mlp")),
         "gated_mlp": ad.is_gated(),
-        "vocab_size": int(lm.model.config.vocab_size),
+        "vocab_size": int(getattr(lm.model.config, "vocab_size", 0) or 0),
         "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", False)),
         "dtype": str(lm.dtype).replace("torch.", ""), "device": str(lm.device),
         "params": size["params"], "bytes": size["bytes"], "block_details": blocks,
@@ -104,6 +104,13 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
     """Token windows for ``data`` (a spec string or :class:`TokenBatches`)."""
     if isinstance(data, TokenBatches):
         return data
+    if lm.adapter.is_vision:  # pixel batches: images:calib|test, lfw:calib|test
+        from prunelab.data.images import ImageBatches, images_for
+
+        if isinstance(data, str) and data.startswith("wiki-vital"):  # the text default
+            data = f"images:{mode or 'calib'}"
+        return data if isinstance(data, ImageBatches) else \
+            images_for(data, samples=samples, seed=seed, mode=mode)
     if lm.tokenizer is None:
         raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
     limit = getattr(lm.model.config, "max_position_embeddings", None)
