@@ -146,6 +146,11 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if lm.adapter.is_vision:  # photos + LFW probe + images/s (prunelab.eval.vision)
+        return _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
+                                dict(trust_remote_code=trust_remote_code,
+                                     allow_pickle=allow_pickle,
+                                     allow_missing_weights=allow_missing_weights))
     ref = None
     if reference is not None:
         ref = reference if isinstance(reference, LoadedModel) else \
@@ -191,6 +196,19 @@ def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remo
     out = gradient_alignment(lm, ref, input_ids, batch_size=batch_size, params=params)
     out["gradient_reference"] = ref.spec
     return out
+
+
+def _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
+                     load_kw) -> dict[str, Any]:
+    from prunelab.eval.vision import evaluate_vision
+
+    ref = reference if reference is None or isinstance(reference, LoadedModel) else \
+        load(reference, dtype=lm.dtype, device=str(lm.device), **load_kw)
+    photos = data if isinstance(data, str) and data.startswith("images") else None
+    result = evaluate_vision(lm, photos, ref, samples=samples or 32, batch_size=batch_size,
+                             reference_cache=reference_cache)
+    result.update(model_size(lm.model))
+    return result
 
 
 def _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
