@@ -168,6 +168,20 @@ def evaluate_vision(lm, data: str | None = None, reference=None, samples: int | 
     return result
 
 
+def display_rows(res: dict) -> list[tuple[str, str]]:
+    """``(label, value)`` rows of an :func:`evaluate_vision` result for the CLI table."""
+    ref = res.get("reference") or "itself"
+    rows = [("photos (size)", f"{res['samples']} ({res['image_size']} px)"),
+            (f"CLS cosine to {ref}", f"{res['cls_cosine']:.5f}"),
+            (f"mean-pooled cosine to {ref}", f"{res['mean_cosine']:.5f}"),
+            (f"kNN agreement with {ref}", f"{res['knn_agreement']:.4f}"),
+            (f"LFW probe accuracy ({res['lfw_image_size']} px)", f"{res['lfw_accuracy']:.4f}"),
+            ("parameters", f"{res.get('params', 0):,}")]
+    if "images_per_s" in res:
+        rows.append(("images/s", f"{res['images_per_s']:.2f}"))
+    return rows
+
+
 # ---------------------------------------------------------------- task metrics
 
 def _photo_metric(name: str, pick, lm, data: str = "images:calib", samples: int = 16,
