@@ -97,3 +97,21 @@ def test_token_pruning_errors():
                                       num_attention_heads=2, intermediate_size=8))
     with pytest.raises(UnsupportedArchitectureError, match="vision"):
         TokenPrunedEncoder(wrap(bert))
+
+
+def test_cli_prune_tokens_writes_json_and_rejects_bad_layers(tmp_path):
+    from prunelab.cli import cli_main
+
+    ckpt = tmp_path / "tiny"
+    tiny_vision().save_pretrained(ckpt)
+    out = tmp_path / "tokens.json"
+    rc = cli_main(["prune", "tokens", "--model", str(ckpt), "--keep", "0.5", "--layers", "1",
+                   "--depths", "1,3", "--samples", "3", "--size", "56", "--lfw-size", "28",
+                   "--json", str(out)])
+    assert rc == 0
+    import json
+
+    res = json.loads(out.read_text())
+    assert res["tokens_per_block"] == [17, 10, 10, 10] and res["keep"] == 0.5
+    assert 0 < res["cls_cosine"] <= 1 + 1e-9 and "lfw_gated_accuracy" in res
+    assert cli_main(["prune", "tokens", "--model", str(ckpt), "--layers", "x"]) == 2

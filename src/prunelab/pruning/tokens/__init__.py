@@ -9,7 +9,8 @@ from prunelab.pruning.tokens.head import (
     lfw_gated_accuracy,
     train_gated_head,
 )
+from prunelab.pruning.tokens.evaluate import evaluate_token_pruning
 from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning, cls_attention
 
-__all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruning", "cls_attention",
+__all__ = ["GatedDepthHead", "evaluate_token_pruning", "TokenPrunedEncoder", "TokenPruning", "cls_attention",
            "depth_features", "lfw_gated_accuracy", "train_gated_head"]

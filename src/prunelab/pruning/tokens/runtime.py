@@ -93,10 +93,10 @@ class TokenPrunedEncoder(nn.Module):
                 f"token pruning needs a vision transformer (dinov2, vit), not "
                 f"{lm.adapter.family}")
         self.lm = lm
-        self.config = config or TokenPruning()
+        self.pruning = config or TokenPruning()
         n = lm.adapter.num_blocks
-        if any(layer >= n for layer in self.config.layers):
-            raise ConfigError(f"token pruning layers {list(self.config.layers)} out of "
+        if any(layer >= n for layer in self.pruning.layers):
+            raise ConfigError(f"token pruning layers {list(self.pruning.layers)} out of "
                               f"range 0..{n - 1}")
         self.tokens_per_block: list[int] = []
 
@@ -108,9 +108,9 @@ class TokenPrunedEncoder(nn.Module):
         norm = ad.final_norm() or nn.Identity()
         feats, counts = [], []
         for i in range(ad.num_blocks):
-            if i in self.config.layers:
-                h = prune_tokens(h, cls_attention(ad, i, h), self.config.keep,
-                                 self.config.fuse)
+            if i in self.pruning.layers:
+                h = prune_tokens(h, cls_attention(ad, i, h), self.pruning.keep,
+                                 self.pruning.fuse)
             counts.append(h.shape[1])
             out = ad.block(i)(h, None)
             h = out[0] if isinstance(out, tuple) else out
