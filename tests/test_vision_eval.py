@@ -105,3 +105,25 @@ def test_validation_rejects_bad_options():
     with pytest.raises(prunelab.errors.ConfigError, match="unknown task metric"):
         prunelab.prune(wrap(tiny_vision()), Depth(remove=1, select=Validation(
             metric="nope"), bootstrap=0), pixels(), batch_size=3)
+
+
+def test_validation_config_round_trips_through_json():
+    import json
+
+    from prunelab.pruning.base import METHODS
+    from prunelab.registry import to_dict
+
+    cfg = Depth(remove=2, select=Validation(metric="lfw-acc", width=2, options=("size=56",)),
+                recovery="foldable")
+    again = METHODS.from_dict(json.loads(json.dumps(to_dict(cfg))))
+    assert again == cfg and again.select.options == ("size=56",)
+    assert Validation(options="size=56,samples=4").options == ("size=56", "samples=4")
+
+
+def test_images_per_second_clocks():
+    from prunelab.eval.vision import images_per_second
+
+    model = tiny_vision()
+    assert images_per_second(model, 28, 2, 1, clock="cpu") > 0
+    with pytest.raises(ValueError, match="clock"):
+        images_per_second(model, 28, 2, 1, clock="gpu")
