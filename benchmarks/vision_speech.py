@@ -7,7 +7,8 @@ the probe split), each without recovery and with the closed-form ``foldable`` re
 (ReplaceMe) fitted on calibration photos. Every model is scored against the dense one on
 held-out photos (``images:test``): CLS / mean-pooled embedding cosine, kNN agreement
 (k = 5), LFW face / non-face ridge-probe accuracy (test split) and measured images/s
-(1 thread, best of 5 batches; per CPU-second by default, ``--clock wall`` for wall time). Then token pruning at 70 % of the patch tokens kept (TAP-Path /
+(1 thread, best of 5 batches; per CPU-second by default, ``--clock wall`` for wall
+time). Then token pruning at 70 % of the patch tokens kept (TAP-Path /
 EViT: CLS-attention pruning before block 3, dropped tokens fused into one), alone and on
 top of the validation-chosen 3-block removal, plus TAP-Path's gated multi-depth head.
 
@@ -33,7 +34,6 @@ import time
 from pathlib import Path
 
 import torch
-
 
 CLOCK = "cpu"
 

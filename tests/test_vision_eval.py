@@ -16,7 +16,6 @@ from prunelab.models.loading import wrap
 from prunelab.pruning import Depth
 from prunelab.pruning.strategies import Validation
 from prunelab.pruning.strategies.validation import blocks_removed
-
 from test_vision import hidden, pixels, tiny_vision
 
 

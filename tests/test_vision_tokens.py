@@ -18,7 +18,6 @@ from prunelab.pruning.tokens import (
     train_gated_head,
 )
 from prunelab.pruning.tokens.runtime import prune_tokens
-
 from test_vision import hidden, pixels, tiny_vision
 
 

@@ -3,14 +3,15 @@ a pruning layer run on fewer tokens. See :mod:`prunelab.pruning.tokens.runtime` 
 pruned forward) and :mod:`prunelab.pruning.tokens.head` (multi-depth feature recovery and
 a gated task head)."""
 
+from prunelab.pruning.tokens.evaluate import evaluate_token_pruning
 from prunelab.pruning.tokens.head import (
     GatedDepthHead,
     depth_features,
     lfw_gated_accuracy,
     train_gated_head,
 )
-from prunelab.pruning.tokens.evaluate import evaluate_token_pruning
 from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning, cls_attention
 
-__all__ = ["GatedDepthHead", "evaluate_token_pruning", "TokenPrunedEncoder", "TokenPruning", "cls_attention",
-           "depth_features", "lfw_gated_accuracy", "train_gated_head"]
+__all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruning", "cls_attention",
+           "depth_features", "evaluate_token_pruning", "lfw_gated_accuracy",
+           "train_gated_head"]
