@@ -114,3 +114,20 @@ def test_cli_prune_tokens_writes_json_and_rejects_bad_layers(tmp_path):
     assert res["tokens_per_block"] == [17, 10, 10, 10] and res["keep"] == 0.5
     assert 0 < res["cls_cosine"] <= 1 + 1e-9 and "lfw_gated_accuracy" in res
     assert cli_main(["prune", "tokens", "--model", str(ckpt), "--layers", "x"]) == 2
+
+
+def test_cli_prune_depth_on_a_vision_checkpoint_reloads_in_transformers(tmp_path):
+    import json
+
+    from prunelab.cli import cli_main
+
+    ckpt = tmp_path / "tiny"
+    tiny_vision().save_pretrained(ckpt)
+    out = tmp_path / "pruned"
+    rc = cli_main(["prune", "depth", "--model", str(ckpt), "--remove", "1", "--recovery",
+                   "foldable", "--samples", "4", "--bootstrap", "0", "--out", str(out)])
+    assert rc == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert "images:calib" in json.dumps(man)
+    again = tf.AutoModel.from_pretrained(out)
+    assert again.config.num_hidden_layers == 3
