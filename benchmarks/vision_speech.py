@@ -76,18 +76,22 @@ def vision(args) -> list[dict]:
     base_ips = rows[0]["images_per_s"]
     probes = prunelab.probe(dense, "block-influence,leave-one-out", calib, batch_size=8)
     start = time.perf_counter()
-    metric = make_task_metric("lfw-acc", dense, size=args.lfw_size, split="calib")
+    options = {"size": args.lfw_size, "split": "calib"} if args.val_metric == "lfw-acc" \
+        else {"size": args.size, "samples": args.calib}
+    metric = make_task_metric(args.val_metric, dense, **options)
     _, how = validation_search(dense, metric, max(args.remove), 1,
-                               probes["block-influence"].layer_values(), "lfw-acc")
+                               probes["block-influence"].layer_values(), args.val_metric)
     search_s = time.perf_counter() - start
-    chosen = {"block-influence": lambda n: probes["block-influence"].ranking()[:n],
-              "leave-one-out": lambda n: probes["leave-one-out"].ranking()[:n],
-              "validation": lambda n: how["steps"][n - 1]["best"][0]}
+    chosen = {m: (lambda n, m=m: probes[m].ranking()[:n]) for m in args.methods
+              if m in probes}
+    chosen["validation"] = lambda n: how["steps"][n - 1]["best"][0]
     for n in args.remove:
         for method, pick in chosen.items():
             for recovery in ("none", "foldable"):
                 lm, rep = _pruned(dense, sorted(pick(n)), recovery, calib)
-                row = {"name": f"{method} -{n} {recovery}", "removed": rep["removed_blocks"],
+                label = f"validation({args.val_metric})" if method == "validation" \
+                    else method
+                row = {"name": f"{label} -{n} {recovery}", "removed": rep["removed_blocks"],
                        **_scores(lm, dense_emb, photos, lfw, args.size, args.batch)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -98,9 +102,9 @@ def vision(args) -> list[dict]:
     n = max(args.remove)
     lm3, _ = _pruned(dense, sorted(chosen["validation"](n)), "foldable", calib)
     enc3 = TokenPrunedEncoder(lm3, tokens)
-    row = {"name": f"validation -{n} foldable + tokens 70% @3", "removed": sorted(
-        chosen["validation"](n)), **_scores(enc3, dense_emb, photos, lfw, args.size,
-                                            args.batch)}
+    row = {"name": f"validation({args.val_metric}) -{n} foldable + tokens 70% @3",
+           "removed": sorted(chosen["validation"](n)),
+           **_scores(enc3, dense_emb, photos, lfw, args.size, args.batch)}
     last = lm3.adapter.num_blocks - 1
     row.update(lfw_gated_accuracy(enc3, (last - 4, last - 2, last), args.lfw_size, args.batch))
     rows.append(row)
@@ -134,6 +138,11 @@ def main(argv=None) -> None:
     p.add_argument("--test", type=int, default=24)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--remove", type=int, nargs="+", default=[2, 3])
+    p.add_argument("--val-metric", default="lfw-acc",
+                   help="task metric of the validation search (lfw-acc on halves of the "
+                   "LFW probe split, embed-cos / knn-agree on the calibration photos)")
+    p.add_argument("--methods", nargs="+", default=["block-influence", "leave-one-out"],
+                   help="probe-ranked selections besides the validation search")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="images/s per CPU-second (default: robust on a shared machine) "
                    "or per wall-clock second")
