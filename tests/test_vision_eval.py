@@ -126,3 +126,26 @@ def test_images_per_second_clocks():
     assert images_per_second(model, 28, 2, 1, clock="cpu") > 0
     with pytest.raises(ValueError, match="clock"):
         images_per_second(model, 28, 2, 1, clock="gpu")
+
+
+def test_validation_on_a_causal_lm_uses_perplexity():
+    from prunelab.data import TokenBatches
+    from prunelab.eval.perplexity import score_windows
+
+    from tiny_models import char_tokenizer, tiny_model, tiny_tokens
+
+    ids = tiny_tokens(4, 12)
+    calib = TokenBatches(input_ids=ids, spec="tiny", seqlen=12, samples=4, seed=0,
+                         mode="calib", total_windows=4, sha256="0")
+    dense = tiny_model("llama")
+    lm = wrap(dense, char_tokenizer())
+    ppl = []
+    for b in range(4):
+        with blocks_removed(lm, (b,)):
+            ppl.append(score_windows(lm, ids, batch_size=8)["perplexity"])
+    pruned = wrap(copy.deepcopy(dense), char_tokenizer())
+    rep = prunelab.prune(pruned, Depth(remove=1, strategy="validation", bootstrap=0), calib,
+                         batch_size=2)
+    assert rep["removed_blocks"] == [min(range(4), key=lambda b: ppl[b])]
+    assert rep["selection"]["metric"] == "perplexity"
+    assert rep["selection"]["value"] == pytest.approx(min(ppl), rel=1e-6)

@@ -11,9 +11,10 @@ probe's per-block removability summed over the set (lower first), then by the se
 The metric is any registered task metric (:mod:`prunelab.eval.task_metric`), bound once
 to the dense model: ``lfw-acc`` (its default split is the probe split, so the test split
 stays untouched), ``embed-cos``, ``knn-agree`` for vision encoders; ``perplexity`` for causal
-LMs where that metric is registered. ``metric="auto"`` picks ``lfw-acc`` for vision models
-and ``perplexity`` otherwise. Each candidate is evaluated on the model itself with the
-blocks taken out temporarily (no copy), restored afterwards.
+LMs (when no module registers it: the perplexity of the calibration windows).
+``metric="auto"`` picks ``lfw-acc`` for vision models and ``perplexity`` otherwise. Each
+candidate is evaluated on the model itself with the blocks taken out temporarily (no
+copy), restored afterwards.
 """
 
 from __future__ import annotations
@@ -64,13 +65,29 @@ class Validation(Strategy):
         return "lfw-acc" if getattr(lm.adapter, "is_vision", False) else "perplexity"
 
     def choose(self, job: SelectJob) -> tuple[list[int], dict]:
-        from prunelab.eval.task_metric import make_task_metric
-
         name = self.metric_name(job.lm)
         kwargs = {k: _parse_value(v) for k, v in (o.split("=", 1) for o in self.options)}
-        metric = make_task_metric(name, job.lm, **kwargs)
+        metric = _bind_metric(name, job, kwargs)
         prior = job.result().layer_values() if job.cfg.probe else None
         return validation_search(job.lm, metric, job.n, self.width, prior, name)
+
+
+def _bind_metric(name: str, job: SelectJob, kwargs: dict):
+    """The registered task metric ``name``; ``perplexity`` on a causal LM falls back, when
+    no module registered it, to the perplexity of the calibration windows."""
+    from prunelab.eval.task_metric import TASK_METRICS, TaskMetric, make_task_metric
+
+    try:
+        return make_task_metric(name, job.lm, **kwargs)
+    except ConfigError:
+        if name != "perplexity" or name in TASK_METRICS or job.ctx.encoder:
+            raise
+    from prunelab.eval.perplexity import score_windows
+
+    ids, batch = job.ctx.input_ids, int(kwargs.get("batch_size", 8))
+    return TaskMetric("perplexity", lambda m: score_windows(m, ids, batch_size=batch,
+                                                            desc="validation")["perplexity"],
+                      higher_is_better=False)
 
 
 @contextlib.contextmanager
