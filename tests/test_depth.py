@@ -154,7 +154,7 @@ def test_names_and_typed_configs_are_one_config_and_round_trip():
         METHODS.from_dict({"name": "depth", "remove": 1, "recovery": {"name": "lra",
                                                                       "rnk": 2}})
     assert STRATEGIES.names() == ["one-shot", "no-adjacent", "span", "iterative", "beam",
-                                  "sleb", "blend", "last-n", "random"]
+                                  "sleb", "blend", "last-n", "random", "validation"]
     assert RECOVERIES.names() == ["none", "foldable", "boundary", "ghost", "lra"]
 
 

@@ -92,7 +92,7 @@ def info(model) -> dict[str, Any]:
         "heads": geo.num_heads, "kv_heads": geo.num_kv_heads, "gqa_group_size": geo.group_size,
         "head_dim": geo.head_dim, "ffn": ad.ffn_width(ad.first_block_with("mlp")),
         "gated_mlp": ad.is_gated(),
-        "vocab_size": int(lm.model.config.vocab_size),
+        "vocab_size": int(getattr(lm.model.config, "vocab_size", 0) or 0),
         "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", False)),
         "dtype": str(lm.dtype).replace("torch.", ""), "device": str(lm.device),
         "params": size["params"], "bytes": size["bytes"], "block_details": blocks,
@@ -104,6 +104,13 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
     """Token windows for ``data`` (a spec string or :class:`TokenBatches`)."""
     if isinstance(data, TokenBatches):
         return data
+    if lm.adapter.is_vision:  # pixel batches: images:calib|test, lfw:calib|test
+        from prunelab.data.images import ImageBatches, images_for
+
+        if isinstance(data, str) and data.startswith("wiki-vital"):  # the text default
+            data = f"images:{mode or 'calib'}"
+        return data if isinstance(data, ImageBatches) else \
+            images_for(data, samples=samples, seed=seed, mode=mode)
     if lm.tokenizer is None:
         raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
     limit = getattr(lm.model.config, "max_position_embeddings", None)
@@ -139,6 +146,11 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if lm.adapter.is_vision:  # photos + LFW probe + images/s (prunelab.eval.vision)
+        return _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
+                                dict(trust_remote_code=trust_remote_code,
+                                     allow_pickle=allow_pickle,
+                                     allow_missing_weights=allow_missing_weights))
     ref = None
     if reference is not None:
         ref = reference if isinstance(reference, LoadedModel) else \
@@ -184,6 +196,19 @@ def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remo
     out = gradient_alignment(lm, ref, input_ids, batch_size=batch_size, params=params)
     out["gradient_reference"] = ref.spec
     return out
+
+
+def _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
+                     load_kw) -> dict[str, Any]:
+    from prunelab.eval.vision import evaluate_vision
+
+    ref = reference if reference is None or isinstance(reference, LoadedModel) else \
+        load(reference, dtype=lm.dtype, device=str(lm.device), **load_kw)
+    photos = data if isinstance(data, str) and data.startswith("images") else None
+    result = evaluate_vision(lm, photos, ref, samples=samples or 32, batch_size=batch_size,
+                             reference_cache=reference_cache)
+    result.update(model_size(lm.model))
+    return result
 
 
 def _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,

@@ -158,7 +158,7 @@ class BlockRunner:
                 with_kwargs=True)
             try:
                 for ids in self.batches:
-                    base(input_ids=ids.to(self.device), use_cache=False)
+                    base(**self.adapter.model_inputs(ids.to(self.device)))
             finally:
                 hook.remove()
         finally:

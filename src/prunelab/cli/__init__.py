@@ -20,6 +20,7 @@ from prunelab.cli import (  # noqa: F401  (register)
     inspect_cmds,
     prune_cmds,
     report_cmds,
+    vision_cmds,
 )
 from prunelab.cli.apps import app
 from prunelab.cli.common import state

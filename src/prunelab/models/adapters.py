@@ -83,6 +83,17 @@ class Adapter:
     def is_encoder(self) -> bool:
         return self.spec.encoder
 
+    @property
+    def is_vision(self) -> bool:
+        return self.spec.modality == "vision"
+
+    def model_inputs(self, data: torch.Tensor) -> dict:
+        """Keyword arguments of the base model's forward for a batch of ``data``: token
+        ids (no KV cache) or, for vision families, ``pixel_values``."""
+        if self.is_vision:
+            return {"pixel_values": data}
+        return {"input_ids": data, "use_cache": False}
+
     def blocks(self) -> nn.ModuleList:
         """The ``nn.ModuleList`` of transformer blocks."""
         return _get(self.base, self.spec.blocks)

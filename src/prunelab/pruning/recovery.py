@@ -25,6 +25,11 @@ from prunelab.pruning.lstsq import NormalEquations
 
 def check_additive(adapter, index: int, recovery: str) -> None:
     """Refuse folding into blocks whose branches pass through a norm before the residual."""
+    if adapter.is_vision:  # pre-LN ViT / DINOv2: fold LayerScale so branches are additive
+        from prunelab.models.vision import fold_layer_scales
+
+        fold_layer_scales(adapter)
+        return
     if adapter.is_encoder or adapter.mlp_post_normed(index):
         raise UnsupportedOperationError(
             f"{recovery} recovery needs MLP outputs added straight to the residual stream; "

@@ -19,7 +19,8 @@ from prunelab.pruning.strategies.sleb import Sleb
 from prunelab.pruning.strategies.blend import Blend
 from prunelab.pruning.strategies.last_n import LastN
 from prunelab.pruning.strategies.random_blocks import Random
+from prunelab.pruning.strategies.validation import Validation
 # isort: on
 
 __all__ = ["STRATEGIES", "Beam", "Blend", "Iterative", "LastN", "NoAdjacent", "OneShot",
-           "Random", "ScoredStrategy", "SelectJob", "Sleb", "Span", "Strategy"]
+           "Random", "ScoredStrategy", "SelectJob", "Sleb", "Span", "Strategy", "Validation"]

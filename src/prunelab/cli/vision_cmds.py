@@ -1,0 +1,64 @@
+"""``prunelab prune tokens``: TAP-Path patch-token pruning of a vision encoder, scored
+against its dense forward (token pruning is input-adaptive and changes no weight, so there
+is no checkpoint to write: the JSON records the setting and its measured effect)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from prunelab.cli.apps import prune_app
+from prunelab.cli.common import DeviceOpt, DtypeOpt, LoadArgs, ModelOpt, out, writing
+
+
+def _ints(text: Optional[str]) -> tuple[int, ...]:
+    from prunelab.errors import ConfigError
+
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise ConfigError(f"expected comma-separated 0-based blocks, got {text!r}") from exc
+
+
+@prune_app.command("tokens")
+def prune_tokens_cmd(
+        model: str = ModelOpt,
+        keep: float = typer.Option(0.7, help="share of the patch tokens kept at each layer"),
+        layers: str = typer.Option("3", help="0-based blocks before which tokens are pruned"),
+        fuse: bool = typer.Option(True, "--fuse/--drop", help="fuse the dropped tokens "
+                                  "into one (EViT) or drop them"),
+        depths: Optional[str] = typer.Option(None, help="0-based blocks whose features the "
+                                             "gated LFW head combines, e.g. 7,9,11"),
+        samples: int = typer.Option(32, help="test photos"),
+        size: int = typer.Option(224, help="photo size in pixels"),
+        lfw_size: int = typer.Option(112, help="LFW crop size in pixels"),
+        batch_size: int = typer.Option(8, help="images per forward"),
+        json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
+        overwrite: bool = typer.Option(False, help="replace an existing --json file"),
+        dtype: str = DtypeOpt, device: str = DeviceOpt):
+    """Prune patch tokens by CLS attention (vision encoders) and report embedding fidelity,
+    LFW accuracy, tokens per block and images/s against the dense forward."""
+    from prunelab.io.save import write_json
+    from prunelab.pruning.tokens import TokenPruning, evaluate_token_pruning
+
+    cfg = TokenPruning(keep=keep, layers=_ints(layers), fuse=fuse)
+    with writing(json_path, "file", overwrite):
+        lm = LoadArgs(model, dtype, device, False, False, False).load()
+        res = evaluate_token_pruning(lm, cfg, _ints(depths), samples=samples, size=size,
+                                     lfw_size=lfw_size, batch_size=batch_size)
+        t = Table(title=f"token pruning of {model}: keep {keep:.0%} at {list(cfg.layers)}",
+                  show_header=False)
+        for k in ("cls_cosine", "mean_cosine", "knn_agreement", "lfw_accuracy",
+                  "lfw_gated_accuracy", "token_share", "images_per_s", "dense_images_per_s",
+                  "speedup"):
+            if k in res:
+                t.add_row(k.replace("_", " "), f"{res[k]:.4f}")
+        t.add_row("tokens per block", str(res["tokens_per_block"]))
+        out.print(t)
+        if json_path is not None:
+            write_json(json_path, res, overwrite=overwrite)

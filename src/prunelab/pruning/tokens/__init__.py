@@ -1,0 +1,17 @@
+"""Patch-token pruning for vision transformers (TAP-Path style), for real: the blocks after
+a pruning layer run on fewer tokens. See :mod:`prunelab.pruning.tokens.runtime` (the
+pruned forward) and :mod:`prunelab.pruning.tokens.head` (multi-depth feature recovery and
+a gated task head)."""
+
+from prunelab.pruning.tokens.evaluate import evaluate_token_pruning
+from prunelab.pruning.tokens.head import (
+    GatedDepthHead,
+    depth_features,
+    lfw_gated_accuracy,
+    train_gated_head,
+)
+from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning, cls_attention
+
+__all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruning", "cls_attention",
+           "depth_features", "evaluate_token_pruning", "lfw_gated_accuracy",
+           "train_gated_head"]
