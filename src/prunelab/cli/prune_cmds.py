@@ -128,6 +128,13 @@ def prune_depth_cmd(
         beam_score: Optional[str] = typer.Option(None, help="beam: kl or perplexity "
                                                  "(default kl)"),
         sleb_score: Optional[str] = typer.Option(None, help="sleb: nll or kl (default nll)"),
+        val_metric: Optional[str] = typer.Option(
+            None, help="validation: task metric (embed-cos, knn-agree, lfw-acc, wer, "
+            "perplexity; default auto: embed-cos for vision, perplexity for text)"),
+        val_width: Optional[int] = typer.Option(None, help="validation: beam width "
+                                                "(default 1: greedy)"),
+        val_options: Optional[str] = typer.Option(None, help="validation: metric options "
+                                                  "KEY=VALUE,..."),
         protect_ends: bool = typer.Option(False, "--protect-ends", help="sleb: never remove "
                                           "the first or the last block"),
         granularity: Optional[str] = typer.Option(
@@ -160,6 +167,7 @@ def prune_depth_cmd(
                          blend_probe=blend_probe, beam_width=beam_width,
                          beam_seeds=beam_seeds, beam_score=beam_score,
                          sleb_score=sleb_score, protect_ends=protect_ends,
+                         val_metric=val_metric, val_width=val_width, val_options=val_options,
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
                          bootstrap=bootstrap, max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,

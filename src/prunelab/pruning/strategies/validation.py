@@ -12,7 +12,8 @@ The metric is any registered task metric (:mod:`prunelab.eval.task_metric`), bou
 to the dense model: ``lfw-acc`` (its default split is the probe split, so the test split
 stays untouched), ``embed-cos``, ``knn-agree`` for vision encoders; ``perplexity`` for causal
 LMs (when no module registers it: the perplexity of the calibration windows).
-``metric="auto"`` picks ``lfw-acc`` for vision models and ``perplexity`` otherwise. Each
+``metric="auto"`` picks ``embed-cos`` for vision models (``lfw-acc`` saturates at 1.0 on
+the small LFW subset: every candidate ties, measured) and ``perplexity`` otherwise. Each
 candidate is evaluated on the model itself with the blocks taken out temporarily (no
 copy), restored afterwards.
 """
@@ -44,7 +45,7 @@ class Validation(Strategy):
 
     metric: str = field(default="auto", metadata={
         "cli": "val_metric", "help": "validation: task metric (lfw-acc, embed-cos, "
-        "knn-agree, perplexity...; auto: lfw-acc for vision, perplexity for text)"})
+        "knn-agree, perplexity...; auto: embed-cos for vision, perplexity for text)"})
     width: int = field(default=1, metadata={"cli": "val_width",
                                             "help": "validation: beam width (1 = greedy)"})
     options: tuple = field(default=(), metadata={
@@ -62,7 +63,7 @@ class Validation(Strategy):
     def metric_name(self, lm) -> str:
         if self.metric != "auto":
             return self.metric
-        return "lfw-acc" if getattr(lm.adapter, "is_vision", False) else "perplexity"
+        return "embed-cos" if getattr(lm.adapter, "is_vision", False) else "perplexity"
 
     def choose(self, job: SelectJob) -> tuple[list[int], dict]:
         name = self.metric_name(job.lm)
