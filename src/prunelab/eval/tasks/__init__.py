@@ -21,9 +21,9 @@ from prunelab.eval.tasks.scorer import (Item, encode_pair, loglikelihood_metrics
                                         mc_metrics, mean_stderr, score_item)
 from prunelab.log import progress
 
-__all__ = ["EMBEDDED_TASKS", "EmbeddedTask", "Item", "encode_pair", "evaluate_tasks",
+__all__ = ["EMBEDDED_TASKS", "EmbeddedTask", "Item", "check_tasks", "encode_pair", "evaluate_tasks",
            "known_tasks", "mc_metrics", "mean_stderr", "read_jsonl", "resolve_tasks",
-           "score_item", "score_items"]
+           "score_item", "score_items", "task_rows"]
 
 
 def known_tasks() -> list[str]:
@@ -74,15 +74,22 @@ def _check_model(lm) -> None:
         raise ConfigError(f"{lm.spec} has no tokenizer: --tasks needs one")
 
 
+def check_tasks(lm, tasks: str | list[str], limit: int | None = None) -> None:
+    """The user errors of ``evaluate_tasks`` (unknown task, bad ``limit``, an encoder),
+    raised before any scoring."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    resolve_tasks(tasks)
+    _check_model(lm)
+
+
 def evaluate_tasks(lm, tasks: str | list[str], limit: int | None = None,
                    per_item: bool = False) -> dict[str, dict]:
     """Zero-shot accuracy of the causal LM ``lm`` (a LoadedModel) on ``tasks``; ``limit``
     items per task (per subject for MMLU, as lm-eval). ``per_item``: also each item's
     log-likelihoods (``items``: id, gold, loglik)."""
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    check_tasks(lm, tasks, limit)
     resolved = resolve_tasks(tasks)
-    _check_model(lm)
     results: dict[str, dict] = {}
     for name, task in resolved:
         start = time.perf_counter()
@@ -105,3 +112,17 @@ def evaluate_tasks(lm, tasks: str | list[str], limit: int | None = None,
                             for it, sc in zip(items, scores)]
         results[name] = res
     return results
+
+
+def task_rows(results: dict[str, dict]) -> list[tuple[str, str]]:
+    """Table rows ``(task, "acc 0.612 +- 0.034, acc_norm ... (n=200)")`` for the CLI."""
+    rows = []
+    for name, r in results.items():
+        parts = []
+        for key in ("acc", "acc_norm", "perplexity"):
+            if r.get(key) is None:
+                continue
+            err = r.get(f"{key}_stderr")
+            parts.append(f"{key} {r[key]:.4f}" + (f" +- {err:.4f}" if err is not None else ""))
+        rows.append((name, ", ".join(parts) + f" (n={r.get('n')})"))
+    return rows
