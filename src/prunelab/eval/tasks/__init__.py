@@ -79,7 +79,9 @@ def check_tasks(lm, tasks: str | list[str], limit: int | None = None) -> None:
     raised before any scoring."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
-    resolve_tasks(tasks)
+    for _, task in resolve_tasks(tasks):
+        if isinstance(task, Path):
+            read_jsonl(task, limit)  # schema errors before any scoring
     _check_model(lm)
 
 
