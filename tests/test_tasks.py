@@ -14,8 +14,16 @@ import torch
 
 import prunelab
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.eval.tasks import (EMBEDDED_TASKS, Item, evaluate_tasks, mc_metrics,
-                                 mean_stderr, read_jsonl, resolve_tasks, score_item)
+from prunelab.eval.tasks import (
+    EMBEDDED_TASKS,
+    Item,
+    evaluate_tasks,
+    mc_metrics,
+    mean_stderr,
+    read_jsonl,
+    resolve_tasks,
+    score_item,
+)
 from prunelab.eval.tasks import embedded as E
 from prunelab.eval.tasks.scorer import encode_pair, loglikelihood_metrics
 from prunelab.models.loading import wrap
@@ -62,7 +70,7 @@ def test_hand_computed_loglik_acc_and_acc_norm():
     res = mc_metrics(items, scores)
     assert (res["acc"], res["acc_norm"], res["n"]) == (0.5, 0.5, 2)
     assert res["acc_stderr"] == pytest.approx(0.5) and res["acc_norm_stderr"] == 0.5
-    per = [mc_metrics([it], [sc]) for it, sc in zip(items, scores)]
+    per = [mc_metrics([it], [sc]) for it, sc in zip(items, scores, strict=True)]
     assert [(p["acc"], p["acc_norm"]) for p in per] == [(0.0, 1.0), (1.0, 0.0)]
 
 

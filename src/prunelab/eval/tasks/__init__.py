@@ -17,8 +17,14 @@ from typing import Any
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.eval.tasks.embedded import EMBEDDED_TASKS, EmbeddedTask
 from prunelab.eval.tasks.jsonl import jsonl_files, read_jsonl
-from prunelab.eval.tasks.scorer import (Item, encode_pair, loglikelihood_metrics,
-                                        mc_metrics, mean_stderr, score_item)
+from prunelab.eval.tasks.scorer import (
+    Item,
+    encode_pair,
+    loglikelihood_metrics,
+    mc_metrics,
+    mean_stderr,
+    score_item,
+)
 from prunelab.log import progress
 
 __all__ = ["EMBEDDED_TASKS", "EmbeddedTask", "Item", "check_tasks", "encode_pair", "evaluate_tasks",
@@ -111,7 +117,7 @@ def evaluate_tasks(lm, tasks: str | list[str], limit: int | None = None,
         res.update(info, seconds=time.perf_counter() - start)
         if per_item:
             res["items"] = [{"id": it.id, "gold": it.gold, "loglik": [s[0] for s in sc]}
-                            for it, sc in zip(items, scores)]
+                            for it, sc in zip(items, scores, strict=True)]
         results[name] = res
     return results
 

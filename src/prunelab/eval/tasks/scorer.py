@@ -139,10 +139,10 @@ def score_shared(lm, ctx: list[int], conts: list[list[int]]) -> list[tuple[float
 @torch.no_grad()
 def score_rows(lm, ctxs: list[list[int]], conts: list[list[int]]) -> list[tuple[float, bool]]:
     """Requests with different contexts: one right-padded batch of ``ctx + cont[:-1]``."""
-    ids, mask = _pad([c + k[:-1] for c, k in zip(ctxs, conts)])
+    ids, mask = _pad([c + k[:-1] for c, k in zip(ctxs, conts, strict=True)])
     hidden, _ = _forward(lm, ids, mask)
     out = []
-    for i, (c, k) in enumerate(zip(ctxs, conts)):
+    for i, (c, k) in enumerate(zip(ctxs, conts, strict=True)):
         start = len(c) - 1
         out.append(_sum_logprob(_logprobs(lm, hidden[i, start:start + len(k)]), k))
     return out
@@ -177,10 +177,10 @@ def _argmax(values: list[float]) -> int:
 def mc_metrics(items: list[Item], scores: list[list[tuple[float, bool]]]) -> dict:
     """``acc``, ``acc_norm`` and their standard errors over ``items``, plus ``n``."""
     acc, acc_norm = [], []
-    for item, sc in zip(items, scores):
+    for item, sc in zip(items, scores, strict=True):
         lls = [ll for ll, _ in sc]
         acc.append(float(_argmax(lls) == item.gold))
-        norm = [ll / max(n, 1) for ll, n in zip(lls, item.lengths())]
+        norm = [ll / max(n, 1) for ll, n in zip(lls, item.lengths(), strict=True)]
         acc_norm.append(float(_argmax(norm) == item.gold))
     n = len(items)
     return {"acc": sum(acc) / n if n else None, "acc_stderr": mean_stderr(acc),
