@@ -328,8 +328,10 @@ def test_smollm2_arc_easy_limit_20_is_sensible_and_deterministic():
     lm = prunelab.load("smollm2-135m")
     first = evaluate_tasks(lm, "arc_easy", limit=20, per_item=True)["arc_easy"]
     again = evaluate_tasks(lm, "arc_easy", limit=20, per_item=True)["arc_easy"]
-    # SmolLM2-135M: ~0.5-0.6 acc on ARC-Easy (4 choices: chance 0.25)
-    assert first["n"] == 20 and 0.35 <= first["acc"] <= 0.9
-    assert 0.35 <= first["acc_norm"] <= 0.9
+    # SmolLM2-135M-Instruct: ~0.54 acc on all of ARC-Easy (4 choices: chance 0.25); on these
+    # 20 items we measured acc 9/20 and acc_norm 8/20 (docs/tasks.md)
+    assert first["n"] == 20 and 0.3 <= first["acc"] <= 0.85
+    assert 0.3 <= first["acc_norm"] <= 0.85
+    assert (first["acc"], first["acc_norm"]) == pytest.approx((0.45, 0.40), abs=0.051)
     assert first["items"] == again["items"]
     assert (first["acc"], first["acc_norm"]) == (again["acc"], again["acc_norm"])
