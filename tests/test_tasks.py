@@ -313,6 +313,8 @@ def test_evaluate_tasks_api_on_jsonl(tmp_path):
     assert (res["acc"], res["acc_norm"]) == (again["acc"], again["acc_norm"])
     with pytest.raises(ConfigError, match="--limit"):
         evaluate_tasks(lm, str(f), limit=0)
+    with pytest.raises(ConfigError, match="needs --tasks"):
+        prunelab.evaluate(lm, limit=3)
     enc = wrap(tiny_model("bert"), char_tokenizer())
     with pytest.raises(UnsupportedOperationError, match="encoder"):
         prunelab.evaluate(enc, tasks=str(f))

@@ -145,6 +145,8 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
         from prunelab.eval.tasks import check_tasks
 
         check_tasks(lm, tasks, limit)  # user errors before any scoring
+    elif limit is not None:
+        raise ConfigError("--limit counts task items: it needs --tasks")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     ref = None
