@@ -125,7 +125,8 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
              tokenizer=None, reference_cache: dict | None = None,
              trust_remote_code: bool = False, allow_pickle: bool = False,
              allow_missing_weights: bool = False, gradient_reference=None,
-             gradient_params: str = "down_proj") -> dict[str, Any]:
+             gradient_params: str = "down_proj", tasks: str | list[str] | None = None,
+             limit: int | None = None) -> dict[str, Any]:
     """Evaluate a model on held-out data.
 
     Causal LMs (protocol in :mod:`prunelab.eval.perplexity`): ``perplexity``, ``tokens``
@@ -142,8 +143,17 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     or spec; may be ``reference``): also ``gradient_alignment`` and
     ``gradient_alignment_per_block``, the per-window gradient cosine with respect to each
     block's ``gradient_params`` linear (:mod:`prunelab.eval.gradient_alignment`).
+    ``tasks`` (causal LMs; names, ``.jsonl`` files or folders, comma-separated) adds
+    ``tasks``: per task ``acc``, ``acc_norm``, their ``_stderr`` and ``n`` over at most
+    ``limit`` items each (:mod:`prunelab.eval.tasks`).
     """
     lm = _as_loaded(model, tokenizer)
+    if tasks is not None:
+        from prunelab.eval.tasks import check_tasks
+
+        check_tasks(lm, tasks, limit)  # user errors before any scoring
+    elif limit is not None:
+        raise ConfigError("--limit counts task items: it needs --tasks")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if lm.adapter.is_vision:  # photos + LFW probe + images/s (prunelab.eval.vision)
@@ -182,6 +192,10 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
                                           allow_pickle, allow_missing_weights))
     if speed:
         result.update(measure_speed(lm))
+    if tasks is not None:
+        from prunelab.eval.tasks import evaluate_tasks
+
+        result["tasks"] = evaluate_tasks(lm, tasks, limit=limit)
     return result
 
 

@@ -129,6 +129,12 @@ def eval_cmd(model: str = ModelOpt,
              moe_mass: Optional[float] = typer.Option(
                  None, help="PrunePath checkpoints: routing mass p in (0, 1] to evaluate at "
                  "(reports the experts per token and FFN FLOPs used)"),
+             tasks: Optional[str] = typer.Option(
+                 None, "--tasks", help="zero-shot tasks, comma-separated: arc_easy, "
+                 "arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, sciq, mmlu, "
+                 "lambada, a .jsonl file or folder (docs/tasks.md), or lm-eval:NAME"),
+             limit: Optional[int] = typer.Option(None, help="--tasks: items per task (MMLU: "
+                                                 "per subject)"),
              json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
              overwrite: bool = typer.Option(False, help="replace an existing --json file"),
              dtype: str = DtypeOpt, device: str = DeviceOpt,
@@ -152,7 +158,7 @@ def eval_cmd(model: str = ModelOpt,
             res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
                                batch_size=batch_size, reference=kl_reference, speed=speed,
                                gradient_reference=gradient_alignment,
-                               gradient_params=gradient_params,
+                               gradient_params=gradient_params, tasks=tasks, limit=limit,
                                trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                                allow_missing_weights=allow_missing_weights)
         if session is not None:
@@ -177,6 +183,10 @@ def eval_cmd(model: str = ModelOpt,
             shown = [*shown, ("PrunePath experts per token",
                               f"{stats['experts_per_token']:.2f} (FFN FLOPs "
                               f"{stats['ffn_flops_ratio']:.1%} of dense)")]
+        if tasks is not None:
+            from prunelab.eval.tasks import task_rows
+
+            shown = [*shown, *task_rows(res["tasks"])]
         for k, v in shown:
             t.add_row(k, v)
         out.print(t)
