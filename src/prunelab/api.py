@@ -25,7 +25,7 @@ from prunelab.models.size import model_size
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
          trust_remote_code: bool = False, offload: bool = False, allow_pickle: bool = False,
-         allow_missing_weights: bool = False) -> LoadedModel:
+         allow_missing_weights: bool = False, stream: bool = False) -> LoadedModel:
     """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
     checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
     (``.model``, ``.tokenizer``, ``.adapter``).
@@ -39,8 +39,16 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     with torch's restricted loader (refused by default: a pickle can run code).
     ``allow_missing_weights=True`` loads a checkpoint whose weights do not match its
     config (missing, unexpected or mis-shaped tensors), leaving those weights random
-    (an error by default)."""
+    (an error by default).
+
+    ``stream=True``: layer-wise loading from disk (:mod:`prunelab.models.streaming`): the
+    blocks stay in the safetensors shards and are read one at a time when needed."""
     from prunelab.models.loading import resolve_device
+
+    if stream:
+        from prunelab.models.streaming import load_streamed
+        return load_streamed(spec, dtype=dtype, device=device,
+                             trust_remote_code=trust_remote_code)
 
     target = resolve_device(device) if offload else None
     lm = _load(spec, dtype=dtype, device="cpu" if offload else device,
@@ -157,8 +165,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
         return _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
                                  reference_cache)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="test")
-    result = score_windows(lm, batches.input_ids, batch_size=batch_size, reference=ref,
-                           reference_cache=reference_cache)
+    score = score_windows if getattr(lm, "streamer", None) is None else _streamed_score
+    result = score(lm, batches.input_ids, batch_size=batch_size, reference=ref,
+                   reference_cache=reference_cache)
     result.update(model_size(lm.model))
     result["data"] = batches.to_dict()
     result["model"] = lm.spec
@@ -171,6 +180,12 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     if speed:
         result.update(measure_speed(lm))
     return result
+
+
+def _streamed_score(lm, input_ids, **kw):
+    from prunelab.calib.streamed import score_windows_streamed
+
+    return score_windows_streamed(lm, input_ids, **kw)
 
 
 def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remote_code,
@@ -237,6 +252,9 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
     items = probes.split(",") if isinstance(probes, str) else [probes] if single else probes
     items = [p.strip() if isinstance(p, str) else p for p in items]
     items = [p for p in items if p != ""]
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.calib.streamed import check_streamable_probes
+        check_streamable_probes(items)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
     results = run_probes(lm, items, batches.input_ids, data_info=batches.to_dict(),
                          batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
@@ -268,7 +286,10 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
     start = time.perf_counter()
     before = model_size(lm.model)
-    details = pruner.run(lm, config, batches.input_ids, batch_size=batch_size)
+    from prunelab.calib.streamed import streamed_prune
+
+    with streamed_prune(lm, config):  # a streamed model: pruned blocks go to disk
+        details = pruner.run(lm, config, batches.input_ids, batch_size=batch_size)
     report = PruneReport(operation=pruner.operation, method=method_name(config),
                          config=config_dict(config), data=batches.to_dict(),
                          size_before=before, size_after=model_size(lm.model),
@@ -297,4 +318,7 @@ def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bo
     """Write a checkpoint that plain ``transformers`` loads, with ``manifest.json``."""
     lm = _as_loaded(model, tokenizer)
     man = manifest if manifest is not None else build_manifest(lm, **manifest_fields)
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.io.stream_save import save_streamed
+        return save_streamed(lm, out_dir, manifest=man, overwrite=overwrite)
     return _save(lm, out_dir, manifest=man, overwrite=overwrite)

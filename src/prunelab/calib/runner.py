@@ -129,6 +129,8 @@ class BlockRunner:
             device, offload = target, True
         param = next(self.model.parameters())
         self.device = torch.device(device) if device is not None else param.device
+        # a streamed model (prunelab.models.streaming): blocks are read from disk in turn
+        self.streamer = getattr(model, "streamer", None)
         self.offload = offload
         self._held: set[int] = set()  # blocks moved to the device by an outer _on_device
         self.store_device = torch.device("cpu") if offload else self.device
@@ -240,6 +242,8 @@ class BlockRunner:
             moved = False
 
             def __enter__(self):
+                if runner.streamer is not None:
+                    runner.streamer.acquire(blk)
                 if runner.offload:
                     blk.to(runner.device)
                     if id(blk) not in runner._held:
