@@ -47,6 +47,9 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
 
     if stream:
         from prunelab.models.streaming import load_streamed
+        if allow_missing_weights or allow_pickle:
+            raise ConfigError("--stream reads complete safetensors shards: it does not take "
+                              "--allow-missing-weights or --allow-pickle")
         return load_streamed(spec, dtype=dtype, device=device,
                              trust_remote_code=trust_remote_code)
 
@@ -152,7 +155,8 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
         ref = reference if isinstance(reference, LoadedModel) else \
             load(reference, dtype=lm.dtype, device=str(lm.device),
                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                 allow_missing_weights=allow_missing_weights)
+                 allow_missing_weights=allow_missing_weights,
+                 stream=getattr(lm, "streamer", None) is not None)  # streamed: both
         if ref.is_encoder != lm.is_encoder:
             raise ConfigError("the reference must be of the same kind (encoder or causal LM) "
                               "as the model")

@@ -166,3 +166,16 @@ def streamed_prune(lm, config) -> Iterator[None]:
     check_streamable(lm, config)
     with st.writing():
         yield
+
+
+def check_streamed_eval(speed: bool = False, press: str | None = None,
+                        moe_mass: float | None = None,
+                        gradient_alignment: str | None = None) -> None:
+    """One-line error for evaluation options that need the whole model resident."""
+    asked = [flag for flag, on in (("--speed", speed), ("--press", press),
+                                   ("--moe-mass", moe_mass is not None),
+                                   ("--gradient-alignment", gradient_alignment)) if on]
+    if asked:
+        raise UnsupportedOperationError(
+            f"--stream evaluates perplexity / KL block by block; {asked[0]} needs the whole "
+            "model in memory: run it without --stream")

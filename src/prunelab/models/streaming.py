@@ -24,6 +24,7 @@ import contextlib
 import json
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -112,7 +113,7 @@ class Streamer:
         self.loads = 0
         self.listeners: list[Callable[[str, int], None]] = []
         self._writing = 0
-        self._work_dir = work_dir
+        self.work_dir = work_dir  # where the staging folder is made (default: system temp)
         self._staging: Path | None = None
         for i, blk in enumerate(adapter.blocks()):
             setattr(blk, _TAG, ("source", i))
@@ -188,8 +189,9 @@ class Streamer:
         from safetensors.torch import save_file
 
         if self._staging is None:
-            self._staging = Path(tempfile.mkdtemp(prefix="prunelab-stream-",
-                                                  dir=self._work_dir))
+            self._staging = Path(tempfile.mkdtemp(prefix=".prunelab-stream-",
+                                                  dir=self.work_dir))
+            weakref.finalize(self, shutil.rmtree, self._staging, True)
         kind, where = getattr(block, _TAG)
         path = self._staging / f"block-{id(block)}.safetensors"
         save_file({n: p.detach().contiguous() for n, p in block.named_parameters()},
@@ -202,11 +204,6 @@ class Streamer:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 -- interpreter shutdown
-            pass
 
 
 def blocks_prefix(model: nn.Module, adapter) -> str:
