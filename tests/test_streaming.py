@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -159,24 +157,31 @@ def test_streaming_refusals_are_one_line(ckpt, tmp_path):
         prunelab.load(str(pickled), stream=True)
 
 
-def _cli(*args):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="120")
-    return subprocess.run([sys.executable, "-m", "prunelab", "--quiet", *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+def _cli(capsys, *args):
+    from prunelab.cli import cli_main
+
+    capsys.readouterr()
+    code = cli_main(["--quiet", *args])
+    return code, capsys.readouterr().err
 
 
-def test_cli_stream(ckpt, tmp_path):
+def test_cli_stream(ckpt, tmp_path, capsys):
     data = f"text:{ckpt / 'text.txt'}"
     model = str(ckpt / "model")
     common = ["--data", data, "--seqlen", "16", "--samples", "4", "--batch-size", "2"]
     for flag, out in (([], "dense"), (["--stream"], "streamed")):
-        res = _cli("prune", "sparsity", "--model", model, "--method", "wanda",
-                   "--sparsity", "0.5", "--out", str(tmp_path / out), *common, *flag)
-        assert res.returncode == 0, res.stderr
+        code, err = _cli(capsys, "prune", "sparsity", "--model", model, "--method", "wanda",
+                         "--sparsity", "0.5", "--out", str(tmp_path / out), *common, *flag)
+        assert code == 0, err
     _same_checkpoints(tmp_path / "dense", tmp_path / "streamed")
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # staging removed
-    res = _cli("eval", "--model", model, "--stream", "--speed", "--data", data)
-    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "--speed" in res.stderr
-    res = _cli("probe", "--model", model, "--stream", "--probe", "interchange", "--out",
-               str(tmp_path / "p"), *common)
-    assert res.returncode == 2 and "interchange" in res.stderr
+    code, err = _cli(capsys, "eval", "--model", model, "--stream", "--speed", "--data", data)
+    assert code == 2 and err.count("\n") == 1 and "--speed" in err
+    code, err = _cli(capsys, "probe", "--model", model, "--stream", "--probe", "interchange",
+                     "--out", str(tmp_path / "p"), *common)
+    assert code == 2 and err.count("\n") == 1 and "interchange" in err
+    code, err = _cli(capsys, "eval", "--model", model, "--stream", "--data", data,
+                     "--seqlen", "16", "--samples", "4", "--json", str(tmp_path / "e.json"))
+    assert code == 0, err
+    dense = prunelab.evaluate(prunelab.load(model), data, seqlen=16, samples=4)
+    assert json.loads((tmp_path / "e.json").read_text())["perplexity"] == dense["perplexity"]

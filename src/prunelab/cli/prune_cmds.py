@@ -101,6 +101,8 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
                  extra={"report": rep.to_dict()})
     if show is not None:
         show(lm, rep)
+    if getattr(lm, "streamer", None) is not None:
+        lm.streamer.close()  # the staged blocks are in the checkpoint now
     return lm, rep
 
 
