@@ -1,0 +1,157 @@
+"""Peak memory of pruning with and without layer-wise loading from disk (``--stream``).
+
+For each method of ``--methods`` (default Wanda and SparseGPT at ``--sparsity`` 0.5) the
+model ``--model`` (default the embedded ``smollm2-135m``; e.g. ``qwen2.5-coder-1.5b``) is
+loaded, pruned on ``--samples`` windows of ``--seqlen`` tokens of ``wiki-vital:calib``
+(seed 0) and saved, once resident (``prunelab.load(spec)``) and once streamed
+(``prunelab.load(spec, stream=True)``: blocks read from the safetensors shards one at a
+time, pruned blocks staged to disk, the checkpoint assembled shard by shard). Every run is
+a fresh process (this script with ``--job``). Reported per run:
+
+- peak RSS: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of the job process (load +
+  prune + save; includes Python, torch and the calibration activations of all samples);
+- ratio: peak RSS / the model's float32 bytes;
+- wall s: load + prune + save, and the prune call alone;
+- test ppl: perplexity of the saved checkpoint on ``--test-samples`` windows of
+  ``wiki-vital:test`` (scored streamed in a separate process; streamed and resident
+  evaluation give the same number, see tests/test_streaming.py).
+
+Run (about 10 min on 2 cores for SmolLM2 at the defaults)::
+
+    python benchmarks/stream_memory.py [--model smollm2-135m] [--methods wanda,sparsegpt]
+        [--samples 32 --seqlen 256] [--test-samples 16] [--threads 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _job(args) -> dict:
+    """One load + prune + save in this (fresh) process; the result as a dict."""
+    import torch
+
+    import prunelab
+    from prunelab.pruning.base import METHODS
+
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    lm = prunelab.load(args.model, dtype="float32", stream=args.stream)
+    float32_bytes = lm.size_before["params"] * 4
+    if args.stream:
+        lm.streamer.work_dir = Path(args.out).parent
+    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cfg = METHODS.make(args.method, sparsity=args.sparsity)
+    t1 = time.perf_counter()
+    rep = prunelab.prune(lm, cfg, "wiki-vital:calib", seqlen=args.seqlen,
+                         samples=args.samples, seed=0, batch_size=8)
+    t2 = time.perf_counter()
+    prunelab.save(lm, args.out, data=rep["data"])
+    t3 = time.perf_counter()
+    return {"model": args.model, "method": args.method, "stream": args.stream,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_after_load_bytes": rss_loaded, "float32_bytes": float32_bytes,
+            "wall_s": t3 - t0, "prune_s": t2 - t1,
+            "achieved_sparsity": rep["achieved_sparsity"]}
+
+
+def _eval_job(args) -> dict:
+    import torch
+
+    import prunelab
+
+    torch.set_num_threads(args.threads)
+    lm = prunelab.load(args.out, dtype="float32", stream=True)
+    res = prunelab.evaluate(lm, "wiki-vital:test", seqlen=args.seqlen,
+                            samples=args.test_samples, batch_size=4)
+    return {"perplexity": res["perplexity"],
+            "eval_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _spawn(flags: list[str], threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONWARNINGS="ignore")
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+        result = Path(fh.name)
+    try:
+        proc = subprocess.run([sys.executable, __file__, *flags, "--result", str(result)],
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"job {flags} failed:\n{proc.stderr[-3000:]}")
+        return json.loads(result.read_text())
+    finally:
+        result.unlink(missing_ok=True)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--methods", default="wanda,sparsegpt")
+    p.add_argument("--sparsity", type=float, default=0.5)
+    p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--test-samples", type=int, default=16)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--eval-job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--method", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.job or args.eval_job:
+        args.result.write_text(json.dumps(_job(args) if args.job else _eval_job(args)))
+        return
+    common = ["--model", args.model, "--sparsity", str(args.sparsity), "--samples",
+              str(args.samples), "--seqlen", str(args.seqlen), "--test-samples",
+              str(args.test_samples), "--threads", str(args.threads)]
+    rows = []
+    work = Path(tempfile.mkdtemp(prefix="stream-bench-"))
+    try:
+        for method in args.methods.split(","):
+            for stream in (False, True):
+                out = work / f"{method}-{'stream' if stream else 'resident'}"
+                flags = [*common, "--method", method, "--out", str(out)]
+                row = _spawn(["--job", *flags, *(["--stream"] if stream else [])],
+                             args.threads)
+                row.update(_spawn(["--eval-job", *flags], args.threads))
+                shutil.rmtree(out, ignore_errors=True)
+                rows.append(row)
+                print(f"done: {method} stream={stream}", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _print(rows, args)
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)},
+                                         "rows": rows}, indent=2, default=str))
+
+
+def _print(rows: list[dict], args) -> None:
+    f32 = rows[0]["float32_bytes"]
+    print(f"{args.model}: float32 weights {_mib(f32)} MiB; {args.samples} x {args.seqlen} "
+          f"calibration tokens, {args.test_samples} x {args.seqlen} test tokens, "
+          f"{args.threads} thread(s)")
+    print(f"{'method':<10} {'mode':<9} {'peak RSS MiB':>12} {'/ f32':>6} {'wall s':>7} "
+          f"{'prune s':>8} {'test ppl':>9}")
+    for r in rows:
+        print(f"{r['method']:<10} {'stream' if r['stream'] else 'resident':<9} "
+              f"{_mib(r['peak_rss_bytes']):>12} {r['peak_rss_bytes'] / f32:>6.2f} "
+              f"{r['wall_s']:>7.1f} {r['prune_s']:>8.1f} {r['perplexity']:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
