@@ -9,7 +9,10 @@ time, pruned blocks staged to disk, the checkpoint assembled shard by shard). Ev
 a fresh process (this script with ``--job``). Reported per run:
 
 - peak RSS: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of the job process (load +
-  prune + save; includes Python, torch and the calibration activations of all samples);
+  prune + save; includes Python, torch and the calibration activations of all samples;
+  the windows are tokenized once by this script, so the corpus is not counted), and
+  above imports: the same minus the RSS after importing torch, transformers and
+  prunelab;
 - ratio: peak RSS / the model's float32 bytes;
 - wall s: load + prune + save, and the prune call alone;
 - test ppl: perplexity of the saved checkpoint on ``--test-samples`` windows of
@@ -44,6 +47,8 @@ def _job(args) -> dict:
     from prunelab.pruning.base import METHODS
 
     torch.set_num_threads(args.threads)
+    calib = torch.load(args.calib, weights_only=False)
+    rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t0 = time.perf_counter()
     lm = prunelab.load(args.model, dtype="float32", stream=args.stream)
     float32_bytes = lm.size_before["params"] * 4
@@ -52,14 +57,14 @@ def _job(args) -> dict:
     rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     cfg = METHODS.make(args.method, sparsity=args.sparsity)
     t1 = time.perf_counter()
-    rep = prunelab.prune(lm, cfg, "wiki-vital:calib", seqlen=args.seqlen,
-                         samples=args.samples, seed=0, batch_size=8)
+    rep = prunelab.prune(lm, cfg, calib, batch_size=8)
     t2 = time.perf_counter()
     prunelab.save(lm, args.out, data=rep["data"])
     t3 = time.perf_counter()
     return {"model": args.model, "method": args.method, "stream": args.stream,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "rss_after_load_bytes": rss_loaded, "float32_bytes": float32_bytes,
+            "rss_after_load_bytes": rss_loaded, "rss_imports_bytes": rss_imports,
+            "float32_bytes": float32_bytes,
             "wall_s": t3 - t0, "prune_s": t2 - t1,
             "achieved_sparsity": rep["achieved_sparsity"]}
 
@@ -71,10 +76,26 @@ def _eval_job(args) -> dict:
 
     torch.set_num_threads(args.threads)
     lm = prunelab.load(args.out, dtype="float32", stream=True)
-    res = prunelab.evaluate(lm, "wiki-vital:test", seqlen=args.seqlen,
-                            samples=args.test_samples, batch_size=4)
+    res = prunelab.evaluate(lm, torch.load(args.test, weights_only=False), batch_size=4)
     return {"perplexity": res["perplexity"],
             "eval_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _tokens(args, work: Path) -> list[str]:
+    """Calibration and test windows made once here (the corpus and the tokenizer are not
+    part of the measured jobs), passed to every job as files."""
+    import torch
+    import transformers
+
+    from prunelab.data import make_batches
+    from prunelab.models.loading import resolve_source
+
+    tok = transformers.AutoTokenizer.from_pretrained(resolve_source(args.model))
+    for name, data, n in (("calib", "wiki-vital:calib", args.samples),
+                          ("test", "wiki-vital:test", args.test_samples)):
+        torch.save(make_batches(tok, data, seqlen=args.seqlen, samples=n, seed=0, mode=name),
+                   work / f"{name}.pt")
+    return ["--calib", str(work / "calib.pt"), "--test", str(work / "test.pt")]
 
 
 def _spawn(flags: list[str], threads: int) -> dict:
@@ -112,6 +133,8 @@ def main() -> None:
     p.add_argument("--method", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--calib", help=argparse.SUPPRESS)
+    p.add_argument("--test", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.job or args.eval_job:
         args.result.write_text(json.dumps(_job(args) if args.job else _eval_job(args)))
@@ -122,6 +145,7 @@ def main() -> None:
     rows = []
     work = Path(tempfile.mkdtemp(prefix="stream-bench-"))
     try:
+        common += _tokens(args, work)
         for method in args.methods.split(","):
             for stream in (False, True):
                 out = work / f"{method}-{'stream' if stream else 'resident'}"
@@ -145,11 +169,13 @@ def _print(rows: list[dict], args) -> None:
     print(f"{args.model}: float32 weights {_mib(f32)} MiB; {args.samples} x {args.seqlen} "
           f"calibration tokens, {args.test_samples} x {args.seqlen} test tokens, "
           f"{args.threads} thread(s)")
-    print(f"{'method':<10} {'mode':<9} {'peak RSS MiB':>12} {'/ f32':>6} {'wall s':>7} "
-          f"{'prune s':>8} {'test ppl':>9}")
+    print(f"{'method':<10} {'mode':<9} {'peak RSS MiB':>12} {'/ f32':>6} "
+          f"{'above imports':>13} {'wall s':>7} {'prune s':>8} {'test ppl':>9}")
     for r in rows:
+        above = r['peak_rss_bytes'] - r['rss_imports_bytes']
         print(f"{r['method']:<10} {'stream' if r['stream'] else 'resident':<9} "
               f"{_mib(r['peak_rss_bytes']):>12} {r['peak_rss_bytes'] / f32:>6.2f} "
+              f"{_mib(above):>13} "
               f"{r['wall_s']:>7.1f} {r['prune_s']:>8.1f} {r['perplexity']:>9.3f}")
 
 

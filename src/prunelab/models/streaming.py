@@ -83,6 +83,16 @@ def read_tensors(files: dict[str, Path], names: dict[str, str],
     return out
 
 
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc), so RSS follows the one block."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
@@ -140,6 +150,7 @@ class Streamer:
             self._stage(block)
         for name, p in list(block.named_parameters()):
             _set_param(block, name, torch.empty_like(p, device="meta"))
+        _trim()
         self._tell("free", block)
 
     @contextlib.contextmanager
