@@ -185,3 +185,23 @@ def test_cli_stream(ckpt, tmp_path, capsys):
     assert code == 0, err
     dense = prunelab.evaluate(prunelab.load(model), data, seqlen=16, samples=4)
     assert json.loads((tmp_path / "e.json").read_text())["perplexity"] == dense["perplexity"]
+
+
+def test_gguf_source_streams_from_its_converted_shards(ckpt, tmp_path, monkeypatch):
+    """A .gguf spec is converted once (as for a resident load) and its blocks are then
+    read from the converted safetensors checkpoint."""
+    from prunelab.models import loading
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF-not-really")
+    calls = []
+
+    def fake_convert(path, name=None):
+        calls.append(path)
+        return ckpt / "model"
+
+    monkeypatch.setattr(loading, "convert_gguf", fake_convert)
+    lm = prunelab.load(str(gguf), stream=True)
+    assert calls == [gguf.resolve()] and lm.source == str(ckpt / "model")
+    assert prunelab.evaluate(lm, TEST, batch_size=2)["perplexity"] == prunelab.evaluate(
+        prunelab.load(str(ckpt / "model")), TEST, batch_size=2)["perplexity"]

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from prunelab.io.lock import clean_leftovers, fsync_tree, output_lock, temp_prefix
 from prunelab.io.save import (
     _check_target,
     _install,
@@ -23,7 +24,6 @@ from prunelab.io.save import (
     build_manifest,
     write_json,
 )
-from prunelab.io.lock import clean_leftovers, fsync_tree, output_lock, temp_prefix
 
 
 def _tied(model) -> set[str]:

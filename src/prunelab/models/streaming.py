@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.errors import UnsupportedOperationError
 
 _TAG = "_prunelab_stream_key"  # on each block module: ("source", index) or ("staged", path)
 
@@ -281,8 +281,9 @@ def _load_resident(model: nn.Module, store: ShardStore, prefix: str, dt: torch.d
     left = [n for n, p in model.named_parameters()
             if p.is_meta and not n.startswith(prefix + ".")]
     if left:
-        raise ConfigError(f"--stream: {spec} has no stored weights for {left[0]}"
-                          + (f" and {len(left) - 1} more" if len(left) > 1 else ""))
+        raise UnsupportedOperationError(
+            f"--stream: the shards of {spec} hold no tensor named {left[0]} (the checkpoint "
+            "names its weights differently from the model): load it without --stream")
 
 
 def streamer_of(lm) -> Streamer | None:
