@@ -150,6 +150,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.calib.streamed import check_streamed_eval
+        check_streamed_eval(speed=speed, gradient_alignment=gradient_reference)
     ref = None
     if reference is not None:
         ref = reference if isinstance(reference, LoadedModel) else \
@@ -313,6 +316,10 @@ def heal(model, teacher=None, data="wiki-vital:calib", eval_data="wiki-vital:tes
     fields as ``options``); ``out_dir``: the resumable state folder. Returns
     ``(lm, record)``; save with ``prunelab.save(lm, out, extra={"healing": record})``."""
     from prunelab.heal.entry import heal_specs
+
+    if getattr(model, "streamer", None) is not None:
+        raise UnsupportedOperationError("heal trains through the whole model: load it "
+                                        "without --stream (stream=False)")
 
     return heal_specs(model, teacher, data, eval_data, config, out_dir, manifest, **options)
 
