@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
+
+import torch
 
 from prunelab.io.lock import clean_leftovers, fsync_tree, output_lock, temp_prefix
 from prunelab.io.save import (
@@ -33,37 +36,70 @@ def _tied(model) -> set[str]:
     return keys
 
 
-def write_shards(lm, folder: Path) -> dict[str, str]:
-    """Write every block and then the resident parameters as shards of ``folder``; return
-    the weight map (tensor name -> shard file). At most one block is resident at a time."""
-    from safetensors.torch import save_file
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+           torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """Write ``tensors`` (CPU) as one safetensors file straight from their memory (no
+    serialised copy of the shard, unlike ``safetensors.torch.save_file``); returns the
+    bytes of tensor data. Format: 8-byte little-endian header length, JSON header,
+    data."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    items = [(k, t.detach().contiguous()) for k, t in sorted(tensors.items())]
+    for name, t in items:
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for _name, t in items:
+            if t.numel():
+                fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return offset
+
+
+def write_shards(lm, folder: Path) -> dict[str, str]:
+    """Write every block, then each side unit (embeddings, head), then the other resident
+    parameters as shards of ``folder``; return the weight map (tensor name -> shard). At
+    most one block and one side unit are in memory at a time."""
     st = lm.streamer
     blocks = list(lm.adapter.blocks())
-    n = len(blocks) + 1
+    n = len(blocks) + len(st.side_units) + 1
+    tied = _tied(lm.model) if getattr(lm.model.config, "tie_word_embeddings", False) else set()
     weight_map: dict[str, str] = {}
     total = 0
+
+    def shard(k: int, tensors: dict) -> None:
+        nonlocal total
+        name = f"model-{k:05d}-of-{n:05d}.safetensors"
+        total += write_safetensors(folder / name, tensors)
+        weight_map.update(dict.fromkeys(tensors, name))
+
     for i, blk in enumerate(blocks):
-        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         with st.hold(blk):
-            state = {f"{st.prefix}.{i}.{k}": v.detach().contiguous()
-                     for k, v in blk.state_dict().items()}
-            save_file(state, str(folder / name), metadata={"format": "pt"})
+            shard(i + 1, {f"{st.prefix}.{i}.{k}": v for k, v in blk.state_dict().items()})
         st.release()
-        total += sum(v.numel() * v.element_size() for v in state.values())
-        weight_map.update(dict.fromkeys(state, name))
-        del state
-    name = f"model-{n:05d}-of-{n:05d}.safetensors"
-    tied = _tied(lm.model) if getattr(lm.model.config, "tie_word_embeddings", False) else set()
+    side_names: set[str] = set()
+    for j, unit in enumerate(st.side_units):
+        st.acquire_side(unit)
+        names = [x for x in unit.refs if x not in tied] or list(unit.refs)
+        shard(len(blocks) + j + 1, {x: unit.get(x) for x in names})
+        st.release_side()
+        side_names |= unit.names
     rest, seen = {}, set()
-    for k, v in lm.model.state_dict().items():
-        if k.startswith(st.prefix + ".") or k in tied or id(v) in seen:
+    for k, v in lm.model.state_dict(keep_vars=True).items():
+        if k.startswith(st.prefix + ".") or k in tied or k in side_names or id(v) in seen:
             continue
         seen.add(id(v))
-        rest[k] = v.detach().contiguous()
-    save_file(rest, str(folder / name), metadata={"format": "pt"})
-    total += sum(v.numel() * v.element_size() for v in rest.values())
-    weight_map.update(dict.fromkeys(rest, name))
+        rest[k] = v
+    shard(n, rest)
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return weight_map

@@ -93,6 +93,11 @@ def _trim() -> None:
         pass
 
 
+def _device_of(args) -> torch.device | None:
+    first = args[0] if args else None
+    return first.device if isinstance(first, torch.Tensor) else None
+
+
 def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name) if owner_name else module
@@ -103,6 +108,42 @@ def _set_param(module: nn.Module, name: str, value: torch.Tensor) -> None:
 def is_materialised(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` holds data (is not on the meta device)."""
     return any(not p.is_meta for p in module.parameters())
+
+
+class SideUnit:
+    """Large parameters outside the blocks (the token embeddings, the LM head; one unit
+    when tied): ``refs`` maps each parameter's name in the shards to every
+    ``(owner module, attribute)`` that holds it; ``modules`` run it."""
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module], store: ShardStore):
+        self.modules = modules
+        ids = {id(p) for m in modules for p in m.parameters()}
+        groups: dict[int, list[tuple[str, nn.Module, str]]] = {}
+        for owner_name, owner in model.named_modules(remove_duplicate=False):
+            for leaf, p in owner._parameters.items():
+                if p is not None and id(p) in ids:
+                    name = f"{owner_name}.{leaf}" if owner_name else leaf
+                    groups.setdefault(id(p), []).append((name, owner, leaf))
+        self.refs: dict[str, list[tuple[nn.Module, str]]] = {}
+        for holders in groups.values():
+            stored = next((n for n, _o, _l in holders if n in store), None)
+            if stored is None:
+                raise UnsupportedOperationError(
+                    f"--stream: the shards of {store.folder} hold no tensor named "
+                    f"{holders[0][0]} (the checkpoint names its weights differently from "
+                    "the model): load it without --stream")
+            self.refs[stored] = [(o, leaf) for _n, o, leaf in holders]
+        self.names = {n for holders in groups.values() for n, _o, _l in holders}
+
+    def set(self, name: str, value: torch.Tensor) -> None:
+        """One parameter object for ``value``, set on every holder (ties kept)."""
+        param = nn.Parameter(value, requires_grad=False)
+        for owner, leaf in self.refs[name]:
+            owner._parameters[leaf] = param
+
+    def get(self, name: str) -> torch.Tensor:
+        owner, leaf = self.refs[name][0]
+        return owner._parameters[leaf]
 
 
 class Streamer:
@@ -127,6 +168,39 @@ class Streamer:
         self._staging: Path | None = None
         for i, blk in enumerate(adapter.blocks()):
             setattr(blk, _TAG, ("source", i))
+        self.side_units: list[SideUnit] = []
+        self.side_resident: SideUnit | None = None
+        self._hooks: list = []
+
+    # ------------------------------------------------------------------ side units
+    def add_side_unit(self, unit: SideUnit) -> None:
+        """Stream ``unit``: its parameters become meta and are read when one of its
+        modules runs (a forward pre-hook owned by the streamer)."""
+        self.side_units.append(unit)
+        for name in unit.refs:
+            unit.set(name, torch.empty_like(unit.get(name), device="meta"))
+        for m in unit.modules:
+            self._hooks.append(m.register_forward_pre_hook(
+                lambda _m, args, u=unit: self.acquire_side(u, _device_of(args))))
+
+    def acquire_side(self, unit: SideUnit, device: torch.device | None = None) -> None:
+        """Read ``unit`` (embeddings or head) onto ``device`` (default: the CPU), freeing
+        the other side unit first."""
+        device = device or torch.device("cpu")
+        if unit is self.side_resident and unit.get(next(iter(unit.refs))).device == device:
+            return
+        self.release_side()
+        for name, t in self.store.read({n: n for n in unit.refs}, self.dtype).items():
+            unit.set(name, t.to(device))
+        self.side_resident = unit
+
+    def release_side(self) -> None:
+        """Free the resident side unit (embeddings or head; never pruned)."""
+        unit, self.side_resident = self.side_resident, None
+        if unit is not None:
+            for name in unit.refs:
+                unit.set(name, torch.empty_like(unit.get(name), device="meta"))
+            _trim()
 
     # ------------------------------------------------------------------ residency
     def acquire(self, block: nn.Module) -> None:
@@ -210,7 +284,11 @@ class Streamer:
         setattr(block, _TAG, ("staged", path))
 
     def close(self) -> None:
-        """Remove the staging folder (the model can no longer read staged blocks)."""
+        """Remove the staging folder (the model can no longer read staged blocks) and
+        the side units' hooks."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
@@ -260,26 +338,42 @@ def load_streamed(spec: str, dtype: str | torch.dtype | None = "auto",
     if dev.type != "cpu":  # weights stay on the CPU; the runner computes on the device
         lm.offload_to = dev
     prefix = blocks_prefix(model, lm.adapter)
-    _load_resident(model, store, prefix, dt, spec)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    side = _side_units(model, lm.adapter, store)
+    _load_resident(model, store, prefix, dt, spec,
+                   skip={n for u in side for n in u.names})
     lm.streamer = Streamer(model, lm.adapter, store, dt, prefix, work_dir)
+    for unit in side:
+        lm.streamer.add_side_unit(unit)
     from prunelab.models.size import model_size
 
     lm.size_before = model_size(model)
     return lm
 
 
+def _side_units(model: nn.Module, adapter, store: ShardStore) -> list[SideUnit]:
+    """The token embeddings and the LM head as streamed units (one unit when tied)."""
+    emb, head = adapter.embeddings(), adapter.head()
+    if not isinstance(emb, nn.Embedding):
+        return []
+    if head is None or not isinstance(head, nn.Linear):
+        return [SideUnit(model, [emb], store)]
+    if head.weight is emb.weight:
+        return [SideUnit(model, [emb, head], store)]
+    return [SideUnit(model, [emb], store), SideUnit(model, [head], store)]
+
+
 def _load_resident(model: nn.Module, store: ShardStore, prefix: str, dt: torch.dtype,
-                   spec: str) -> None:
-    """Read every parameter outside the blocks (embeddings, final norm, head); tied
-    parameters absent from the shards are tied again after."""
+                   spec: str, skip: set[str]) -> None:
+    """Read every parameter outside the blocks and the side units (final norm, position
+    embeddings...); tied parameters absent from the shards are tied again after."""
     names = {n: n for n, _ in model.named_parameters()
-             if not n.startswith(prefix + ".") and n in store}
+             if not n.startswith(prefix + ".") and n in store and n not in skip}
     for name, t in store.read(names, dt).items():
         _set_param(model, name, t)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
     left = [n for n, p in model.named_parameters()
-            if p.is_meta and not n.startswith(prefix + ".")]
+            if p.is_meta and not n.startswith(prefix + ".") and n not in skip]
     if left:
         raise UnsupportedOperationError(
             f"--stream: the shards of {spec} hold no tensor named {left[0]} (the checkpoint "
