@@ -8,7 +8,7 @@ loaded, pruned on ``--samples`` windows of ``--seqlen`` tokens of ``wiki-vital:c
 time, pruned blocks staged to disk, the checkpoint assembled shard by shard). Every run is
 a fresh process (this script with ``--job``). Reported per run:
 
-- peak RSS: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of the job process (load +
+- peak RSS: ``VmHWM`` (peak RSS) of the job process (load +
   prune + save; includes Python, torch and the calibration activations of all samples;
   the windows are tokenized once by this script, so the corpus is not counted), and
   above imports: the same minus the RSS after importing torch, transformers and
@@ -28,6 +28,7 @@ Run (about 10 min on 2 cores for SmolLM2 at the defaults)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -39,6 +40,19 @@ import time
 from pathlib import Path
 
 
+def _peak_rss() -> int:
+    """This process's peak RSS in bytes: ``VmHWM`` of ``/proc/self/status`` (Linux), which
+    starts afresh at ``exec``; ``ru_maxrss`` keeps the high-water mark of the parent at
+    ``fork`` (the driver holds the tokenized corpus), so it is used only as a fallback."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _job(args) -> dict:
     """One load + prune + save in this (fresh) process; the result as a dict."""
     import torch
@@ -48,13 +62,13 @@ def _job(args) -> dict:
 
     torch.set_num_threads(args.threads)
     calib = torch.load(args.calib, weights_only=False)
-    rss_imports = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_imports = _peak_rss()
     t0 = time.perf_counter()
     lm = prunelab.load(args.model, dtype="float32", stream=args.stream)
     float32_bytes = lm.size_before["params"] * 4
     if args.stream:
         lm.streamer.work_dir = Path(args.out).parent
-    rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss_loaded = _peak_rss()
     cfg = METHODS.make(args.method, sparsity=args.sparsity)
     t1 = time.perf_counter()
     rep = prunelab.prune(lm, cfg, calib, batch_size=8)
@@ -62,7 +76,7 @@ def _job(args) -> dict:
     prunelab.save(lm, args.out, data=rep["data"])
     t3 = time.perf_counter()
     return {"model": args.model, "method": args.method, "stream": args.stream,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": _peak_rss(),
             "rss_after_load_bytes": rss_loaded, "rss_imports_bytes": rss_imports,
             "float32_bytes": float32_bytes,
             "wall_s": t3 - t0, "prune_s": t2 - t1,
@@ -78,7 +92,7 @@ def _eval_job(args) -> dict:
     lm = prunelab.load(args.out, dtype="float32", stream=True)
     res = prunelab.evaluate(lm, torch.load(args.test, weights_only=False), batch_size=4)
     return {"perplexity": res["perplexity"],
-            "eval_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "eval_peak_rss_bytes": _peak_rss()}
 
 
 def _tokens(args, work: Path) -> list[str]:
@@ -93,8 +107,10 @@ def _tokens(args, work: Path) -> list[str]:
     tok = transformers.AutoTokenizer.from_pretrained(resolve_source(args.model))
     for name, data, n in (("calib", "wiki-vital:calib", args.samples),
                           ("test", "wiki-vital:test", args.test_samples)):
-        torch.save(make_batches(tok, data, seqlen=args.seqlen, samples=n, seed=0, mode=name),
-                   work / f"{name}.pt")
+        b = make_batches(tok, data, seqlen=args.seqlen, samples=n, seed=0, mode=name)
+        # the windows may view the whole tokenized corpus: save only their own tokens
+        b = dataclasses.replace(b, input_ids=b.input_ids.clone().contiguous())
+        torch.save(b, work / f"{name}.pt")
     return ["--calib", str(work / "calib.pt"), "--test", str(work / "test.pt")]
 
 
