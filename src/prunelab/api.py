@@ -25,7 +25,7 @@ from prunelab.models.size import model_size
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
          trust_remote_code: bool = False, offload: bool = False, allow_pickle: bool = False,
-         allow_missing_weights: bool = False) -> LoadedModel:
+         allow_missing_weights: bool = False, stream: bool = False) -> LoadedModel:
     """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
     checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
     (``.model``, ``.tokenizer``, ``.adapter``).
@@ -39,8 +39,19 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     with torch's restricted loader (refused by default: a pickle can run code).
     ``allow_missing_weights=True`` loads a checkpoint whose weights do not match its
     config (missing, unexpected or mis-shaped tensors), leaving those weights random
-    (an error by default)."""
+    (an error by default).
+
+    ``stream=True``: layer-wise loading from disk (:mod:`prunelab.models.streaming`): the
+    blocks stay in the safetensors shards and are read one at a time when needed."""
     from prunelab.models.loading import resolve_device
+
+    if stream:
+        from prunelab.models.streaming import load_streamed
+        if allow_missing_weights or allow_pickle:
+            raise ConfigError("--stream reads complete safetensors shards: it does not take "
+                              "--allow-missing-weights or --allow-pickle")
+        return load_streamed(spec, dtype=dtype, device=device,
+                             trust_remote_code=trust_remote_code)
 
     target = resolve_device(device) if offload else None
     lm = _load(spec, dtype=dtype, device="cpu" if offload else device,
@@ -156,6 +167,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
         raise ConfigError("--limit counts task items: it needs --tasks")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.calib.streamed import check_streamed_eval
+        check_streamed_eval(speed=speed, gradient_alignment=gradient_reference)
     if lm.adapter.is_vision:  # photos + LFW probe + images/s (prunelab.eval.vision)
         return _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
                                 dict(trust_remote_code=trust_remote_code,
@@ -166,7 +180,8 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
         ref = reference if isinstance(reference, LoadedModel) else \
             load(reference, dtype=lm.dtype, device=str(lm.device),
                  trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                 allow_missing_weights=allow_missing_weights)
+                 allow_missing_weights=allow_missing_weights,
+                 stream=getattr(lm, "streamer", None) is not None)  # streamed: both
         if ref.is_encoder != lm.is_encoder:
             raise ConfigError("the reference must be of the same kind (encoder or causal LM) "
                               "as the model")
@@ -179,8 +194,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
         return _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
                                  reference_cache)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="test")
-    result = score_windows(lm, batches.input_ids, batch_size=batch_size, reference=ref,
-                           reference_cache=reference_cache)
+    score = score_windows if getattr(lm, "streamer", None) is None else _streamed_score
+    result = score(lm, batches.input_ids, batch_size=batch_size, reference=ref,
+                   reference_cache=reference_cache)
     result.update(model_size(lm.model))
     result["data"] = batches.to_dict()
     result["model"] = lm.spec
@@ -197,6 +213,12 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
 
         result["tasks"] = evaluate_tasks(lm, tasks, limit=limit)
     return result
+
+
+def _streamed_score(lm, input_ids, **kw):
+    from prunelab.calib.streamed import score_windows_streamed
+
+    return score_windows_streamed(lm, input_ids, **kw)
 
 
 def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remote_code,
@@ -276,6 +298,9 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
     items = probes.split(",") if isinstance(probes, str) else [probes] if single else probes
     items = [p.strip() if isinstance(p, str) else p for p in items]
     items = [p for p in items if p != ""]
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.calib.streamed import check_streamable_probes
+        check_streamable_probes(items)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
     results = run_probes(lm, items, batches.input_ids, data_info=batches.to_dict(),
                          batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
@@ -307,7 +332,10 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
     start = time.perf_counter()
     before = model_size(lm.model)
-    details = pruner.run(lm, config, batches.input_ids, batch_size=batch_size)
+    from prunelab.calib.streamed import streamed_prune
+
+    with streamed_prune(lm, config):  # a streamed model: pruned blocks go to disk
+        details = pruner.run(lm, config, batches.input_ids, batch_size=batch_size)
     report = PruneReport(operation=pruner.operation, method=method_name(config),
                          config=config_dict(config), data=batches.to_dict(),
                          size_before=before, size_after=model_size(lm.model),
@@ -328,6 +356,10 @@ def heal(model, teacher=None, data="wiki-vital:calib", eval_data="wiki-vital:tes
     ``(lm, record)``; save with ``prunelab.save(lm, out, extra={"healing": record})``."""
     from prunelab.heal.entry import heal_specs
 
+    if getattr(model, "streamer", None) is not None:
+        raise UnsupportedOperationError("heal trains through the whole model: load it "
+                                        "without --stream (stream=False)")
+
     return heal_specs(model, teacher, data, eval_data, config, out_dir, manifest, **options)
 
 
@@ -336,4 +368,7 @@ def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bo
     """Write a checkpoint that plain ``transformers`` loads, with ``manifest.json``."""
     lm = _as_loaded(model, tokenizer)
     man = manifest if manifest is not None else build_manifest(lm, **manifest_fields)
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.io.stream_save import save_streamed
+        return save_streamed(lm, out_dir, manifest=man, overwrite=overwrite)
     return _save(lm, out_dir, manifest=man, overwrite=overwrite)

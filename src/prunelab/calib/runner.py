@@ -128,7 +128,10 @@ class BlockRunner:
         if target is not None and device is None:
             device, offload = target, True
         param = next(self.model.parameters())
-        self.device = torch.device(device) if device is not None else param.device
+        here = torch.device("cpu") if param.is_meta else param.device  # meta: streamed
+        self.device = torch.device(device) if device is not None else here
+        # a streamed model (prunelab.models.streaming): blocks are read from disk in turn
+        self.streamer = getattr(model, "streamer", None)
         self.offload = offload
         self._held: set[int] = set()  # blocks moved to the device by an outer _on_device
         self.store_device = torch.device("cpu") if offload else self.device
@@ -166,6 +169,8 @@ class BlockRunner:
                 blocks[i] = blk
             if self.offload:
                 base.to("cpu")
+            if self.streamer is not None:
+                self.streamer.release_side()  # streamed embeddings: back to disk
         self.calls = [[self._clean(c) for c in sink] for sink in sinks]
         self.inputs = first
         self._captured = True
@@ -240,6 +245,8 @@ class BlockRunner:
             moved = False
 
             def __enter__(self):
+                if runner.streamer is not None:
+                    runner.streamer.acquire(blk)
                 if runner.offload:
                     blk.to(runner.device)
                     if id(blk) not in runner._held:

@@ -32,6 +32,8 @@ MissingOpt = typer.Option(False, "--allow-missing-weights", help="load a checkpo
                           "random)")
 OffloadOpt = typer.Option(False, "--offload", help="keep the weights on the CPU; calibration "
                           "moves one block at a time to --device")
+StreamOpt = typer.Option(False, "--stream", help="layer-wise loading from disk: blocks are "
+                         "read from the safetensors shards one at a time (memory ~ one block)")
 BatchOpt = typer.Option(8, help="windows per block call")
 
 
@@ -46,6 +48,7 @@ class LoadArgs:
     allow_pickle: bool = False
     allow_missing_weights: bool = False
     offload: bool = False
+    stream: bool = False
 
     def load(self):
         from prunelab import api
@@ -53,7 +56,7 @@ class LoadArgs:
         return api.load(self.model, dtype=self.dtype, device=self.device,
                         trust_remote_code=self.trust_remote_code, offload=self.offload,
                         allow_pickle=self.allow_pickle,
-                        allow_missing_weights=self.allow_missing_weights)
+                        allow_missing_weights=self.allow_missing_weights, stream=self.stream)
 
 
 def fmt_bytes(n: float) -> str:

@@ -21,6 +21,7 @@ from prunelab.cli.common import (
     OffloadOpt,
     PickleOpt,
     RemoteOpt,
+    StreamOpt,
     check_positive,
     fmt_bytes,
     out,
@@ -139,7 +140,7 @@ def eval_cmd(model: str = ModelOpt,
              overwrite: bool = typer.Option(False, help="replace an existing --json file"),
              dtype: str = DtypeOpt, device: str = DeviceOpt,
              trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
-             allow_missing_weights: bool = MissingOpt):
+             allow_missing_weights: bool = MissingOpt, stream: bool = StreamOpt):
     """Perplexity on held-out windows (plus KL to a reference and speed on request).
 
     Encoders: mean-pooled embeddings of held-out sentences (--samples sentences, default
@@ -149,9 +150,13 @@ def eval_cmd(model: str = ModelOpt,
     from prunelab.io.save import write_json
 
     check_positive("--batch-size", batch_size)
+    if stream:
+        from prunelab.calib.streamed import check_streamed_eval
+        check_streamed_eval(speed=speed, press=press_name, moe_mass=moe_mass,
+                            gradient_alignment=gradient_alignment)
     with writing(json_path, "file", overwrite):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights).load()
+                      allow_missing_weights, stream=stream).load()
         moe = _moe_setup(lm, moe_mass)
         pressing = _press_context(lm, press_name, press_ratio, press_options, press_context)
         with pressing as session:
@@ -336,7 +341,8 @@ def probe(model: str = ModelOpt,
                                          "write"),
           dtype: str = DtypeOpt, device: str = DeviceOpt,
           trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
-          allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt):
+          allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt,
+          stream: bool = StreamOpt):
     """Measure layer redundancy under several protocols, side by side (0-based layers)."""
     from prunelab import api
     from prunelab.errors import ConfigError
@@ -354,8 +360,11 @@ def probe(model: str = ModelOpt,
     with writing(out_dir, None, overwrite, on_interrupt=f"finished probes and partial "
                  f"results (NAME.partial.json) are in {out_dir}/; rerun the same command to "
                  "resume"):
+        if stream:
+            from prunelab.calib.streamed import check_streamable_probes
+            check_streamable_probes(names)
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights, offload).load()
+                      allow_missing_weights, offload, stream).load()
         results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                             states=states, window=window, pairs=parse_pairs(pairs) or None,

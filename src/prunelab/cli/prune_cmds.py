@@ -21,6 +21,7 @@ from prunelab.cli.common import (
     OffloadOpt,
     PickleOpt,
     RemoteOpt,
+    StreamOpt,
     check_positive,
     fmt_bytes,
     out,
@@ -91,6 +92,8 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
     check_positive("--samples", samples)
     with writing(out_dir, "checkpoint", overwrite):
         lm = load.load()
+        if getattr(lm, "streamer", None) is not None:  # --stream: stage beside the output
+            lm.streamer.work_dir = out_dir.parent
         rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
                         batch_size=batch_size)
         api.save(lm, out_dir, overwrite=overwrite, data=rep["data"],
@@ -98,6 +101,8 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
                  extra={"report": rep.to_dict()})
     if show is not None:
         show(lm, rep)
+    if getattr(lm, "streamer", None) is not None:
+        lm.streamer.close()  # the staged blocks are in the checkpoint now
     return lm, rep
 
 
@@ -156,7 +161,7 @@ def prune_depth_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt):
+        offload: bool = OffloadOpt, stream: bool = StreamOpt):
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
     from prunelab.pruning import depth_from_cli
 
@@ -171,7 +176,7 @@ def prune_depth_cmd(
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
                          bootstrap=bootstrap, max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload)
+                    allow_missing_weights, offload, stream)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("calib_kl_before_recovery",
@@ -240,7 +245,7 @@ def prune_sparsity_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt):
+        offload: bool = OffloadOpt, stream: bool = StreamOpt):
     """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude, ADMM,
     CACTUS)."""
     from prunelab.pruning.sparsity.config import ALLOCATIONS, sparsity_methods
@@ -269,7 +274,7 @@ def prune_sparsity_cmd(
             "fold_lowrank": ("--fold-lowrank", True if fold_lowrank else None)}
     cfg = build_config(cls, f"--method {method}", flat, settings, allocation=alloc)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload)
+                    allow_missing_weights, offload, stream)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("achieved_sparsity",),
@@ -321,7 +326,7 @@ def prune_width_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt):
+        offload: bool = OffloadOpt, stream: bool = StreamOpt):
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks)."""
     from prunelab.pruning import width_from_cli
@@ -335,7 +340,7 @@ def prune_width_cmd(
                          elastic_ranking=elastic_ranking, elastic_steps=elastic_steps,
                          taper_slope=taper_slope)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload)
+                    allow_missing_weights, offload, stream)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("removed_params",),

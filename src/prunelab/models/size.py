@@ -14,7 +14,7 @@ def model_size(model: nn.Module) -> dict:
     seen: set[int] = set()
     params = nbytes = 0
     for p in model.parameters():
-        key = p.data_ptr()
+        key = id(p) if p.is_meta else p.data_ptr()  # meta: a streamed block on disk
         if key in seen:
             continue
         seen.add(key)

@@ -123,8 +123,13 @@ class ProbeContext:
     def model_divergence(self, model_lm) -> tuple[float, float]:
         """Divergence of a whole (pruned) model on the same windows: one full forward."""
         outs = []
-        for ids in self.runner.batches:
-            out = model_lm.adapter.base(**model_lm.adapter.model_inputs(ids.to(self.runner.device)))
+        if getattr(model_lm, "streamer", None) is not None:  # blocks on disk: in turn
+            from prunelab.calib.streamed import streamed_final_hidden
+            outs = streamed_final_hidden(model_lm, torch.cat(self.runner.batches),
+                                         len(self.runner.batches[0]))
+        for ids in self.runner.batches if not outs else ():
+            out = model_lm.adapter.base(**model_lm.adapter.model_inputs(
+                ids.to(self.runner.device)))
             outs.append(out.last_hidden_state)
         return self.divergence(outs, normed=True, adapter=model_lm.adapter)
 

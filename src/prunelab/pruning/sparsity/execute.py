@@ -271,7 +271,9 @@ def prune_sparsity(lm, cfg: SparsityConfig, input_ids: torch.Tensor,
                                  batch_size)
     layers = _prune_all_blocks(lm, cfg, runner, per_block, extra)
     total = sum(m.weight.numel() for sel in selected for m in sel.values())
-    zeros = sum(int((weight_out_in(m) == 0).sum()) for sel in selected for m in sel.values())
+    zeros = sum(int((weight_out_in(m) == 0).sum()) if not m.weight.is_meta  # streamed:
+                else round(layers[i]["linears"][p] * m.weight.numel())  # block on disk
+                for i, sel in enumerate(selected) for p, m in sel.items())
     return SparsityReport(per_block_sparsity=per_block, layers=layers,
                           achieved_sparsity=zeros / max(total, 1), pruned_linear_params=total,
                           block_evaluations=runner.block_evals / max(len(runner.batches), 1),

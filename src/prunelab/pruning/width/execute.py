@@ -206,8 +206,10 @@ def apply_plans(lm, cfg: Width, runner: BlockRunner, plans, stats) -> dict:
     if cfg.compensate:
         runner.run(on_block=one, propagate="modified", desc="width compensation")
     else:
+        from prunelab.models.streaming import holding
         for i in range(ad.num_blocks):
-            one(i, None)
+            with holding(runner, ad.block(i)):  # a streamed block: read from disk
+                one(i, None)
     return done
 
 

@@ -84,7 +84,13 @@ class ColumnScore(WidthScore):
         return columns
 
     def block_scores(self, job, kind):
-        return [self.unit_scores(job, i, kind) for i in range(job.adapter.num_blocks)]
+        from prunelab.models.streaming import holding
+
+        out = []
+        for i in range(job.adapter.num_blocks):
+            with holding(job.runner, job.adapter.block(i)):  # streamed: read from disk
+                out.append(self.unit_scores(job, i, kind))
+        return out
 
     def unit_scores(self, job: WidthJob, i: int, kind: str) -> tuple[torch.Tensor, object]:
         ad, stats = job.adapter, job.stats
