@@ -126,6 +126,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     loaded model or spec) also ``kl_to_reference`` and ``top1_agreement``; with ``speed``
     also ``prefill_tokens_per_s``, ``decode_tokens_per_s`` and ``peak_memory_bytes``.
 
+    Speech models (Whisper; :mod:`prunelab.eval.speech`): ``wer`` (greedy decoding),
+    ``real_time_factor``...; ``data`` a speech spec or folder (default ``speech``).
+
     Encoders (protocol in :mod:`prunelab.eval.embedding`): ``samples`` held-out sentences
     (default 512) truncated to ``seqlen`` tokens, mean-pooled; ``same_document_nn``, and
     with ``reference`` ``mean_cosine_to_reference`` and ``nn_agreement``.
@@ -139,6 +142,11 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if getattr(lm.model.config, "model_type", None) == "whisper":  # speech: WER, RTF
+        from prunelab.eval.speech import evaluate_speech
+
+        return evaluate_speech(lm, "speech" if data == "wiki-vital:test" else data,
+                               samples=samples, batch_size=batch_size)
     ref = None
     if reference is not None:
         ref = reference if isinstance(reference, LoadedModel) else \

@@ -159,7 +159,12 @@ def eval_cmd(model: str = ModelOpt,
             res["press"] = {"name": press_name, "context": press_context,
                             "config": _press_dict(session.config), **_press_report(session)}
         t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
-        shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
+        if "wer" in res:  # speech model
+            from prunelab.eval.speech import speech_rows
+
+            shown = speech_rows(res)
+        else:
+            shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
         if session is not None:
             shown = [*shown, ("press", f"{press_name} {_press_dict(session.config)} on the "
                               f"first {press_context:.0%} of each window")]
