@@ -25,7 +25,7 @@ from prunelab.models.size import model_size
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
          trust_remote_code: bool = False, offload: bool = False, allow_pickle: bool = False,
-         allow_missing_weights: bool = False) -> LoadedModel:
+         allow_missing_weights: bool = False, stack: str | None = None) -> LoadedModel:
     """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
     checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
     (``.model``, ``.tokenizer``, ``.adapter``).
@@ -39,7 +39,8 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     with torch's restricted loader (refused by default: a pickle can run code).
     ``allow_missing_weights=True`` loads a checkpoint whose weights do not match its
     config (missing, unexpected or mis-shaped tensors), leaving those weights random
-    (an error by default)."""
+    (an error by default). ``stack``: ``encoder`` / ``decoder`` for Whisper (which
+    stack probes and pruning act on; default encoder)."""
     from prunelab.models.loading import resolve_device
 
     target = resolve_device(device) if offload else None
@@ -48,6 +49,10 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
                allow_missing_weights=allow_missing_weights)
     lm.offload_to = target
     lm.size_before = model_size(lm.model)
+    if stack is not None:  # multi-stack models (Whisper): encoder or decoder
+        from prunelab.models.whisper import use_stack
+
+        use_stack(lm, stack)
     return lm
 
 
@@ -104,6 +109,10 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
     """Token windows for ``data`` (a spec string or :class:`TokenBatches`)."""
     if isinstance(data, TokenBatches):
         return data
+    if getattr(lm.adapter.spec, "entry", None) is not None:  # speech encoder: log-mel inputs
+        from prunelab.data.speech import feature_batches
+
+        return feature_batches(lm, data, samples=samples, seed=seed, mode=mode)
     if lm.tokenizer is None:
         raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
     limit = getattr(lm.model.config, "max_position_embeddings", None)

@@ -33,6 +33,8 @@ MissingOpt = typer.Option(False, "--allow-missing-weights", help="load a checkpo
 OffloadOpt = typer.Option(False, "--offload", help="keep the weights on the CPU; calibration "
                           "moves one block at a time to --device")
 BatchOpt = typer.Option(8, help="windows per block call")
+StackOpt = typer.Option(None, "--stack", help="Whisper: encoder (default) or decoder, the "
+                        "stack probes and pruning act on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,7 @@ class LoadArgs:
     allow_pickle: bool = False
     allow_missing_weights: bool = False
     offload: bool = False
+    stack: str | None = None
 
     def load(self):
         from prunelab import api
@@ -53,7 +56,7 @@ class LoadArgs:
         return api.load(self.model, dtype=self.dtype, device=self.device,
                         trust_remote_code=self.trust_remote_code, offload=self.offload,
                         allow_pickle=self.allow_pickle,
-                        allow_missing_weights=self.allow_missing_weights)
+                        allow_missing_weights=self.allow_missing_weights, stack=self.stack)
 
 
 def fmt_bytes(n: float) -> str:

@@ -21,6 +21,7 @@ from prunelab.cli.common import (
     OffloadOpt,
     PickleOpt,
     RemoteOpt,
+    StackOpt,
     check_positive,
     fmt_bytes,
     out,
@@ -34,7 +35,7 @@ from prunelab.errors import ConfigError
 @app.command()
 def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
          trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
-         allow_missing_weights: bool = MissingOpt,
+         allow_missing_weights: bool = MissingOpt, stack: Optional[str] = StackOpt,
          json_path: Optional[Path] = typer.Option(None, "--json", help="also write JSON here"),
          overwrite: bool = typer.Option(False, help="replace an existing --json file")):
     """Print the architecture: blocks, heads, KV groups, FFN width, sizes, projections."""
@@ -43,7 +44,7 @@ def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
 
     with writing(json_path, "file", overwrite):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights).load()
+                      allow_missing_weights, stack=stack).load()
         d = api.info(lm)
         _print_info(d)
         if json_path is not None:
@@ -324,7 +325,14 @@ def probe(model: str = ModelOpt,
                                          "write"),
           dtype: str = DtypeOpt, device: str = DeviceOpt,
           trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
-          allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt):
+          allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt,
+          stack: Optional[str] = StackOpt,
+          metric: Optional[str] = typer.Option(
+              None, help="leave-one-out: rank blocks by the change of this task metric "
+              "(e.g. wer) instead of the divergence to the dense model"),
+          metric_data: Optional[str] = typer.Option(
+              None, help="--metric: its data (wer: speech spec or folder; default "
+              "speech:synth-calib)")):
     """Measure layer redundancy under several protocols, side by side (0-based layers)."""
     from prunelab import api
     from prunelab.errors import ConfigError
@@ -343,14 +351,15 @@ def probe(model: str = ModelOpt,
                  f"results (NAME.partial.json) are in {out_dir}/; rerun the same command to "
                  "resume"):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights, offload).load()
+                      allow_missing_weights, offload, stack=stack).load()
         results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                             states=states, window=window, pairs=parse_pairs(pairs) or None,
                             span=span, max_length=max_length, max_remove=max_remove,
                             bootstrap=bootstrap, ablation=ablation, length=induction_length,
                             sequences=induction_sequences, top_k=top_k, steps=steps,
-                            lr=lr, rank=rank, measure=measure)
+                            lr=lr, rank=rank, measure=measure, metric=metric,
+                            metric_data=metric_data)
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
     for col in ("probe", "most removable", "ranking stability", "block evals", "seconds"):
         t.add_column(col, overflow="fold")

@@ -21,6 +21,7 @@ from prunelab.cli.common import (
     OffloadOpt,
     PickleOpt,
     RemoteOpt,
+    StackOpt,
     check_positive,
     fmt_bytes,
     out,
@@ -149,7 +150,7 @@ def prune_depth_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt):
+        offload: bool = OffloadOpt, stack: Optional[str] = StackOpt):
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
     from prunelab.pruning import depth_from_cli
 
@@ -163,7 +164,7 @@ def prune_depth_cmd(
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
                          bootstrap=bootstrap, max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload)
+                    allow_missing_weights, offload, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("calib_kl_before_recovery",
@@ -313,7 +314,7 @@ def prune_width_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt):
+        offload: bool = OffloadOpt, stack: Optional[str] = StackOpt):
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks)."""
     from prunelab.pruning import width_from_cli
@@ -327,7 +328,7 @@ def prune_width_cmd(
                          elastic_ranking=elastic_ranking, elastic_steps=elastic_steps,
                          taper_slope=taper_slope)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload)
+                    allow_missing_weights, offload, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("removed_params",),

@@ -251,3 +251,29 @@ def load_speech(spec: str = "speech", samples: int | None = None) -> SpeechSet:
         return SpeechSet(str(path), tuple(folder_set(path)))
     raise DataError(f"speech data {spec!r} is neither a speech spec (speech, "
                     "speech:reference, speech:synth-test, speech:synth-calib) nor a folder")
+
+
+def feature_batches(lm, data: str, samples: int | None = None, seed: int = 0,
+                    mode: str | None = None):
+    """Calibration "windows" of a speech encoder: the log-mel features ``[N, mel, 3000]``
+    (first 30 s of each clip) of a speech set, as :class:`~prunelab.data.TokenBatches`
+    (``input_ids`` holds the features; the block runner feeds them to the encoder). A
+    text spec (``wiki-vital:...``, the text default) means ``speech:synth-calib`` for
+    calibration and ``speech`` for tests. ``seed`` is recorded only (the order is fixed)."""
+    import torch
+
+    from prunelab.data import TokenBatches
+    from prunelab.eval.speech import feature_extractor
+
+    if data.startswith("wiki-vital"):
+        data = "speech" if mode == "test" else "speech:synth-calib"
+    speech = load_speech(data, samples)
+    if not speech.utterances:
+        raise DataError(f"speech data {data!r} holds no clips")
+    fe = feature_extractor(lm)
+    feats = fe([u.audio[:30 * RATE] for u in speech.utterances], sampling_rate=RATE,
+               return_tensors="pt").input_features.to(torch.float32)
+    digest = hashlib.sha256(feats.numpy().tobytes()).hexdigest()
+    return TokenBatches(input_ids=feats, spec=data, seqlen=int(feats.shape[-1]),
+                        samples=int(feats.shape[0]), seed=seed, mode=mode or "calib",
+                        total_windows=int(feats.shape[0]), sha256=digest)

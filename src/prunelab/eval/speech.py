@@ -79,7 +79,8 @@ def _pieces(audio: np.ndarray) -> list[np.ndarray]:
 @torch.no_grad()
 def transcribe(lm, audios: list[np.ndarray], batch_size: int = 8,
                max_new_tokens: int = 220) -> list[str]:
-    """Greedy transcripts of 16 kHz clips (cut into 30 s pieces, texts joined)."""
+    """Greedy transcripts of 16 kHz clips (cut into 30 s pieces, texts joined); at most
+    ``16 + 6 x seconds`` new tokens per piece (``max_new_tokens`` at most)."""
     fe = feature_extractor(lm)
     owner, pieces = [], []
     for k, a in enumerate(audios):
@@ -90,9 +91,12 @@ def transcribe(lm, audios: list[np.ndarray], batch_size: int = 8,
     dev = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     for s in range(0, len(pieces), batch_size):
-        feats = fe(pieces[s:s + batch_size], sampling_rate=RATE, return_tensors="pt")
+        chunk = pieces[s:s + batch_size]
+        feats = fe(chunk, sampling_rate=RATE, return_tensors="pt")
+        # a damaged model may loop: cap the text at ~6 tokens per second of audio
+        cap = min(max_new_tokens, 16 + int(6 * max(len(p) for p in chunk) / RATE))
         ids = model.generate(feats.input_features.to(dev, dtype), do_sample=False, num_beams=1,
-                             max_new_tokens=max_new_tokens)
+                             max_new_tokens=cap)
         texts[s:s + batch_size] = lm.tokenizer.batch_decode(ids, skip_special_tokens=True)
     joined = [""] * len(audios)
     for k, t in zip(owner, texts, strict=True):
@@ -149,9 +153,10 @@ def speech_rows(res: dict) -> list[tuple[str, str]]:
 
 
 @register_task_metric("wer", "word error rate of greedy transcription (speech models)")
-def wer_metric(lm, data: str | SpeechSet = "speech", samples: int | None = None,
+def wer_metric(lm, data: str | SpeechSet = "speech:synth-calib", samples: int | None = None,
                batch_size: int = 8) -> TaskMetric:
-    """``wer`` bound to a speech set (loaded once): ``fn(lm) -> WER``."""
+    """``wer`` bound to a speech set (loaded once): ``fn(lm) -> WER``. The default data is
+    calibration speech (``speech:synth-calib``, 16 sentences), never the evaluation set."""
     if not is_speech_model(lm):
         raise ConfigError(f"--metric wer needs a speech model (Whisper); {lm.spec} is not one")
     speech = data if isinstance(data, SpeechSet) else load_speech(data, samples)

@@ -69,6 +69,8 @@ class Adapter:
         self.model = model
         self.spec = spec
         self.base = getattr(model, "base_model", model)
+        if spec.entry is not None:  # e.g. Whisper's encoder fed log-mel features
+            self.base = spec.entry(self.base)
 
     # ------------------------------------------------------------------ locations
     @property

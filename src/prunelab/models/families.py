@@ -126,6 +126,8 @@ class FamilySpec:
     # AutoModel for encoders, AutoModelForCausalLM otherwise)
     layers_field: str = "num_hidden_layers"
     model_class: str = ""
+    # optional: base_model -> the module the runner calls as ``entry(input_ids=...)``
+    entry: Callable | None = None
 
     def __post_init__(self) -> None:
         bad = {k: q for k, q in self.head_attributes.items() if q not in HEAD_QUANTITIES}
@@ -244,7 +246,14 @@ def _whisper_stack(stack: str) -> FamilySpec:
         write_config=_writer(heads, ffn), head_attributes={"num_heads": "heads"},
         heads_representable=_derived_representable(f"whisper {stack}"),
         encoder=not decoder, attn_branch="self_attn", mlp_branch="fc2",
-        layers_field=f"{stack}_layers", model_class="WhisperForConditionalGeneration")
+        layers_field=f"{stack}_layers", model_class="WhisperForConditionalGeneration",
+        entry=None if decoder else _encoder_entry)
+
+
+def _encoder_entry(base):
+    from prunelab.models.whisper import EncoderEntry
+
+    return EncoderEntry(base)
 
 
 WHISPER_ENCODER = _whisper_stack("encoder")
