@@ -16,7 +16,8 @@ Specs (``--data`` of a speech model):
     evaluation and distillation audio never share a sentence) spoken by Debian's
     ``espeak-ng`` (voice ``en-us``), resampled to 16 kHz and cached as
     ``<cache>/speech/espeak/<sha1>.wav``. Sentences: 6 to 20 words of letters and simple
-    punctuation (no digits), in a fixed order (sha1 of the sentence), the first ``samples``.
+    punctuation (no digits), in a fixed order (sha1 of the sentence), the first ``samples``
+    (or ``N`` of a ``speech:synth-calib:N`` / ``speech:test:N`` spec).
 ``PATH`` (a folder)
     Audio files with transcripts: every ``NAME.wav`` with a ``NAME.txt`` beside it (the
     transcript, one line or several), or a ``transcripts.tsv`` whose lines are
@@ -230,10 +231,13 @@ def folder_set(path: Path) -> list[Utterance]:
 
 def load_speech(spec: str = "speech", samples: int | None = None) -> SpeechSet:
     """Resolve a speech spec (module docstring) into a :class:`SpeechSet`."""
+    kind, _, split = spec.partition(":")
+    head, colon, count = split.rpartition(":")
+    if colon and count.isdigit():  # speech:synth-calib:48
+        split, samples = head, int(count)
     n = 16 if samples is None else int(samples)
     if n < 0:
         raise DataError(f"--samples must be >= 0, got {n}")
-    kind, _, split = spec.partition(":")
     if kind == "speech":
         split = split or "test"
         if split == "reference":
