@@ -64,7 +64,7 @@ def feature_extractor(lm):
     if cached is not None:
         return cached
     src = Path(str(lm.source))
-    if (src / "preprocessor_config.json").is_file():
+    if any((src / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
         fe = tf.WhisperFeatureExtractor.from_pretrained(src)
     else:
         fe = tf.WhisperFeatureExtractor(feature_size=int(lm.model.config.num_mel_bins))
