@@ -75,7 +75,7 @@ def test_converted_checkpoint_has_processor_and_generation_config(whisper_dir):
     assert proc.feature_extractor.feature_size == 80
 
 
-def test_eval_info_probe_prune_on_speech(whisper_dir, tmp_path):
+def test_eval_and_info_on_speech(whisper_dir, tmp_path):
     model, clips = str(whisper_dir / "model"), str(whisper_dir / "clips")
     res = invoke("eval", "--model", model, "--data", clips, "--json", str(tmp_path / "e.json"))
     assert res.exit_code == 0, res.output
@@ -88,6 +88,11 @@ def test_eval_info_probe_prune_on_speech(whisper_dir, tmp_path):
         assert res.exit_code == 0, res.output
         info = json.loads((tmp_path / f"{stack}.json").read_text())
         assert info["family"] == f"whisper-{stack}" and info["blocks"] == n
+
+
+@pytest.mark.slow  # ~30 s on a loaded 2-core machine; the API paths are in test_whisper.py
+def test_probe_by_wer_and_prune_encoder_cli(whisper_dir, tmp_path):
+    model, clips = str(whisper_dir / "model"), str(whisper_dir / "clips")
     res = invoke("probe", "--model", model, "--probe", "leave-one-out", "--metric", "wer",
                  "--metric-data", str(whisper_dir / "one"), "--data", clips, "--out", str(tmp_path / "p"),
                  "--bootstrap", "0")
