@@ -94,8 +94,8 @@ def test_eval_and_info_on_speech(whisper_dir, tmp_path):
 def test_probe_by_wer_and_prune_encoder_cli(whisper_dir, tmp_path):
     model, clips = str(whisper_dir / "model"), str(whisper_dir / "clips")
     res = invoke("probe", "--model", model, "--probe", "leave-one-out", "--metric", "wer",
-                 "--metric-data", str(whisper_dir / "one"), "--data", clips, "--out", str(tmp_path / "p"),
-                 "--bootstrap", "0")
+                 "--metric-data", str(whisper_dir / "one"), "--data", clips,
+                 "--out", str(tmp_path / "p"), "--bootstrap", "0")
     assert res.exit_code == 0, res.output
     loo = json.loads((tmp_path / "p" / "leave-one-out.json").read_text())
     assert [s["layers"] for s in loo["scores"]] == [[0], [1], [2]]

@@ -118,8 +118,8 @@ def speech_scores(lm, data: SpeechSet, batch_size: int = 8) -> dict[str, Any]:
     synth = [u.name.startswith("espeak-") for u in utts]
     for key, chosen in (("wer_real", [not s for s in synth]), ("wer_synthetic", synth)):
         if any(chosen) and not all(chosen):
-            out[key] = word_error_rate([r for r, c in zip(refs, chosen) if c],
-                                       [h for h, c in zip(hyps, chosen) if c])
+            out[key] = word_error_rate([r for r, c in zip(refs, chosen, strict=True) if c],
+                                       [h for h, c in zip(hyps, chosen, strict=True) if c])
     out.update(real_time_factor=seconds / max(data.seconds, 1e-9),
                audio_seconds=data.seconds, transcribe_seconds=seconds,
                transcripts=[{"name": u.name, "reference": u.text, "hypothesis": h}

@@ -46,8 +46,10 @@ def _layer_state(ct2: CT2Model, stack: str, i: int, d: int) -> dict[str, torch.T
     """One encoder / decoder layer: fused projections split, norms renamed."""
     src, dst = f"{stack}/layer_{i}/", f"model.{stack}.layers.{i}."
     out: dict[str, torch.Tensor] = {}
-    have = lambda n: (src + n + "/weight") in ct2.variables or (src + n + "/gamma") in \
-        ct2.variables  # noqa: E731
+
+    def have(n: str) -> bool:
+        return (src + n + "/weight") in ct2.variables or (src + n + "/gamma") in ct2.variables
+
     for c, h in _NORMS.items():
         if have(c):
             out[dst + h + ".weight"] = _t(ct2.get(src + c + "/gamma"))
@@ -88,9 +90,9 @@ def ct2_whisper_state(ct2: CT2Model) -> tuple[dict, dict[str, torch.Tensor]]:
                max_source_positions=int(ct2.get("encoder/position_encodings/encodings").shape[0]),
                max_target_positions=int(ct2.get("decoder/position_encodings/encodings").shape[0]),
                tie_word_embeddings=True)
-    sd = {"model.encoder.embed_positions.weight": _t(ct2.get("encoder/position_encodings/encodings")),
-          "model.decoder.embed_positions.weight": _t(ct2.get("decoder/position_encodings/encodings")),
-          "model.decoder.embed_tokens.weight": _t(emb)}
+    sd = {f"model.{s}.embed_positions.weight": _t(ct2.get(f"{s}/position_encodings/encodings"))
+          for s in ("encoder", "decoder")}
+    sd["model.decoder.embed_tokens.weight"] = _t(emb)
     for name in ("conv1", "conv2"):
         sd[f"model.encoder.{name}.weight"] = _t(ct2.get(f"encoder/{name}/weight"))
         sd[f"model.encoder.{name}.bias"] = _t(ct2.get(f"encoder/{name}/bias"))
