@@ -92,7 +92,7 @@ def table(results: list[dict]) -> str:
 
     for res in results:
         d = res["dense"]
-        lines.append(f"| {res['model']} | none (dense, {res['encoder_layers']}) | 100 % | "
+        lines.append(f"| {res['model']} | none (dense, {res['encoder_layers']}) | 100.0% | "
                      f"{fmt(d, 'wer')} | {fmt(d, 'wer_real')} | {fmt(d, 'wer_synthetic')} | "
                      f"{fmt(d, 'real_time_factor')} |")
         for p in res["pruned"]:
