@@ -13,7 +13,8 @@ For each model (``--models``, default the embedded ``whisper-tiny-en`` and ``whi
    distilled from the dense one on unlabelled synthesised speech
    (:mod:`prunelab.heal.encoder_distill`, ``--distill-steps``), WER again; RTF of each.
 
-Run (one thread, about 15 min on a shared 2-core machine at the defaults)::
+Run (one thread; measured 21 min for tiny.en and 28 min for base on a heavily shared
+2-core machine at the defaults)::
 
     OMP_NUM_THREADS=1 python benchmarks/speech.py [--models whisper-tiny-en]
         [--eval-sentences 8] [--loo-sentences 8] [--distill-steps 20]
