@@ -89,6 +89,8 @@ def test_unknown_keys_are_errors_everywhere():
     with pytest.raises(ConfigError, match=r"'windw'.*window, pairs"):
         PROBES.from_dict({"name": "interchange", "windw": 1})
     with pytest.raises(ConfigError, match=r"'angular'.*\(none\)"):
+        make_config("sublayer-ablation", angular=True)  # a probe without options
+    with pytest.raises(ConfigError, match=r"'angular'.*metric, metric_data"):
         make_config("leave-one-out", angular=True)
     with pytest.raises(ConfigError, match="unknown probe 'nope'"):
         PROBES.from_dict({"name": "nope"})

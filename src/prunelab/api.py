@@ -25,7 +25,8 @@ from prunelab.models.size import model_size
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
          trust_remote_code: bool = False, offload: bool = False, allow_pickle: bool = False,
-         allow_missing_weights: bool = False, stream: bool = False) -> LoadedModel:
+         allow_missing_weights: bool = False, stream: bool = False,
+         stack: str | None = None) -> LoadedModel:
     """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
     checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
     (``.model``, ``.tokenizer``, ``.adapter``).
@@ -42,7 +43,9 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     (an error by default).
 
     ``stream=True``: layer-wise loading from disk (:mod:`prunelab.models.streaming`): the
-    blocks stay in the safetensors shards and are read one at a time when needed."""
+    blocks stay in the safetensors shards and are read one at a time when needed.
+    ``stack``: ``encoder`` / ``decoder`` for Whisper (which stack probes and pruning act
+    on; default encoder)."""
     from prunelab.models.loading import resolve_device
 
     if stream:
@@ -50,6 +53,8 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
         if allow_missing_weights or allow_pickle:
             raise ConfigError("--stream reads complete safetensors shards: it does not take "
                               "--allow-missing-weights or --allow-pickle")
+        if stack is not None:
+            raise ConfigError("--stream streams causal LMs; it does not take --stack")
         return load_streamed(spec, dtype=dtype, device=device,
                              trust_remote_code=trust_remote_code)
 
@@ -59,6 +64,10 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
                allow_missing_weights=allow_missing_weights)
     lm.offload_to = target
     lm.size_before = model_size(lm.model)
+    if stack is not None:  # multi-stack models (Whisper): encoder or decoder
+        from prunelab.models.whisper import use_stack
+
+        use_stack(lm, stack)
     return lm
 
 
@@ -122,6 +131,10 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
             data = f"images:{mode or 'calib'}"
         return data if isinstance(data, ImageBatches) else \
             images_for(data, samples=samples, seed=seed, mode=mode)
+    if getattr(lm.adapter.spec, "entry", None) is not None:  # speech encoder: log-mel inputs
+        from prunelab.data.speech import feature_batches
+
+        return feature_batches(lm, data, samples=samples, seed=seed, mode=mode)
     if lm.tokenizer is None:
         raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
     limit = getattr(lm.model.config, "max_position_embeddings", None)
@@ -144,6 +157,9 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     (scored tokens), ``seqlen``, ``samples``, ``params``, ``bytes``; with ``reference`` (a
     loaded model or spec) also ``kl_to_reference`` and ``top1_agreement``; with ``speed``
     also ``prefill_tokens_per_s``, ``decode_tokens_per_s`` and ``peak_memory_bytes``.
+
+    Speech models (Whisper; :mod:`prunelab.eval.speech`): ``wer`` (greedy decoding),
+    ``real_time_factor``...; ``data`` a speech spec or folder (default ``speech``).
 
     Encoders (protocol in :mod:`prunelab.eval.embedding`): ``samples`` held-out sentences
     (default 512) truncated to ``seqlen`` tokens, mean-pooled; ``same_document_nn``, and
@@ -175,6 +191,11 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
                                 dict(trust_remote_code=trust_remote_code,
                                      allow_pickle=allow_pickle,
                                      allow_missing_weights=allow_missing_weights))
+    if getattr(lm.model.config, "model_type", None) == "whisper":  # speech: WER, RTF
+        from prunelab.eval.speech import evaluate_speech
+
+        return evaluate_speech(lm, "speech" if data == "wiki-vital:test" else data,
+                               samples=samples, batch_size=batch_size)
     ref = None
     if reference is not None:
         ref = reference if isinstance(reference, LoadedModel) else \

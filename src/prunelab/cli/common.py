@@ -35,6 +35,8 @@ OffloadOpt = typer.Option(False, "--offload", help="keep the weights on the CPU;
 StreamOpt = typer.Option(False, "--stream", help="layer-wise loading from disk: blocks are "
                          "read from the safetensors shards one at a time (memory ~ one block)")
 BatchOpt = typer.Option(8, help="windows per block call")
+StackOpt = typer.Option(None, "--stack", help="Whisper: encoder (default) or decoder, the "
+                        "stack probes and pruning act on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,7 @@ class LoadArgs:
     allow_missing_weights: bool = False
     offload: bool = False
     stream: bool = False
+    stack: str | None = None
 
     def load(self):
         from prunelab import api
@@ -56,7 +59,8 @@ class LoadArgs:
         return api.load(self.model, dtype=self.dtype, device=self.device,
                         trust_remote_code=self.trust_remote_code, offload=self.offload,
                         allow_pickle=self.allow_pickle,
-                        allow_missing_weights=self.allow_missing_weights, stream=self.stream)
+                        allow_missing_weights=self.allow_missing_weights, stream=self.stream,
+                        stack=self.stack)
 
 
 def fmt_bytes(n: float) -> str:

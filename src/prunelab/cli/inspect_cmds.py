@@ -22,6 +22,7 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     StreamOpt,
+    StackOpt,
     check_positive,
     fmt_bytes,
     out,
@@ -35,7 +36,7 @@ from prunelab.errors import ConfigError
 @app.command()
 def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
          trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
-         allow_missing_weights: bool = MissingOpt,
+         allow_missing_weights: bool = MissingOpt, stack: Optional[str] = StackOpt,
          json_path: Optional[Path] = typer.Option(None, "--json", help="also write JSON here"),
          overwrite: bool = typer.Option(False, help="replace an existing --json file")):
     """Print the architecture: blocks, heads, KV groups, FFN width, sizes, projections."""
@@ -44,7 +45,7 @@ def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
 
     with writing(json_path, "file", overwrite):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights).load()
+                      allow_missing_weights, stack=stack).load()
         d = api.info(lm)
         _print_info(d)
         if json_path is not None:
@@ -174,6 +175,10 @@ def eval_cmd(model: str = ModelOpt,
             from prunelab.eval.vision import display_rows
 
             shown = display_rows(res)
+        elif "wer" in res:  # speech model
+            from prunelab.eval.speech import speech_rows
+
+            shown = speech_rows(res)
         else:
             shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
         if session is not None:
@@ -342,7 +347,14 @@ def probe(model: str = ModelOpt,
           dtype: str = DtypeOpt, device: str = DeviceOpt,
           trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
           allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt,
-          stream: bool = StreamOpt):
+          stream: bool = StreamOpt,
+          stack: Optional[str] = StackOpt,
+          metric: Optional[str] = typer.Option(
+              None, help="leave-one-out: rank blocks by the change of this task metric "
+              "(e.g. wer) instead of the divergence to the dense model"),
+          metric_data: Optional[str] = typer.Option(
+              None, help="--metric: its data (wer: speech spec or folder; default "
+              "speech:synth-calib)")):
     """Measure layer redundancy under several protocols, side by side (0-based layers)."""
     from prunelab import api
     from prunelab.errors import ConfigError
@@ -364,14 +376,15 @@ def probe(model: str = ModelOpt,
             from prunelab.calib.streamed import check_streamable_probes
             check_streamable_probes(names)
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights, offload, stream).load()
+                      allow_missing_weights, offload, stream, stack=stack).load()
         results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                             states=states, window=window, pairs=parse_pairs(pairs) or None,
                             span=span, max_length=max_length, max_remove=max_remove,
                             bootstrap=bootstrap, ablation=ablation, length=induction_length,
                             sequences=induction_sequences, top_k=top_k, steps=steps,
-                            lr=lr, rank=rank, measure=measure)
+                            lr=lr, rank=rank, measure=measure, metric=metric,
+                            metric_data=metric_data)
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
     for col in ("probe", "most removable", "ranking stability", "block evals", "seconds"):
         t.add_column(col, overflow="fold")

@@ -22,6 +22,7 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     StreamOpt,
+    StackOpt,
     check_positive,
     fmt_bytes,
     out,
@@ -161,7 +162,8 @@ def prune_depth_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt, stream: bool = StreamOpt):
+        offload: bool = OffloadOpt, stream: bool = StreamOpt,
+        stack: Optional[str] = StackOpt):
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
     from prunelab.pruning import depth_from_cli
 
@@ -176,7 +178,7 @@ def prune_depth_cmd(
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
                          bootstrap=bootstrap, max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload, stream)
+                    allow_missing_weights, offload, stream, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("calib_kl_before_recovery",
@@ -326,7 +328,8 @@ def prune_width_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt, stream: bool = StreamOpt):
+        offload: bool = OffloadOpt, stream: bool = StreamOpt,
+        stack: Optional[str] = StackOpt):
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks)."""
     from prunelab.pruning import width_from_cli
@@ -340,7 +343,7 @@ def prune_width_cmd(
                          elastic_ranking=elastic_ranking, elastic_steps=elastic_steps,
                          taper_slope=taper_slope)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload, stream)
+                    allow_missing_weights, offload, stream, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("removed_params",),

@@ -69,6 +69,8 @@ class Adapter:
         self.model = model
         self.spec = spec
         self.base = getattr(model, "base_model", model)
+        if spec.entry is not None:  # e.g. Whisper's encoder fed log-mel features
+            self.base = spec.entry(self.base)
 
     # ------------------------------------------------------------------ locations
     @property
@@ -252,7 +254,7 @@ class Adapter:
         types = self.layer_types()
         new = nn.ModuleList([old[i] for i in order])
         _set(self.base, self.spec.blocks, new)
-        self.config.num_hidden_layers = len(order)
+        setattr(self.config, self.spec.layers_field, len(order))
         if types is not None and len(types) == len(old):
             self.config.layer_types = [types[i] for i in order]
         for pos, blk in enumerate(new):
@@ -395,7 +397,7 @@ class Adapter:
         if not callable(validate):
             return ""
         try:
-            cfg.num_hidden_layers = self.num_blocks
+            setattr(cfg, self.spec.layers_field, self.num_blocks)
             self.spec.write_config(cfg, self.head_geometry(self.first_block_with("attention")),
                                    self.ffn_width(self.first_block_with("mlp")))
             validate()
@@ -419,7 +421,7 @@ class Adapter:
                 + "; ".join(problems) + ")"
             )
         cfg = self.config
-        cfg.num_hidden_layers = self.num_blocks
+        setattr(cfg, self.spec.layers_field, self.num_blocks)
         geo = self.head_geometry(self.first_block_with("attention"))
         self.spec.write_config(cfg, geo, self.ffn_width(self.first_block_with("mlp")))
 

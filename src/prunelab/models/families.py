@@ -124,6 +124,12 @@ class FamilySpec:
     mlp_branch: str = ""
     # "text" (token ids, a tokenizer) or "vision" (pixel_values, no tokenizer)
     modality: str = "text"
+    # config field holding this stack's block count; transformers class to load (default:
+    # AutoModel for encoders, AutoModelForCausalLM otherwise)
+    layers_field: str = "num_hidden_layers"
+    model_class: str = ""
+    # optional: base_model -> the module the runner calls as ``entry(input_ids=...)``
+    entry: Callable | None = None
 
     def __post_init__(self) -> None:
         bad = {k: q for k, q in self.head_attributes.items() if q not in HEAD_QUANTITIES}
@@ -272,7 +278,44 @@ VIT = FamilySpec(
     attn_branch="attention.o_proj", mlp_branch="mlp.fc2", modality="vision",
 )
 
-FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT, DINOV2, VIT)
+
+
+def _whisper_stack(stack: str) -> FamilySpec:
+    """Whisper's encoder or decoder stack (pre-LN blocks, ``fc1``/``fc2`` MLP; paths from
+    ``WhisperModel``). Head counts derive head_dim from ``d_model``."""
+    heads, ffn = f"{stack}_attention_heads", f"{stack}_ffn_dim"
+    decoder = stack == "decoder"
+    return FamilySpec(
+        name=f"whisper-{stack}", model_types=("whisper",),
+        blocks=f"{stack}.layers", embed=f"{stack}.embed_tokens" if decoder else
+        f"{stack}.conv2", final_norm=f"{stack}.layer_norm", attn="self_attn", mlp=None,
+        attn_proj={"q": "self_attn.q_proj", "k": "self_attn.k_proj",
+                   "v": "self_attn.v_proj", "o": "self_attn.out_proj"},
+        mlp_proj={"up": "fc1", "down": "fc2"},
+        norms=("self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm"),
+        head_dim=lambda cfg: cfg.d_model // getattr(cfg, heads),
+        write_config=_writer(heads, ffn), head_attributes={"num_heads": "heads"},
+        heads_representable=_derived_representable(f"whisper {stack}"),
+        encoder=not decoder, attn_branch="self_attn", mlp_branch="fc2",
+        layers_field=f"{stack}_layers", model_class="WhisperForConditionalGeneration",
+        entry=None if decoder else _encoder_entry)
+
+
+def _encoder_entry(base):
+    from prunelab.models.whisper import EncoderEntry
+
+    return EncoderEntry(base)
+
+
+WHISPER_ENCODER = _whisper_stack("encoder")
+WHISPER_DECODER = _whisper_stack("decoder")
+
+FAMILIES: tuple[FamilySpec, ...] = (LLAMA, PHI3, GPT2, GPT_NEOX, OPT, BERT, DINOV2, VIT,
+                                     WHISPER_ENCODER)
+
+#: families with more than one stack: model_type -> {stack: spec}; the first is the default
+STACKS: dict[str, dict[str, FamilySpec]] = {
+    "whisper": {"encoder": WHISPER_ENCODER, "decoder": WHISPER_DECODER}}
 
 
 #: model-type prefixes of prunelab's remote-code checkpoints: ``prunelab_bridged_<type>``

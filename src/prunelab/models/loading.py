@@ -250,6 +250,7 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     tok = None if fam.modality == "vision" else \
         _load_tokenizer(source, spec, trust_remote_code)
     cls = transformers.AutoModel if fam.encoder else transformers.AutoModelForCausalLM
+    cls = getattr(transformers, fam.model_class) if fam.model_class else cls
     model, loading_info = _load_weights(cls, source, spec, dt, trust_remote_code, allow_pickle)
     _check_loading_info(model, loading_info, spec, fam.encoder, allow_missing_weights)
     model.to(dev).eval()

@@ -21,12 +21,23 @@ from prunelab.probes.base import ProbeResult, config_dict, register
 
 @dataclass(frozen=True)
 class LeaveOneOut:
-    """Divergence to dense with one block removed (KL; 1 - cos for encoders)."""
+    """Divergence to dense with one block removed (KL; 1 - cos for encoders); with
+    ``metric`` (a registered task metric, e.g. ``wer``) the change of that metric instead
+    (:mod:`prunelab.probes.task_ablation`; ``metric_data``: its data)."""
+
+    metric: str | None = None
+    metric_data: str | None = None
 
 
 @register("leave-one-out", LeaveOneOut, resumable=True)
 def run_leave_one_out(cfg: LeaveOneOut, ctx, resume=None, on_progress=None) -> ProbeResult:
     n = ctx.num_blocks
+    if cfg.metric:
+        from prunelab.probes.task_ablation import leave_one_out_by_metric
+
+        scores = leave_one_out_by_metric(cfg, ctx, resume, on_progress)
+        return ProbeResult("leave-one-out", config_dict(cfg), scores, kind="layer",
+                           num_blocks=n)
     done = {s["layers"][0]: s for s in (resume or {}).get("scores", [])}
     scores = [done[i] for i in sorted(done)]
     for i in progress([i for i in range(n) if i not in done], desc="leave-one-out"):

@@ -190,7 +190,7 @@ def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None,
             write_json(_partial_path(out, _name), {"probe": _name, "config": cfgd,
                        "fingerprint": fingerprint, "scores": scores}, overwrite=True)
         kwargs["on_progress"] = save_partial
-    if spec.forward:
+    if spec.forward and not getattr(cfg, "metric", None):  # a task metric runs the model
         ctx.ensure_cached()
     evals0, start = ctx.block_evaluations, time.perf_counter()
     result = handler(cfg, ctx, **kwargs)
