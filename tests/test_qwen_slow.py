@@ -56,20 +56,28 @@ def test_qwen05_block_influence_probe(tmp_path):
     assert values[0] > sorted(values)[12]
 
 
-def test_qwen05_depth_foldable_beats_none():
+def test_qwen05_depth_by_block_influence_with_foldable_recovery():
+    """Remove 3 of 24 blocks by block influence, without and with foldable recovery: the
+    same blocks go, both models run. Measured (8 x 128 calibration, 4 x 256 test): blocks
+    [12, 13, 18], ppl 27.50 without recovery, 73.97 with foldable -- the least-squares fit
+    of a 896 x 896 map on 1024 calibration tokens overfits, so foldable does NOT beat none
+    at this budget on this model (it does on SmolLM2 with 12 x 256); see docs/scale.md."""
     from prunelab import Depth
 
-    ppl = {}
+    ppl, removed = {}, {}
     for recovery in ("none", "foldable"):
         lm = _load()
         calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=128, samples=8, seed=0)
         rep = prunelab.prune(lm, Depth(remove=3, probe="block-influence", recovery=recovery),
                              calib, batch_size=4)
-        assert lm.adapter.num_blocks == 21 and len(rep["removed_blocks"]) == 3
+        assert lm.adapter.num_blocks == 21
+        removed[recovery] = sorted(rep["removed_blocks"])
         ppl[recovery] = prunelab.evaluate(lm, _test_batches(lm), batch_size=2)["perplexity"]
         del lm
         gc.collect()
-    assert math.isfinite(ppl["none"]) and ppl["foldable"] < ppl["none"]
+    assert removed["none"] == removed["foldable"] and len(removed["none"]) == 3
+    assert all(0 < b < 23 for b in removed["none"])  # neither end block is the least useful
+    assert 4.0 < ppl["none"] < 60.0 and math.isfinite(ppl["foldable"])
 
 
 def test_qwen05_wanda_half_reloads_identically(tmp_path):
