@@ -198,7 +198,6 @@ def job_prunelab(setting: str, workdir: Path, within_block: str = "default",
 def job_lower_bound(workdir: Path) -> dict:
     import torch
 
-    import prunelab
     from prunelab.calib.runner import BlockRunner
     from prunelab.eval.speed import PeakRSS
 
@@ -488,7 +487,8 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     print_table(results, dense_ppl, lower, args)
     print(f"total {(time.time() - started) / 60:.1f} min; logs in {workdir}")
-    out = {"model": MODEL, "dtype": DTYPE, "device": DEVICE, "samples": args.samples, "seqlen": args.seqlen,
+    out = {"model": MODEL, "dtype": DTYPE, "device": DEVICE, "samples": args.samples,
+           "seqlen": args.seqlen,
            "test_samples": args.test_samples, "calib": calib.to_dict(), "test": test.to_dict(),
            "dense_ppl": dense_ppl, "dense_embed_zero_fraction": emb0, "lower_bound": lower,
            "llmc_install": install, "llmc_batch_size": args.llmc_batch_size,
