@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mask-structure", default="0:0", help='"0:0" unstructured or "2:4"')
     ap.add_argument("--ignore", default="lm_head", help="comma-separated ignore list")
     ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--save-dir", required=True)
     ap.add_argument("--result", required=True)
     args = ap.parse_args(argv)
@@ -107,9 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()
     PeakRSS = peak_rss_class()
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir,
-                                                              dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype=getattr(torch, args.dtype))
     model.eval()
+    layer_class = type(model.model.layers[0]).__name__  # LlamaDecoderLayer, Qwen2DecoderLayer
     ids = torch.load(args.calib)
     samples, seqlen = ids.shape
     ds = Dataset.from_dict({"input_ids": ids.tolist(),
@@ -126,15 +128,21 @@ def main(argv: list[str] | None = None) -> None:
                    targets=["Linear"], ignore=ignore)
     call = {"recipe": [repr(modifier)], "num_calibration_samples": samples,
             "max_seq_length": seqlen, "pipeline": "sequential",
-            "sequential_targets": ["LlamaDecoderLayer"], "batch_size": args.batch_size,
+            "sequential_targets": [layer_class], "batch_size": args.batch_size,
             "shuffle_calibration_samples": False}
     gc.collect()
+    try:  # as the prunelab side: loading's free heap pages go back first
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     baseline = psutil.Process().memory_info().rss
     with PeakRSS() as rss:
         t0 = time.perf_counter()
         model = oneshot(model=model, dataset=ds, recipe=[modifier],
                         num_calibration_samples=samples, max_seq_length=seqlen,
-                        pipeline="sequential", sequential_targets=["LlamaDecoderLayer"],
+                        pipeline="sequential", sequential_targets=[layer_class],
                         batch_size=args.batch_size, shuffle_calibration_samples=False)
         seconds = time.perf_counter() - t0
 
@@ -150,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
         "tied_before": tied_before,
         "tied_after": model.lm_head.weight is model.model.embed_tokens.weight,
         "samples": samples, "seqlen": seqlen, "threads": torch.get_num_threads(),
+        "dtype": args.dtype, "cuda_peak_bytes": (torch.cuda.max_memory_allocated()
+                                                 if torch.cuda.is_available() else None),
         "versions": {"llmcompressor": llmcompressor.__version__,
                      "transformers": transformers.__version__, "torch": torch.__version__},
         "call": call, "save_dir": args.save_dir,

@@ -1,6 +1,7 @@
 """Unstructured and 2:4 sparsity: prunelab against llm-compressor on the embedded model.
 
-On ``smollm2-135m`` (float32, CPU) both libraries prune the 30 blocks' linears with the
+On ``--model`` (default ``smollm2-135m``; any prunelab spec, e.g. ``qwen2.5-coder-1.5b``;
+float32, CPU, or ``--dtype`` / ``--device``) both libraries prune the 30 blocks' linears with the
 same calibration tokens (``--samples`` windows of ``--seqlen`` from ``wiki-vital:calib``,
 seed 0) for each setting of ``--settings``: Wanda and SparseGPT at 50 % unstructured and
 at 2:4. prunelab runs ``prunelab.prune(lm, Wanda(...)/SparseGPT(...), calib,
@@ -16,7 +17,8 @@ setting and side:
 
 - wall s: the pruning call alone (``prunelab.prune`` / ``oneshot``), model already loaded;
 - peak MiB: peak RSS during that call (``prunelab.eval.speed.PeakRSS``, 2 ms sampling)
-  minus the RSS just before it, after the weights were paged in;
+  minus the RSS just before it, after the weights were paged in and the free heap pages
+  left by loading were returned to the system (``malloc_trim``, on both sides);
 - test ppl: perplexity on ``--test-samples`` windows of ``wiki-vital:test``; both sides'
   pruned checkpoints are loaded with ``prunelab.load`` and scored in this process by
   ``prunelab.evaluate`` on one and the same test ``TokenBatches`` object;
@@ -39,7 +41,8 @@ Run (20-40 min on 2 cores; the first run also installs the venv, about 1 min)::
 
     python benchmarks/sparsity_vs_llmcompressor.py [--samples 64 --seqlen 512]
         [--test-samples 32] [--settings wanda-0.5,sparsegpt-0.5,wanda-2:4,sparsegpt-2:4]
-        [--skip-llmc] [--json out.json]
+        [--skip-llmc] [--json out.json] [--model qwen2.5-coder-0.5b]
+        [--dtype bfloat16 --device cuda]
 """
 
 from __future__ import annotations
@@ -61,7 +64,18 @@ TORCH_PIN = "torch==2.13.0"
 LLMC_PIN = "llmcompressor==0.14.0.1"
 SETTINGS = ("wanda-0.5", "sparsegpt-0.5", "wanda-2:4", "sparsegpt-2:4")
 MiB = 2**20
-MODEL = "smollm2-135m"
+MODEL = "smollm2-135m"  # --model; the jobs get it on their command line
+DTYPE = "float32"
+DEVICE = "cpu"
+
+
+def _set_model(args) -> None:
+    global MODEL, DTYPE, DEVICE
+    MODEL, DTYPE, DEVICE = args.model, args.dtype, args.device
+
+
+def _model_args() -> list[str]:
+    return ["--model", MODEL, "--dtype", DTYPE, "--device", DEVICE]
 
 
 def parse_setting(s: str) -> tuple[str, float, str | None]:
@@ -104,7 +118,19 @@ def _page_in(model) -> int:
         for t in list(model.parameters()) + list(model.buffers()):
             t.sum()
     gc.collect()
+    _trim_heap()
     return psutil.Process().memory_info().rss
+
+
+def _trim_heap() -> None:
+    """Both sides' baseline: the free heap pages left by loading go back to the system
+    first (glibc ``malloc_trim``), so the peak over it counts what the pruning call holds."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def block_linear_sparsity(lm) -> tuple[float, int]:
@@ -127,6 +153,12 @@ def embed_zero_fraction(lm) -> tuple[float, float, bool]:
             emb is head)
 
 
+def _load_model():
+    import prunelab
+
+    return prunelab.load(MODEL, dtype=DTYPE, device=DEVICE)
+
+
 def job_prunelab(setting: str, workdir: Path, within_block: str = "default",
                  propagate: str = "default") -> dict:
     import torch
@@ -140,7 +172,7 @@ def job_prunelab(setting: str, workdir: Path, within_block: str = "default",
     kw = {k: v for k, v in (("within_block", within_block), ("propagate", propagate))
           if v != "default"}  # "default": the method's own (Wanda dense/dense, ...)
     cfg = cls(pattern=pattern, **kw) if pattern else cls(sparsity=sparsity, **kw)
-    lm = prunelab.load(MODEL)
+    lm = _load_model()
     calib = torch.load(workdir / "calib.batches", weights_only=False)
     baseline = _page_in(lm.model)
     with PeakRSS() as rss:
@@ -158,18 +190,19 @@ def job_prunelab(setting: str, workdir: Path, within_block: str = "default",
             "extra_peak": rss.peak - baseline, "achieved_sparsity": achieved,
             "pruned_linear_params": params, "embed_zero_fraction": emb,
             "lm_head_zero_fraction": head, "tied_after": tied,
-            "threads": torch.get_num_threads(), "save_dir": str(save_dir)}
+            "threads": torch.get_num_threads(), "save_dir": str(save_dir),
+            "cuda_peak_bytes": (torch.cuda.max_memory_allocated()
+                                if torch.cuda.is_available() else None)}
 
 
 def job_lower_bound(workdir: Path) -> dict:
     import torch
 
-    import prunelab
     from prunelab.calib.runner import BlockRunner
     from prunelab.eval.speed import PeakRSS
 
     _quiet()
-    lm = prunelab.load(MODEL)
+    lm = _load_model()
     calib = torch.load(workdir / "calib.batches", weights_only=False)
     baseline = _page_in(lm.model)
     runner = BlockRunner(lm, calib.input_ids, batch_size=8)
@@ -183,6 +216,7 @@ def job_lower_bound(workdir: Path) -> dict:
 
 
 def run_job(args) -> None:
+    _set_model(args)
     workdir = Path(args.workdir)
     if args.job == "lower-bound":
         out = job_lower_bound(workdir)
@@ -289,8 +323,10 @@ def spawn(cmd: list[str], result: Path, log: Path, env: dict | None = None) -> d
 def evaluate_dir(path: str, test) -> float:
     import prunelab
 
-    lm = prunelab.load(path)
-    return float(prunelab.evaluate(lm, test, batch_size=4)["perplexity"])
+    lm = prunelab.load(path, dtype=DTYPE, device=DEVICE)
+    ppl = float(prunelab.evaluate(lm, test, batch_size=4)["perplexity"])
+    del lm
+    return ppl
 
 
 def fmt(v, spec: str) -> str:
@@ -303,7 +339,7 @@ def ratio(a, b) -> str:
 
 def print_table(results: dict, dense_ppl: float, lower: dict, args) -> None:
     print()
-    print(f"{MODEL}, float32, CPU, {lower.get('threads', '?')} threads; calibration "
+    print(f"{MODEL}, {DTYPE}, {DEVICE}, {lower.get('threads', '?')} threads; calibration "
           f"{args.samples} x {args.seqlen} tokens of wiki-vital:calib (seed 0), test "
           f"{args.test_samples} x {args.seqlen} of wiki-vital:test")
     print(f"dense test ppl {dense_ppl:.3f}; lower bound (one calibration pass through the "
@@ -335,6 +371,11 @@ def print_table(results: dict, dense_ppl: float, lower: dict, args) -> None:
 
 def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=MODEL, help="prunelab model spec (default %(default)s)")
+    ap.add_argument("--dtype", default=DTYPE, choices=("float32", "bfloat16"),
+                    help="both sides load the model in this dtype")
+    ap.add_argument("--device", default=DEVICE, help="prunelab: cpu or cuda (llm-compressor's "
+                    "sequential pipeline uses the GPU by itself when there is one)")
     ap.add_argument("--samples", type=int, default=64, help="calibration windows")
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--test-samples", type=int, default=32, help="test windows")
@@ -358,6 +399,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    _set_model(args)
     if args.job:
         run_job(args)
         return None
@@ -380,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if not args.skip_llmc:
         llmc_py, install = ensure_llmc_venv(Path(args.venv))
 
-    lm = prunelab.load(MODEL)
+    lm = _load_model()
     source = str(lm.source)
     calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=args.seqlen,
                          samples=args.samples, seed=0)
@@ -402,8 +444,8 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     me = [sys.executable, str(Path(__file__).resolve())]
     print("lower bound: one BlockRunner pass ...", flush=True)
-    lower = spawn(me + ["--job", "lower-bound", "--workdir", str(workdir), "--result",
-                        str(workdir / "lower-bound.json")],
+    lower = spawn(me + [*_model_args(), "--job", "lower-bound", "--workdir", str(workdir),
+                        "--result", str(workdir / "lower-bound.json")],
                   workdir / "lower-bound.json", workdir / "lower-bound.log")
     print(f"  {fmt(lower.get('seconds'), '.1f')} s", flush=True)
 
@@ -416,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"{label(s)}: prunelab ...", flush=True)
         res = spawn(me + ["--job", f"prunelab-{s}", "--workdir", str(workdir), "--result",
                           str(workdir / f"prunelab-{tag}.json"),
-                          "--within-block", args.within_block,
+                          "--within-block", args.within_block, *_model_args(),
                           "--propagate", args.propagate],
                     workdir / f"prunelab-{tag}.json", workdir / f"prunelab-{tag}.log")
         results[s]["prunelab"] = res
@@ -427,7 +469,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                    str(workdir / "calib_ids.pt"), "--method", method, "--sparsity",
                    str(sparsity), "--mask-structure", pattern or "0:0", "--ignore",
                    args.llmc_ignore, "--batch-size", str(args.llmc_batch_size),
-                   "--save-dir", str(save_dir), "--result", str(workdir / f"llmc-{tag}.json")]
+                   "--save-dir", str(save_dir), "--result", str(workdir / f"llmc-{tag}.json"),
+                   "--dtype", DTYPE]
             results[s]["llmc"] = spawn(cmd, workdir / f"llmc-{tag}.json",
                                        workdir / f"llmc-{tag}.log", env=env)
         for side in ("prunelab", "llmc"):
@@ -444,7 +487,8 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     print_table(results, dense_ppl, lower, args)
     print(f"total {(time.time() - started) / 60:.1f} min; logs in {workdir}")
-    out = {"model": MODEL, "samples": args.samples, "seqlen": args.seqlen,
+    out = {"model": MODEL, "dtype": DTYPE, "device": DEVICE, "samples": args.samples,
+           "seqlen": args.seqlen,
            "test_samples": args.test_samples, "calib": calib.to_dict(), "test": test.to_dict(),
            "dense_ppl": dense_ppl, "dense_embed_zero_fraction": emb0, "lower_bound": lower,
            "llmc_install": install, "llmc_batch_size": args.llmc_batch_size,

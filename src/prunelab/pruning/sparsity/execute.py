@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prunelab.calib.memory import release_free_memory
 from prunelab.calib.runner import BlockRunner
 from prunelab.errors import ConfigError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
@@ -251,6 +252,7 @@ def _prune_all_blocks(lm, cfg: SparsityConfig, runner: BlockRunner, per_block: l
         else:
             achieved, outs = prune_block_sequential(*args)
         layers.append({"block": i, "target": per_block[i], "linears": achieved})
+        release_free_memory()  # the block's freed activations go back to the system
         return outs
 
     runner.run(on_block=on_block, propagate="modified" if one_dense_pass else cfg.propagate,
