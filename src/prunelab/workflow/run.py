@@ -1,0 +1,267 @@
+"""Run a recipe, resumably (``prunelab run RECIPE.yaml --out DIR``).
+
+Each stage is a point of :mod:`prunelab.workflow.executor` keyed by its id, whose payload
+is the stage's content hash (:func:`~prunelab.workflow.recipe.stage_hashes`: its options,
+the top-level fields and the hash of the model it starts from). A stage whose
+``OUT/points/<id>/result.json`` holds the same hash is not redone; an interrupted stage
+is (the result is written last). A model-producing stage (``prune``, ``heal``) also
+writes its model to ``OUT/points/<id>/model`` (a checkpoint whose manifest keeps the
+recipe reproducing it), so a later stage starting from it -- in this run or a resumed
+one -- loads it instead of recomputing. ``OUT/run.json`` is the run's manifest (the
+recipe, every stage's hash, whether it ran or was reused, its seconds).
+"""
+
+from __future__ import annotations
+
+import inspect
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from prunelab import log
+from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.io.save import write_json
+from prunelab.workflow.executor import Point, finished, point_dir, record
+from prunelab.workflow.recipe import Recipe, chain_recipe, load_recipe, stage_hashes
+from prunelab.workflow.stages import MODEL_STAGES, Stage
+
+RUN_FILE = "run.json"
+
+
+def check_runnable(recipe: Recipe) -> None:
+    """Errors that only the installed library can tell, before anything runs."""
+    from prunelab import api
+
+    for i, st in enumerate(recipe.stages):
+        if st.kind == "evaluate" and st.options.tasks and \
+                "tasks" not in inspect.signature(api.evaluate).parameters:
+            raise ConfigError(f"stage {i} (evaluate): tasks needs downstream-task "
+                              "evaluation (api.evaluate(tasks=...)), not in this install")
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """Resume a run folder; refuse any other non-empty folder; ``overwrite`` discards a
+    previous run's results (never a folder that is not a run)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputExistsError(f"{out} is a file; --out names a run folder")
+    if not any(out.iterdir()):
+        return
+    if not (out / RUN_FILE).is_file():
+        raise OutputExistsError(f"{out} exists and is not a prunelab run folder (no "
+                                f"{RUN_FILE}): choose another --out")
+    if overwrite:
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
+               overwrite: bool = False) -> dict:
+    """Run ``recipe`` into ``out`` (resuming a run already there); returns the run's
+    manifest: ``{"recipe", "stages": [{id, kind, from, hash, status, seconds}],
+    "results": {id: result}}``."""
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    check_runnable(recipe)
+    out = Path(out)
+    prepare_out(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    runner = _Runner(recipe, out)
+    return runner.run()
+
+
+class _Runner:
+    def __init__(self, recipe: Recipe, out: Path):
+        self.recipe, self.out = recipe, out
+        self.hashes = stage_hashes(recipe)
+        self.inputs = recipe.inputs()
+        self.mem: tuple[str, Any] | None = None  # (model id, LoadedModel)
+        self.ref = None
+        self.ref_cache: dict = {}
+        self.results: dict[str, dict] = {}
+        self.rows: list[dict] = []
+
+    def run(self) -> dict:
+        for i, st in enumerate(self.recipe.stages):
+            point = Point(st.id, {"hash": self.hashes[st.id], "kind": st.kind})
+            done = finished(self.out, point)
+            if done is not None and self._outputs_exist(st):
+                self.results[st.id] = done
+                self.rows.append(self._row(st, "reused", 0.0))
+                log.info(f"stage {i} {st.kind} {st.id}: unchanged, reused")
+            else:
+                log.info(f"stage {i} {st.kind} {st.id}: running")
+                folder = point_dir(self.out, st.id)
+                if folder.exists():
+                    shutil.rmtree(folder)
+                folder.mkdir(parents=True)
+                start = time.perf_counter()
+                res = getattr(self, f"_{st.kind}")(st, folder)
+                res = {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
+                record(self.out, point, res)
+                self.results[st.id] = res
+                self.rows.append(self._row(st, "ran", time.perf_counter() - start))
+            self._write_run()
+        return self._manifest()
+
+    # ------------------------------------------------------------------ plumbing
+    def _row(self, st: Stage, status: str, seconds: float) -> dict:
+        return {"id": st.id, "kind": st.kind, "from": self.inputs[st.id],
+                "hash": self.hashes[st.id], "status": status, "seconds": round(seconds, 3)}
+
+    def _manifest(self) -> dict:
+        return {"format": "prunelab-run/1", "recipe": self.recipe.to_dict(),
+                "stages": self.rows, "results": self.results}
+
+    def _write_run(self) -> None:
+        m = self._manifest()
+        write_json(self.out / RUN_FILE, {k: m[k] for k in ("format", "recipe", "stages")},
+                   overwrite=True)
+
+    def _outputs_exist(self, st: Stage) -> bool:
+        if st.kind in MODEL_STAGES:
+            return (point_dir(self.out, st.id) / "model" / "config.json").is_file()
+        if st.kind == "save":
+            return (self.out / st.options.path / "config.json").is_file()
+        return True
+
+    def _load_kwargs(self) -> dict:
+        r = self.recipe
+        return {"dtype": r.dtype, "device": r.device, "trust_remote_code": r.trust_remote_code}
+
+    def model(self, model_id: str, mutate: bool = False):
+        """The model ``model_id`` (``dense`` or a model stage) leaves; ``mutate``: the
+        caller changes it in place (it is then no longer kept as ``model_id``)."""
+        from prunelab import api
+
+        if self.mem is not None and self.mem[0] == model_id:
+            lm = self.mem[1]
+        elif model_id == "dense":
+            lm = api.load(self.recipe.model, **self._load_kwargs())
+        else:
+            lm = load_stage_model(point_dir(self.out, model_id) / "model", self._load_kwargs())
+        self.mem = None if mutate else (model_id, lm)
+        return lm
+
+    def reference(self):
+        """The dense model, loaded once, never changed (KL reference, heal teacher)."""
+        from prunelab import api
+
+        if self.ref is None:
+            self.ref = api.load(self.recipe.model, **self._load_kwargs())
+        return self.ref
+
+    def calib(self, c) -> dict:
+        r = self.recipe
+        return {"data": c.data or r.data, "samples": c.samples or r.samples,
+                "seqlen": c.seqlen or r.seqlen, "batch_size": c.batch_size or r.batch_size,
+                "seed": r.seed}
+
+    def _save_model(self, lm, st: Stage, folder: Path, extra: dict) -> None:
+        from prunelab import api
+        from prunelab.io.save import build_manifest
+
+        man = build_manifest(lm, data=extra.pop("data", None), extra={
+            **extra, "recipe": chain_recipe(self.recipe, st.id), "recipe_stage": st.id})
+        api.save(lm, folder / "model", manifest=man)
+        self.mem = (st.id, lm)
+
+    # ------------------------------------------------------------------ stages
+    def _probe(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+
+        lm = self.model(self.inputs[st.id])
+        c = self.calib(st.options.calib)
+        results = api.probe(lm, list(st.options.probes), data=c["data"],
+                            seqlen=c["seqlen"], samples=c["samples"], seed=c["seed"],
+                            batch_size=c["batch_size"], out_dir=folder / "probes",
+                            overwrite=True)
+        if not isinstance(results, dict):
+            results = {results.probe: results}
+        return {"probes": {name: {"json": str(folder / "probes" / f"{name}.json"),
+                                  "ranking": r.ranking()} for name, r in results.items()}}
+
+    def _prune(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+
+        lm = self.model(self.inputs[st.id], mutate=True)
+        c = self.calib(st.options.calib)
+        rep = api.prune(lm, st.options.method, data=c["data"], seqlen=c["seqlen"],
+                        samples=c["samples"], seed=c["seed"], batch_size=c["batch_size"])
+        lm.history[-1]["calib"] = {k: c[k] for k in ("data", "samples", "seqlen",
+                                                       "batch_size")}
+        self._save_model(lm, st, folder, {"data": rep["data"], "report": rep.to_dict()})
+        return {"report": rep.to_dict()}
+
+    def _heal(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+
+        lm = self.model(self.inputs[st.id], mutate=True)
+        o = st.options
+        teacher = self.reference() if o.teacher == "dense" else None
+        lm, rec = api.heal(lm, teacher=teacher, data=self.recipe.data,
+                           eval_data=self.recipe.test, config=o.config,
+                           out_dir=folder / "heal-state", train_samples=o.train_samples,
+                           eval_samples=o.eval_samples)
+        self._save_model(lm, st, folder, {"healing": rec})
+        return {"healing": rec}
+
+    def _evaluate(self, st: Stage, folder: Path) -> dict:
+        from prunelab.workflow.evaluate import evaluate_model
+
+        src = self.inputs[st.id]
+        lm = self.model(src)
+        o = st.options
+        ref = self.reference() if o.reference and src != "dense" else None
+        metrics = evaluate_model(lm, o, data=o.data or self.recipe.test, reference=ref,
+                                 reference_cache=self.ref_cache, seed=self.recipe.seed)
+        return {"model": src, "metrics": metrics}
+
+    def _save(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+        from prunelab.io.save import build_manifest
+
+        src = self.inputs[st.id]
+        lm = self.model(src)
+        target = self.out / st.options.path
+        man = build_manifest(lm, extra={"recipe": chain_recipe(
+            self.recipe, src, st.options.path), "recipe_stage": src})
+        if src != "dense":
+            stored = point_dir(self.out, src) / "model" / "manifest.json"
+            import json
+
+            old = json.loads(stored.read_text())
+            man.update({k: old[k] for k in ("data", "report", "healing") if k in old})
+        api.save(lm, target, manifest=man, overwrite=target.exists())
+        return {"model": src, "path": str(target)}
+
+    def _report(self, st: Stage, folder: Path) -> dict:
+        from prunelab.workflow.leaderboard import write_study
+
+        rows = [{"method": sid, **res["metrics"]} for sid, res in self.results.items()
+                if res.get("kind") == "evaluate"]
+        dense = next((r for r in rows if self.inputs.get(r["method"]) == "dense"), None)
+        probes = {n: p["json"] for res in self.results.values() if res.get("kind") == "probe"
+                  for n, p in res["probes"].items()}
+        return write_study(self.out, rows, dense=dense, title=st.options.title,
+                           recipe=self.recipe.to_dict(), probes=probes)
+
+
+def load_stage_model(folder: Path, load_kwargs: dict):
+    """A stage's checkpoint, with its history and size-before from the manifest (so a
+    later manifest records every operation since the dense model)."""
+    import json
+
+    from prunelab import api
+
+    kw = dict(load_kwargs, trust_remote_code=True)  # prunelab's own modeling file
+    lm = api.load(str(folder), **kw)
+    man = json.loads((folder / "manifest.json").read_text())
+    lm.history = [dict(op) for op in man.get("operations") or []]
+    if man.get("size_before"):
+        lm.size_before = man["size_before"]
+    spec = (man.get("source_model") or {}).get("spec")
+    if spec:
+        lm.spec = spec
+    return lm
