@@ -19,6 +19,7 @@ from prunelab.cli import (  # noqa: F401  (register)
     heal_cmds,
     inspect_cmds,
     prune_cmds,
+    workflow_cmds,
 )
 from prunelab.cli.apps import app
 from prunelab.cli.common import state

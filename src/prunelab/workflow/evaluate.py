@@ -52,7 +52,19 @@ def evaluate_model(lm, opts, data: str, reference=None, reference_cache: dict | 
     if opts.speed:
         res.update(speed_of(lm))
     res.pop("data", None)
+    res["nonzero_params"] = nonzero_params(lm.model)
     return res
+
+
+def nonzero_params(model) -> int:
+    """Parameters that are not exactly zero (tied tensors once): what unstructured
+    sparsity keeps."""
+    seen, n = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            n += int((p.detach() != 0).sum())
+    return n
 
 
 @contextlib.contextmanager

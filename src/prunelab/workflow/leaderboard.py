@@ -27,6 +27,7 @@ COLUMNS = (("method", "method", "{}"), ("achieved", "achieved", "{}"),
 TAIL = (("prefill_tok_s", "prefill_tokens_per_s", "{:.0f}"),
         ("decode_tok_s", "decode_tokens_per_s", "{:.1f}"),
         ("prune_seconds", "prune_seconds", "{:.1f}"),
+        ("prune_peak_memory_bytes", "prune_peak_memory_bytes", "{:,}"),
         ("peak_memory_bytes", "peak_memory_bytes", "{:,}"))
 
 
@@ -42,7 +43,7 @@ def table(rows: list[dict], dense: dict | None = None) -> tuple[list[str], list[
     for r in rows:
         r = dict(r)
         if base and r.get("params") and "params_kept" not in r:
-            r["params_kept"] = r["params"] / base
+            r["params_kept"] = r.get("nonzero_params", r["params"]) / base
         ts = task_scores(r)
         values.append([r.get(k) for _, k, _ in COLUMNS] + [ts.get(t) for t in tasks]
                       + [r.get(k) for _, k, _ in TAIL])

@@ -44,7 +44,7 @@ def _opt(default, text: str):
 class Recipe:
     """The top of a recipe plus its parsed stages (``stages`` in order)."""
 
-    model: str = _opt(None, "model spec: smollm2-135m | DIR | FILE.gguf | hub id")
+    model: str = _opt(None, "model spec (required): smollm2-135m | DIR | FILE.gguf | hub id")
     data: str = _opt("wiki-vital:calib", "calibration data spec")
     test: str = _opt("wiki-vital:test", "held-out data spec (evaluate stages)")
     seed: int = _opt(0, "window sampling and method seed")

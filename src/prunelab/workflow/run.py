@@ -41,17 +41,18 @@ def check_runnable(recipe: Recipe) -> None:
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:
-    """Resume a run folder; refuse any other non-empty folder; ``overwrite`` discards a
-    previous run's results (never a folder that is not a run)."""
+    """Resume a run (or comparison) folder -- one holding ``run.json`` or ``points/`` --
+    and refuse any other non-empty folder; ``overwrite`` discards a previous run's
+    results (never a folder that is not a run)."""
     if not out.exists():
         return
     if not out.is_dir():
         raise OutputExistsError(f"{out} is a file; --out names a run folder")
     if not any(out.iterdir()):
         return
-    if not (out / RUN_FILE).is_file():
-        raise OutputExistsError(f"{out} exists and is not a prunelab run folder (no "
-                                f"{RUN_FILE}): choose another --out")
+    if not ((out / RUN_FILE).is_file() or (out / "points").is_dir()):
+        raise OutputExistsError(f"{out} exists and is not a prunelab run or comparison "
+                                "folder: choose another --out")
     if overwrite:
         for child in out.iterdir():
             shutil.rmtree(child) if child.is_dir() else child.unlink()
@@ -239,9 +240,14 @@ class _Runner:
     def _report(self, st: Stage, folder: Path) -> dict:
         from prunelab.workflow.leaderboard import write_study
 
-        rows = [{"method": sid, **res["metrics"]} for sid, res in self.results.items()
-                if res.get("kind") == "evaluate"]
-        dense = next((r for r in rows if self.inputs.get(r["method"]) == "dense"), None)
+        rows, dense = [], None
+        for sid, res in self.results.items():
+            if res.get("kind") != "evaluate":
+                continue
+            label = res["model"] if sid.startswith("evaluate-") else sid
+            rows.append({"method": label, **res["metrics"]})
+            if res["model"] == "dense" and dense is None:
+                dense = rows[-1]
         probes = {n: p["json"] for res in self.results.values() if res.get("kind") == "probe"
                   for n, p in res["probes"].items()}
         return write_study(self.out, rows, dense=dense, title=st.options.title,
