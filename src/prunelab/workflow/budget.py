@@ -95,11 +95,11 @@ def apply_budget(config, budget: Budget, dense: dict):
         n = max(1, round(removed_params / dense["block_params"]))
         return dataclasses.replace(config, remove=n, target_params=None)
     if "target_params" in fields:
-        kept = 1.0 - removed_params / dense["params"]
+        kept = round(1.0 - removed_params / dense["params"], 6)
         extra = {"ratio": None} if "ratio" in fields else {}
         return dataclasses.replace(config, target_params=kept, **extra)
     if "sparsity" in fields:
-        s = removed_params / dense["linear_params"]
+        s = round(removed_params / dense["linear_params"], 6)
         if not 0.0 < s < 1.0:
             raise ConfigError(f"{name}: budget {budget} needs sparsity {s:.3f} of the blocks' "
                               "linears, outside (0, 1)")
