@@ -214,7 +214,7 @@ class _Runner:
         src = self.inputs[st.id]
         lm = self.model(src)
         o = st.options
-        ref = self.reference() if o.reference and src != "dense" else None
+        ref = self.reference() if o.reference and (src != "dense" or o.press) else None
         metrics = evaluate_model(lm, o, data=o.data or self.recipe.test, reference=ref,
                                  reference_cache=self.ref_cache, seed=self.recipe.seed)
         return {"model": src, "metrics": metrics}
