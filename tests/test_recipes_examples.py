@@ -14,7 +14,8 @@ from prunelab.workflow.run import check_runnable, run_recipe
 from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
-FAMILIES = {"depth", "sparsity", "width", "factor", "heal", "gates", "inference", "compose"}
+FAMILIES = {"depth", "sparsity", "width", "factor", "heal", "gates", "inference", "compose",
+            "demo"}
 
 
 def test_one_recipe_per_family():

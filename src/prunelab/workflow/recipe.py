@@ -183,7 +183,8 @@ def stage_hashes(recipe: Recipe) -> dict[str, str]:
     for st in recipe.stages:
         body = {"kind": st.kind, "options": st.to_dict(with_source=False), "top": top,
                 "input": models[inputs[st.id]]}
-        if st.kind == "report":
+        if st.kind == "report" or (st.kind == "prune" and getattr(
+                st.options.method, "from_probe", None)):  # reads earlier stages' files
             body["earlier"] = dict(out)
         out[st.id] = digest(body)
         if st.kind in MODEL_STAGES:
@@ -193,10 +194,13 @@ def stage_hashes(recipe: Recipe) -> dict[str, str]:
 
 # ---------------------------------------------------------------- from a checkpoint
 
-def chain_recipe(recipe: Recipe, stage_id: str, save_path: str = "model") -> dict:
+def chain_recipe(recipe: Recipe, stage_id: str, save_path: str = "model",
+                 overrides: dict | None = None) -> dict:
     """The recipe reproducing the model ``stage_id`` (or ``dense``) leaves: its
-    model-producing ancestors in order, then a save stage."""
+    model-producing ancestors in order (``overrides``: id -> the stage as it ran), then
+    a save stage."""
     by_id = {s.id: s for s in recipe.stages}
+    by_id.update(overrides or {})
     inputs = recipe.inputs()
     chain = []
     node = stage_id

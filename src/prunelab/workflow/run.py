@@ -14,6 +14,7 @@ recipe, every stage's hash, whether it ran or was reused, its seconds).
 from __future__ import annotations
 
 import inspect
+import json
 import shutil
 import time
 from pathlib import Path
@@ -82,6 +83,7 @@ class _Runner:
         self.ref_cache: dict = {}
         self.results: dict[str, dict] = {}
         self.rows: list[dict] = []
+        self.overrides: dict[str, Stage] = {}  # stages as run (resolved paths)
 
     def run(self) -> dict:
         for i, st in enumerate(self.recipe.stages):
@@ -164,7 +166,8 @@ class _Runner:
         from prunelab.io.save import build_manifest
 
         man = build_manifest(lm, data=extra.pop("data", None), extra={
-            **extra, "recipe": chain_recipe(self.recipe, st.id), "recipe_stage": st.id})
+            **extra, "recipe": chain_recipe(self.recipe, st.id, overrides=self.overrides),
+            "recipe_stage": st.id})
         api.save(lm, folder / "model", manifest=man)
         self.mem = (st.id, lm)
 
@@ -188,12 +191,31 @@ class _Runner:
 
         lm = self.model(self.inputs[st.id], mutate=True)
         c = self.calib(st.options.calib)
-        rep = api.prune(lm, st.options.method, data=c["data"], seqlen=c["seqlen"],
+        method = self._resolved(st)
+        rep = api.prune(lm, method, data=c["data"], seqlen=c["seqlen"],
                         samples=c["samples"], seed=c["seed"], batch_size=c["batch_size"])
         lm.history[-1]["calib"] = {k: c[k] for k in ("data", "samples", "seqlen",
                                                        "batch_size")}
         self._save_model(lm, st, folder, {"data": rep["data"], "report": rep.to_dict()})
         return {"report": rep.to_dict()}
+
+    def _resolved(self, st: Stage):
+        """The stage's method with a relative ``from_probe`` read from the run folder
+        (``points/<probe stage>/probes/NAME.json``); the checkpoint's recipe keeps the
+        absolute path."""
+        import dataclasses
+
+        method = st.options.method
+        path = getattr(method, "from_probe", None)
+        if path and not Path(path).is_absolute():
+            full = (self.out / path).resolve()
+            if not full.is_file():
+                raise ConfigError(f"stage {st.id}: from_probe {path} is not in {self.out} "
+                                  "(run the probe stage first)")
+            method = dataclasses.replace(method, from_probe=str(full))
+            self.overrides[st.id] = dataclasses.replace(
+                st, options=dataclasses.replace(st.options, method=method))
+        return method
 
     def _heal(self, st: Stage, folder: Path) -> dict:
         from prunelab import api
@@ -226,14 +248,15 @@ class _Runner:
         src = self.inputs[st.id]
         lm = self.model(src)
         target = self.out / st.options.path
-        man = build_manifest(lm, extra={"recipe": chain_recipe(
-            self.recipe, src, st.options.path), "recipe_stage": src})
-        if src != "dense":
-            stored = point_dir(self.out, src) / "model" / "manifest.json"
-            import json
-
-            old = json.loads(stored.read_text())
-            man.update({k: old[k] for k in ("data", "report", "healing") if k in old})
+        man = build_manifest(lm, extra={"recipe_stage": src})
+        if src == "dense":
+            man["recipe"] = chain_recipe(self.recipe, src, st.options.path)
+        else:  # the stage's own manifest: its data, report, healing and recipe as it ran
+            stored = json.loads((point_dir(self.out, src) / "model" / "manifest.json")
+                                .read_text())
+            man.update({k: stored[k] for k in ("data", "report", "healing", "recipe")
+                        if k in stored})
+            man["recipe"]["stages"][-1] = {"save": {"path": st.options.path}}
         api.save(lm, target, manifest=man, overwrite=target.exists())
         return {"model": src, "path": str(target)}
 
@@ -257,8 +280,6 @@ class _Runner:
 def load_stage_model(folder: Path, load_kwargs: dict):
     """A stage's checkpoint, with its history and size-before from the manifest (so a
     later manifest records every operation since the dense model)."""
-    import json
-
     from prunelab import api
 
     kw = dict(load_kwargs, trust_remote_code=True)  # prunelab's own modeling file
