@@ -228,3 +228,19 @@ def test_run_and_recipe_commands(tiny, tmp_path, capsys):
     assert cli_main(["recipe", "--from", str(tmp_path / "o" / "model"), "--out",
                      str(tmp_path / "y.yaml")]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_depth_reads_an_earlier_probe_stage(tiny, tmp_path):
+    text = _recipe(tiny, "  - probe: {id: p, probes: [block-influence]}\n"
+                         "  - prune: {id: d, method: depth, remove: 1, bootstrap: 0, "
+                         "from_probe: points/p/probes/block-influence.json}\n")
+    man = run_recipe(text, tmp_path / "o")
+    first = man["results"]["p"]["probes"]["block-influence"]["ranking"][0]
+    assert man["results"]["d"]["report"]["removed_blocks"] == [first]
+    saved = json.loads((tmp_path / "o" / "points" / "d" / "model" / "manifest.json")
+                       .read_text())
+    path = saved["recipe"]["stages"][0]["prune"]["from_probe"]
+    assert Path(path).is_absolute() and Path(path).is_file()
+    bad = text.replace("points/p/", "points/q/")
+    with pytest.raises(ConfigError, match="from_probe"):
+        run_recipe(bad, tmp_path / "o2")
