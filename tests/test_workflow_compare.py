@@ -121,3 +121,26 @@ def test_compare_errors(tiny, tmp_path):
         compare(str(tiny / "model"), ["nope"], "params:0.8", tmp_path / "x", **_kw(tiny))
     with pytest.raises(ConfigError, match="takes no budget"):
         compare(str(tiny / "model"), ["prunepath"], "params:0.8", tmp_path / "y", **_kw(tiny))
+
+
+def test_compare_command(tiny, tmp_path, capsys):
+    from prunelab.cli import cli_main
+
+    data = f"text:{tiny / 'text.txt'}"
+    args = ["compare", "--model", str(tiny / "model"), "--calib", data, "--test", data,
+            "--samples", "4", "--seqlen", "16", "--test-samples", "4", "--test-seqlen", "16",
+            "--batch-size", "2", "--no-speed"]
+    assert cli_main([*args, "--methods", "magnitude", "--budget", "half",
+                     "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --budget") and "\n" not in err
+    assert not (tmp_path / "a").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "x.txt").write_text("x")
+    assert cli_main([*args, "--methods", "magnitude", "--budget", "sparsity:0.5",
+                     "--out", str(other)]) == 2
+    assert "not a prunelab run" in capsys.readouterr().err
+    assert cli_main(["-q", *args, "--methods", "magnitude", "--budget", "sparsity:0.5",
+                     "--out", str(tmp_path / "b")]) == 0
+    assert "| magnitude | sparsity 0.5" in capsys.readouterr().out

@@ -96,6 +96,12 @@ def compare(model: str, methods: list[str], budget: str | Budget, out: str | Pat
     from prunelab.workflow.stages import EvaluateStage
 
     budget = budget if isinstance(budget, Budget) else parse_budget(budget)
+    if ray is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("prunelab.workflow.ray_backend") is None:
+            raise ConfigError("--ray needs prunelab.workflow.ray_backend, not in this "
+                              "install; run without --ray")
     if not methods:
         raise ConfigError("--methods names at least one method")
     if tasks and not tasks_supported():
