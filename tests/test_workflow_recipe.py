@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from prunelab.errors import ConfigError
-from prunelab.workflow import run as run_mod
 from prunelab.workflow.recipe import load_recipe, recipe_from_checkpoint, stage_hashes
 from prunelab.workflow.run import run_recipe
 

@@ -65,7 +65,7 @@ def markdown(rows: list[dict], dense: dict | None = None) -> str:
                                                      - len(TAIL)) + [f for _, _, f in TAIL]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in values:
-        lines.append("| " + " | ".join(_fmt(x, f) for x, f in zip(v, fmts)) + " |")
+        lines.append("| " + " | ".join(_fmt(x, f) for x, f in zip(v, fmts, strict=True)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -98,7 +98,7 @@ def plot_leaderboard(rows: list[dict], dense: dict | None, out: Path) -> list[Pa
         if not any(v[col[k]] is not None for v in pts for k in keys):
             continue
         fig = Figure(figsize=(10, 4))
-        for ax, key, label in zip(fig.subplots(1, 2), keys, labels):
+        for ax, key, label in zip(fig.subplots(1, 2), keys, labels, strict=True):
             for v in pts:
                 if v[col[key]] is None:
                     continue

@@ -31,7 +31,7 @@ from typing import Any
 
 from prunelab.errors import ConfigError
 from prunelab.registry import check_range, to_dict
-from prunelab.workflow.stages import MODEL_STAGES, Stage, parse_stage
+from prunelab.workflow.stages import MODEL_STAGES, parse_stage
 
 FORMAT = "prunelab-recipe/1"
 
