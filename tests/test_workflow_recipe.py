@@ -138,6 +138,26 @@ def test_resume_skips_finished_stages(tiny, tmp_path, monkeypatch):
         stage_hashes(load_recipe(changed)).values())
 
 
+def test_interrupted_probe_stage_keeps_finished_probes(tiny, tmp_path, monkeypatch):
+    from prunelab import api
+
+    text = _recipe(tiny, "  - probe: {id: p, probes: [block-influence, cka]}\n")
+    out = tmp_path / "run"
+    first = run_recipe(text, out)
+    (out / "points" / "p" / "result.json").unlink()  # as if stopped before it was recorded
+    (out / "points" / "p" / "probes" / "cka.json").unlink()
+    seen = []
+    real = api.probe
+
+    def spy(lm, probes, *a, **k):
+        seen.append(list(probes))
+        return real(lm, probes, *a, **k)
+    monkeypatch.setattr(api, "probe", spy)
+    again = run_recipe(text, out)
+    assert [[type(p).__name__ for p in x] for x in seen] == [["CKA"]]
+    assert again["results"]["p"]["probes"] == first["results"]["p"]["probes"]
+
+
 def test_out_folder_rules(tiny, tmp_path):
     text = _recipe(tiny, f"  - evaluate: {EVAL}\n")
     other = tmp_path / "other"

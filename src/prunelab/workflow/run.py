@@ -95,10 +95,7 @@ class _Runner:
                 log.info(f"stage {i} {st.kind} {st.id}: unchanged, reused")
             else:
                 log.info(f"stage {i} {st.kind} {st.id}: running")
-                folder = point_dir(self.out, st.id)
-                if folder.exists():
-                    shutil.rmtree(folder)
-                folder.mkdir(parents=True)
+                folder = self._attempt(point)
                 start = time.perf_counter()
                 res = getattr(self, f"_{st.kind}")(st, folder)
                 res = {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
@@ -109,6 +106,21 @@ class _Runner:
         return self._manifest()
 
     # ------------------------------------------------------------------ plumbing
+    def _attempt(self, point: Point) -> Path:
+        """The stage folder for a new attempt: kept when an interrupted attempt had the
+        same hash (probes and healing resume from their partial state there), else
+        emptied; a half-written checkpoint is always removed."""
+        folder = point_dir(self.out, point.key)
+        marker = folder / "attempt.json"
+        same = marker.is_file() and json.loads(marker.read_text()) == point.payload
+        if folder.exists() and not same:
+            shutil.rmtree(folder)
+        if (folder / "model").exists():
+            shutil.rmtree(folder / "model")
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(marker, point.payload, overwrite=True)
+        return folder
+
     def _row(self, st: Stage, status: str, seconds: float) -> dict:
         return {"id": st.id, "kind": st.kind, "from": self.inputs[st.id],
                 "hash": self.hashes[st.id], "status": status, "seconds": round(seconds, 3)}
@@ -174,16 +186,25 @@ class _Runner:
     # ------------------------------------------------------------------ stages
     def _probe(self, st: Stage, folder: Path) -> dict:
         from prunelab import api
+        from prunelab.probes import PROBES, ProbeResult
 
         lm = self.model(self.inputs[st.id])
         c = self.calib(st.options.calib)
-        results = api.probe(lm, list(st.options.probes), data=c["data"],
-                            seqlen=c["seqlen"], samples=c["samples"], seed=c["seed"],
-                            batch_size=c["batch_size"], out_dir=folder / "probes",
-                            overwrite=True)
-        if not isinstance(results, dict):
-            results = {results.probe: results}
-        return {"probes": {name: {"json": str(folder / "probes" / f"{name}.json"),
+        pdir = folder / "probes"
+        names = [PROBES.name_of(p) for p in st.options.probes]
+        todo = [p for p, n in zip(st.options.probes, names, strict=True)
+                if not (pdir / f"{n}.json").is_file()]  # finished in an interrupted attempt
+        results = {}
+        for n in names:  # the CSV / PNG of a probe whose JSON is missing are stale
+            for suffix in (".csv", ".png"):
+                if not (pdir / f"{n}.json").is_file():
+                    (pdir / f"{n}{suffix}").unlink(missing_ok=True)
+        if todo:
+            results = api.probe(lm, todo, data=c["data"], seqlen=c["seqlen"],
+                                samples=c["samples"], seed=c["seed"],
+                                batch_size=c["batch_size"], out_dir=pdir)
+        results = {n: results.get(n) or ProbeResult.load(pdir / f"{n}.json") for n in names}
+        return {"probes": {name: {"json": str(pdir / f"{name}.json"),
                                   "ranking": r.ranking()} for name, r in results.items()}}
 
     def _prune(self, st: Stage, folder: Path) -> dict:
