@@ -141,11 +141,11 @@ def test_resume_skips_finished_stages(tiny, tmp_path, monkeypatch):
 def test_interrupted_probe_stage_keeps_finished_probes(tiny, tmp_path, monkeypatch):
     from prunelab import api
 
-    text = _recipe(tiny, "  - probe: {id: p, probes: [block-influence, cka]}\n")
+    text = _recipe(tiny, "  - probe: {id: p, probes: [block-influence, weight-redundancy]}\n")
     out = tmp_path / "run"
     first = run_recipe(text, out)
     (out / "points" / "p" / "result.json").unlink()  # as if stopped before it was recorded
-    (out / "points" / "p" / "probes" / "cka.json").unlink()
+    (out / "points" / "p" / "probes" / "weight-redundancy.json").unlink()
     seen = []
     real = api.probe
 
@@ -154,7 +154,7 @@ def test_interrupted_probe_stage_keeps_finished_probes(tiny, tmp_path, monkeypat
         return real(lm, probes, *a, **k)
     monkeypatch.setattr(api, "probe", spy)
     again = run_recipe(text, out)
-    assert [[type(p).__name__ for p in x] for x in seen] == [["CKA"]]
+    assert [[type(p).__name__ for p in x] for x in seen] == [["WeightRedundancy"]]
     assert again["results"]["p"]["probes"] == first["results"]["p"]["probes"]
 
 
