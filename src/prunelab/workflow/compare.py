@@ -123,8 +123,11 @@ def compare(model: str, methods: list[str], budget: str | Budget, out: str | Pat
     out = Path(out)
     results = run_points(points, compare_point, out, ray=ray, cpus_per_point=cpus_per_point,
                          gpus_per_point=gpus_per_point)
+    cmd = (f"prunelab compare --model {model} --methods {','.join(methods)} --budget "
+           f"{budget} --calib {calib} --test {test} --out {out}")
     paths = write_study(out, results, dense=results[0], title=f"compare {model} at {budget}",
-                        commands=[])
+                        commands=[cmd], summary={"model": model, "budget": str(budget),
+                                                 "calibration": calib, "test": test})
     return {"rows": results, "dense": results[0], **paths}
 
 

@@ -117,7 +117,8 @@ def plot_leaderboard(rows: list[dict], dense: dict | None, out: Path) -> list[Pa
 
 def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
                 title: str = "prunelab", recipe: dict | None = None,
-                probes: dict | None = None, commands: list[str] | None = None) -> dict:
+                probes: dict | None = None, commands: list[str] | None = None,
+                summary: dict | None = None) -> dict:
     """Write ``leaderboard.md``, ``leaderboard.csv``, the plots and (when available)
     ``report.html`` into ``out``; returns the paths written."""
     from prunelab.io.save import write_json
@@ -129,10 +130,27 @@ def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
     plots = plot_leaderboard(rows, dense, out)
     res = {"leaderboard": str(out / "leaderboard.md"), "csv": str(out / "leaderboard.csv"),
            "plots": [str(p) for p in plots]}
-    html = _html_report(out, rows=rows, dense=dense, title=title, recipe=recipe,
-                        probes=probes or {}, plots=plots, commands=commands or [])
+    html = _html_report(out, title=title, leaderboard=out / "leaderboard.csv",
+                        plots={p.stem.replace("_", " "): p for p in plots},
+                        probes=_probe_results(probes or {}),
+                        probe_summary=_probe_summary(probes or {}), recipe=recipe,
+                        commands=commands or None, summary=summary)
     res["report"] = html
     return res
+
+
+def _probe_results(paths: dict) -> dict:
+    from prunelab.probes import ProbeResult
+
+    return {name: ProbeResult.load(p) for name, p in paths.items() if Path(p).is_file()}
+
+
+def _probe_summary(paths: dict) -> str | None:
+    for p in paths.values():
+        md = Path(p).parent / "summary.md"
+        if md.is_file():
+            return md.read_text()
+    return None
 
 
 def _html_report(out: Path, **kw) -> str | None:

@@ -295,7 +295,11 @@ class _Runner:
         probes = {n: p["json"] for res in self.results.values() if res.get("kind") == "probe"
                   for n, p in res["probes"].items()}
         return write_study(self.out, rows, dense=dense, title=st.options.title,
-                           recipe=self.recipe.to_dict(), probes=probes)
+                           recipe=self.recipe.to_dict(), probes=probes,
+                           commands=[f"prunelab run RECIPE.yaml --out {self.out}"],
+                           summary={"model": self.recipe.model, "calibration":
+                                    self.recipe.data, "test": self.recipe.test,
+                                    "seed": self.recipe.seed})
 
 
 def load_stage_model(folder: Path, load_kwargs: dict):
