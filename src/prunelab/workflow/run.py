@@ -103,6 +103,7 @@ class _Runner:
                 self.results[st.id] = res
                 self.rows.append(self._row(st, "ran", time.perf_counter() - start))
             self._write_run()
+            _release()
         return self._manifest()
 
     # ------------------------------------------------------------------ plumbing
@@ -152,10 +153,14 @@ class _Runner:
 
         if self.mem is not None and self.mem[0] == model_id:
             lm = self.mem[1]
-        elif model_id == "dense":
-            lm = api.load(self.recipe.model, **self._load_kwargs())
         else:
-            lm = load_stage_model(point_dir(self.out, model_id) / "model", self._load_kwargs())
+            self.mem = None  # one working model at a time (plus the dense reference)
+            _release()
+            if model_id == "dense":
+                lm = api.load(self.recipe.model, **self._load_kwargs())
+            else:
+                lm = load_stage_model(point_dir(self.out, model_id) / "model",
+                                      self._load_kwargs())
         self.mem = None if mutate else (model_id, lm)
         return lm
 
@@ -300,6 +305,18 @@ class _Runner:
                            summary={"model": self.recipe.model, "calibration":
                                     self.recipe.data, "test": self.recipe.test,
                                     "seed": self.recipe.seed})
+
+
+def _release() -> None:
+    """Free what the last stage dropped, and give it back to the system (glibc)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_stage_model(folder: Path, load_kwargs: dict):
