@@ -112,9 +112,11 @@ def apply_budget(config, budget: Budget, dense: dict):
 def achieved(after: dict, dense: dict, budget: Budget) -> dict:
     """The budget figure the pruned model reaches (``achieved``, in the budget's unit),
     plus ``params_kept`` and ``sparsity`` for every method."""
-    kept = after["nonzero_params"] / dense["params"]
-    sparsity = 1.0 - after["nonzero_linear_params"] / dense["linear_params"]
-    blocks = (dense["params"] - after["nonzero_params"]) / dense["block_params"]
+    base = dense.get("nonzero_params", dense["params"])  # a dense model has a few zeros
+    kept = after["nonzero_params"] / base
+    sparsity = 1.0 - after["nonzero_linear_params"] / dense.get("nonzero_linear_params",
+                                                                dense["linear_params"])
+    blocks = (base - after["nonzero_params"]) / dense["block_params"]
     value = {"params": kept, "sparsity": sparsity, "blocks": blocks}[budget.kind]
     exact = dense["blocks"] - after["blocks"] if budget.kind == "blocks" else None
     label = (f"blocks {exact}" if exact and abs(exact - blocks) < 0.5 else

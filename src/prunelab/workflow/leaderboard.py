@@ -37,8 +37,8 @@ def table(rows: list[dict], dense: dict | None = None) -> tuple[list[str], list[
     for r in rows:
         tasks += [t for t in task_scores(r) if t not in tasks]
     header = [c for c, _, _ in COLUMNS] + tasks + [c for c, _, _ in TAIL]
-    base = (dense or {}).get("params") or next((r.get("params_before") for r in rows
-                                                if r.get("params_before")), None)
+    dense = dense or {}
+    base = dense.get("nonzero_params") or dense.get("params")
     values = []
     for r in rows:
         r = dict(r)
