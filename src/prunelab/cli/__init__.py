@@ -21,6 +21,7 @@ from prunelab.cli import (  # noqa: F401  (register)
     prune_cmds,
     report_cmds,
     vision_cmds,
+    workflow_cmds,
 )
 from prunelab.cli.apps import app
 from prunelab.cli.common import state

@@ -1,0 +1,169 @@
+"""Leaderboards of a study (markdown + CSV), its plots, and the HTML report.
+
+Rows are ``{"method": label, **metrics}``; the columns are fixed (missing values are left
+empty) plus one per downstream task. Plots: quality against parameters kept (test
+perplexity, log scale, and KL to dense) and speed against parameters kept. The HTML page
+comes from :func:`prunelab.report.html.write_report` when that module is installed; the
+leaderboard and plots are written either way.
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import io
+from pathlib import Path
+from typing import Any
+
+from prunelab import log
+from prunelab.workflow.evaluate import task_scores
+
+#: (column, metric key, format)
+COLUMNS = (("method", "method", "{}"), ("achieved", "achieved", "{}"),
+           ("params", "params", "{:,}"), ("params_kept", "params_kept", "{:.3f}"),
+           ("bytes", "bytes", "{:,}"), ("perplexity", "perplexity", "{:.3f}"),
+           ("kl_to_dense", "kl_to_reference", "{:.4f}"),
+           ("top1_agreement", "top1_agreement", "{:.4f}"))
+TAIL = (("prefill_tok_s", "prefill_tokens_per_s", "{:.0f}"),
+        ("decode_tok_s", "decode_tokens_per_s", "{:.1f}"),
+        ("prune_seconds", "prune_seconds", "{:.1f}"),
+        ("prune_peak_memory_bytes", "prune_peak_memory_bytes", "{:,}"),
+        ("peak_memory_bytes", "peak_memory_bytes", "{:,}"))
+
+
+def table(rows: list[dict], dense: dict | None = None) -> tuple[list[str], list[list]]:
+    """Header and raw values of the leaderboard (``params_kept`` against ``dense``)."""
+    tasks: list[str] = []
+    for r in rows:
+        tasks += [t for t in task_scores(r) if t not in tasks]
+    header = [c for c, _, _ in COLUMNS] + tasks + [c for c, _, _ in TAIL]
+    dense = dense or {}
+    base = dense.get("nonzero_params") or dense.get("params")
+    values = []
+    for r in rows:
+        r = dict(r)
+        if base and r.get("params") and "params_kept" not in r:
+            r["params_kept"] = r.get("nonzero_params", r["params"]) / base
+        ts = task_scores(r)
+        values.append([r.get(k) for _, k, _ in COLUMNS] + [ts.get(t) for t in tasks]
+                      + [r.get(k) for _, k, _ in TAIL])
+    return header, values
+
+
+def _fmt(value: Any, fmt: str) -> str:
+    if value is None:
+        return ""
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown(rows: list[dict], dense: dict | None = None) -> str:
+    header, values = table(rows, dense)
+    fmts = [f for _, _, f in COLUMNS] + ["{:.4f}"] * (len(header) - len(COLUMNS)
+                                                     - len(TAIL)) + [f for _, _, f in TAIL]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for v in values:
+        lines.append("| " + " | ".join(_fmt(x, f) for x, f in zip(v, fmts, strict=True)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict], dense: dict | None = None) -> str:
+    header, values = table(rows, dense)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(header)
+    for v in values:
+        w.writerow(["" if x is None else x for x in v])
+    return buf.getvalue()
+
+
+def plot_leaderboard(rows: list[dict], dense: dict | None, out: Path) -> list[Path]:
+    """quality_vs_params.png (perplexity and KL against parameters kept) and
+    speed_vs_params.png (prefill / decode tokens/s) when the rows have those metrics."""
+    from matplotlib.figure import Figure
+
+    from prunelab.report.plots import save_figure
+
+    header, values = table(rows, dense)
+    col = {h: i for i, h in enumerate(header)}
+    pts = [v for v in values if v[col["params_kept"]] is not None]
+    written: list[Path] = []
+    for name, keys, labels in (
+            ("quality_vs_params.png", ("perplexity", "kl_to_dense"),
+             ("test perplexity", "KL to dense (nats/token)")),
+            ("speed_vs_params.png", ("prefill_tok_s", "decode_tok_s"),
+             ("prefill tokens/s", "decode tokens/s"))):
+        if not any(v[col[k]] is not None for v in pts for k in keys):
+            continue
+        fig = Figure(figsize=(10, 4))
+        for ax, key, label in zip(fig.subplots(1, 2), keys, labels, strict=True):
+            for v in pts:
+                if v[col[key]] is None:
+                    continue
+                ax.scatter(v[col["params_kept"]], v[col[key]])
+                ax.annotate(str(v[0]), (v[col["params_kept"]], v[col[key]]), fontsize=7,
+                            xytext=(3, 3), textcoords="offset points")
+            if key == "perplexity":
+                ax.set_yscale("log")
+            ax.set_xlabel("parameters kept (fraction of dense)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(save_figure(fig, out / name))
+    return written
+
+
+def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
+                title: str = "prunelab", recipe: dict | None = None,
+                probes: dict | None = None, commands: list[str] | None = None,
+                summary: dict | None = None) -> dict:
+    """Write ``leaderboard.md``, ``leaderboard.csv``, the plots and (when available)
+    ``report.html`` into ``out``; returns the paths written."""
+    from prunelab.io.save import write_json
+
+    out = Path(out)
+    (out / "leaderboard.md").write_text(f"# {title}\n\n" + markdown(rows, dense))
+    (out / "leaderboard.csv").write_text(csv_text(rows, dense))
+    write_json(out / "leaderboard.json", rows, overwrite=True)
+    plots = plot_leaderboard(rows, dense, out)
+    res = {"leaderboard": str(out / "leaderboard.md"), "csv": str(out / "leaderboard.csv"),
+           "plots": [str(p) for p in plots]}
+    html = _html_report(out, title=title, leaderboard=out / "leaderboard.csv",
+                        plots={p.stem.replace("_", " "): p for p in plots},
+                        probes=_probe_results(probes or {}),
+                        probe_summary=_probe_summary(probes or {}), recipe=recipe,
+                        commands=commands or None, summary=summary)
+    res["report"] = html
+    return res
+
+
+def _probe_results(paths: dict) -> dict:
+    from prunelab.probes import ProbeResult
+
+    return {name: ProbeResult.load(p) for name, p in paths.items() if Path(p).is_file()}
+
+
+def _probe_summary(paths: dict) -> str | None:
+    for p in paths.values():
+        md = Path(p).parent / "summary.md"
+        if md.is_file():
+            return md.read_text()
+    return None
+
+
+def _html_report(out: Path, **kw) -> str | None:
+    """``report.html`` through :func:`prunelab.report.html.write_report` (the keyword
+    arguments it takes are passed); ``None`` with a warning when it is not installed."""
+    try:
+        from prunelab.report.html import write_report
+    except ImportError:
+        log.warn("report.html skipped: prunelab.report.html is not in this install "
+                 "(leaderboard.md and the plots were written)")
+        return None
+    params = inspect.signature(write_report).parameters
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    args = {k: v for k, v in kw.items() if takes_all or k in params}
+    path = write_report(out, **args)
+    return str(path if path is not None else out / "report.html")

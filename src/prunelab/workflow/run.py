@@ -1,0 +1,336 @@
+"""Run a recipe, resumably (``prunelab run RECIPE.yaml --out DIR``).
+
+Each stage is a point of :mod:`prunelab.workflow.executor` keyed by its id, whose payload
+is the stage's content hash (:func:`~prunelab.workflow.recipe.stage_hashes`: its options,
+the top-level fields and the hash of the model it starts from). A stage whose
+``OUT/points/<id>/result.json`` holds the same hash is not redone; an interrupted stage
+is (the result is written last). A model-producing stage (``prune``, ``heal``) also
+writes its model to ``OUT/points/<id>/model`` (a checkpoint whose manifest keeps the
+recipe reproducing it), so a later stage starting from it -- in this run or a resumed
+one -- loads it instead of recomputing. ``OUT/run.json`` is the run's manifest (the
+recipe, every stage's hash, whether it ran or was reused, its seconds).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from prunelab import log
+from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.io.save import write_json
+from prunelab.workflow.executor import Point, finished, point_dir, record
+from prunelab.workflow.recipe import Recipe, chain_recipe, load_recipe, stage_hashes
+from prunelab.workflow.stages import MODEL_STAGES, Stage
+
+RUN_FILE = "run.json"
+
+
+def check_runnable(recipe: Recipe) -> None:
+    """Errors that only the installed library can tell, before anything runs."""
+    from prunelab import api
+
+    for i, st in enumerate(recipe.stages):
+        if st.kind == "evaluate" and st.options.tasks and \
+                "tasks" not in inspect.signature(api.evaluate).parameters:
+            raise ConfigError(f"stage {i} (evaluate): tasks needs downstream-task "
+                              "evaluation (api.evaluate(tasks=...)), not in this install")
+
+
+def prepare_out(out: Path, overwrite: bool) -> None:
+    """Resume a run (or comparison) folder -- one holding ``run.json`` or ``points/`` --
+    and refuse any other non-empty folder; ``overwrite`` discards a previous run's
+    results (never a folder that is not a run)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputExistsError(f"{out} is a file; --out names a run folder")
+    if not any(out.iterdir()):
+        return
+    if not ((out / RUN_FILE).is_file() or (out / "points").is_dir()):
+        raise OutputExistsError(f"{out} exists and is not a prunelab run or comparison "
+                                "folder: choose another --out")
+    if overwrite:
+        for child in out.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
+               overwrite: bool = False) -> dict:
+    """Run ``recipe`` into ``out`` (resuming a run already there); returns the run's
+    manifest: ``{"recipe", "stages": [{id, kind, from, hash, status, seconds}],
+    "results": {id: result}}``."""
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    check_runnable(recipe)
+    out = Path(out)
+    prepare_out(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    runner = _Runner(recipe, out)
+    return runner.run()
+
+
+class _Runner:
+    def __init__(self, recipe: Recipe, out: Path):
+        self.recipe, self.out = recipe, out
+        self.hashes = stage_hashes(recipe)
+        self.inputs = recipe.inputs()
+        self.mem: tuple[str, Any] | None = None  # (model id, LoadedModel)
+        self.ref = None
+        self.ref_cache: dict = {}
+        self.results: dict[str, dict] = {}
+        self.rows: list[dict] = []
+        self.overrides: dict[str, Stage] = {}  # stages as run (resolved paths)
+
+    def run(self) -> dict:
+        for i, st in enumerate(self.recipe.stages):
+            point = Point(st.id, {"hash": self.hashes[st.id], "kind": st.kind})
+            done = finished(self.out, point)
+            if done is not None and self._outputs_exist(st):
+                self.results[st.id] = done
+                self.rows.append(self._row(st, "reused", 0.0))
+                log.info(f"stage {i} {st.kind} {st.id}: unchanged, reused")
+            else:
+                log.info(f"stage {i} {st.kind} {st.id}: running")
+                folder = self._attempt(point)
+                start = time.perf_counter()
+                res = getattr(self, f"_{st.kind}")(st, folder)
+                res = {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
+                record(self.out, point, res)
+                self.results[st.id] = res
+                self.rows.append(self._row(st, "ran", time.perf_counter() - start))
+            self._write_run()
+            _release()
+        return self._manifest()
+
+    # ------------------------------------------------------------------ plumbing
+    def _attempt(self, point: Point) -> Path:
+        """The stage folder for a new attempt: kept when an interrupted attempt had the
+        same hash (probes and healing resume from their partial state there), else
+        emptied; a half-written checkpoint is always removed."""
+        folder = point_dir(self.out, point.key)
+        marker = folder / "attempt.json"
+        same = marker.is_file() and json.loads(marker.read_text()) == point.payload
+        if folder.exists() and not same:
+            shutil.rmtree(folder)
+        if (folder / "model").exists():
+            shutil.rmtree(folder / "model")
+        folder.mkdir(parents=True, exist_ok=True)
+        write_json(marker, point.payload, overwrite=True)
+        return folder
+
+    def _row(self, st: Stage, status: str, seconds: float) -> dict:
+        return {"id": st.id, "kind": st.kind, "from": self.inputs[st.id],
+                "hash": self.hashes[st.id], "status": status, "seconds": round(seconds, 3)}
+
+    def _manifest(self) -> dict:
+        return {"format": "prunelab-run/1", "recipe": self.recipe.to_dict(),
+                "stages": self.rows, "results": self.results}
+
+    def _write_run(self) -> None:
+        m = self._manifest()
+        write_json(self.out / RUN_FILE, {k: m[k] for k in ("format", "recipe", "stages")},
+                   overwrite=True)
+
+    def _outputs_exist(self, st: Stage) -> bool:
+        if st.kind in MODEL_STAGES:
+            return (point_dir(self.out, st.id) / "model" / "config.json").is_file()
+        if st.kind == "save":
+            return (self.out / st.options.path / "config.json").is_file()
+        return True
+
+    def _load_kwargs(self) -> dict:
+        r = self.recipe
+        return {"dtype": r.dtype, "device": r.device, "trust_remote_code": r.trust_remote_code}
+
+    def model(self, model_id: str, mutate: bool = False):
+        """The model ``model_id`` (``dense`` or a model stage) leaves; ``mutate``: the
+        caller changes it in place (it is then no longer kept as ``model_id``)."""
+        from prunelab import api
+
+        if self.mem is not None and self.mem[0] == model_id:
+            lm = self.mem[1]
+        else:
+            self.mem = None  # one working model at a time (plus the dense reference)
+            _release()
+            if model_id == "dense":
+                lm = api.load(self.recipe.model, **self._load_kwargs())
+            else:
+                lm = load_stage_model(point_dir(self.out, model_id) / "model",
+                                      self._load_kwargs())
+        self.mem = None if mutate else (model_id, lm)
+        return lm
+
+    def reference(self):
+        """The dense model, loaded once, never changed (KL reference, heal teacher)."""
+        from prunelab import api
+
+        if self.ref is None:
+            self.ref = api.load(self.recipe.model, **self._load_kwargs())
+        return self.ref
+
+    def calib(self, c) -> dict:
+        r = self.recipe
+        return {"data": c.data or r.data, "samples": c.samples or r.samples,
+                "seqlen": c.seqlen or r.seqlen, "batch_size": c.batch_size or r.batch_size,
+                "seed": r.seed}
+
+    def _save_model(self, lm, st: Stage, folder: Path, extra: dict) -> None:
+        from prunelab import api
+        from prunelab.io.save import build_manifest
+
+        man = build_manifest(lm, data=extra.pop("data", None), extra={
+            **extra, "recipe": chain_recipe(self.recipe, st.id, overrides=self.overrides),
+            "recipe_stage": st.id})
+        api.save(lm, folder / "model", manifest=man)
+        self.mem = (st.id, lm)
+
+    # ------------------------------------------------------------------ stages
+    def _probe(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+        from prunelab.probes import PROBES, ProbeResult
+
+        lm = self.model(self.inputs[st.id])
+        c = self.calib(st.options.calib)
+        pdir = folder / "probes"
+        names = [PROBES.name_of(p) for p in st.options.probes]
+        todo = [p for p, n in zip(st.options.probes, names, strict=True)
+                if not (pdir / f"{n}.json").is_file()]  # finished in an interrupted attempt
+        results = {}
+        for n in names:  # the CSV / PNG of a probe whose JSON is missing are stale
+            for suffix in (".csv", ".png"):
+                if not (pdir / f"{n}.json").is_file():
+                    (pdir / f"{n}{suffix}").unlink(missing_ok=True)
+        if todo:
+            results = api.probe(lm, todo, data=c["data"], seqlen=c["seqlen"],
+                                samples=c["samples"], seed=c["seed"],
+                                batch_size=c["batch_size"], out_dir=pdir)
+        results = {n: results.get(n) or ProbeResult.load(pdir / f"{n}.json") for n in names}
+        return {"probes": {name: {"json": str(pdir / f"{name}.json"),
+                                  "ranking": r.ranking()} for name, r in results.items()}}
+
+    def _prune(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+
+        lm = self.model(self.inputs[st.id], mutate=True)
+        c = self.calib(st.options.calib)
+        method = self._resolved(st)
+        rep = api.prune(lm, method, data=c["data"], seqlen=c["seqlen"],
+                        samples=c["samples"], seed=c["seed"], batch_size=c["batch_size"])
+        lm.history[-1]["calib"] = {k: c[k] for k in ("data", "samples", "seqlen",
+                                                       "batch_size")}
+        self._save_model(lm, st, folder, {"data": rep["data"], "report": rep.to_dict()})
+        return {"report": rep.to_dict()}
+
+    def _resolved(self, st: Stage):
+        """The stage's method with a relative ``from_probe`` read from the run folder
+        (``points/<probe stage>/probes/NAME.json``); the checkpoint's recipe keeps the
+        absolute path."""
+        import dataclasses
+
+        method = st.options.method
+        path = getattr(method, "from_probe", None)
+        if path and not Path(path).is_absolute():
+            full = (self.out / path).resolve()
+            if not full.is_file():
+                raise ConfigError(f"stage {st.id}: from_probe {path} is not in {self.out} "
+                                  "(run the probe stage first)")
+            method = dataclasses.replace(method, from_probe=str(full))
+            self.overrides[st.id] = dataclasses.replace(
+                st, options=dataclasses.replace(st.options, method=method))
+        return method
+
+    def _heal(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+
+        lm = self.model(self.inputs[st.id], mutate=True)
+        o = st.options
+        teacher = self.reference() if o.teacher == "dense" else None
+        lm, rec = api.heal(lm, teacher=teacher, data=self.recipe.data,
+                           eval_data=self.recipe.test, config=o.config,
+                           out_dir=folder / "heal-state", train_samples=o.train_samples,
+                           eval_samples=o.eval_samples)
+        self._save_model(lm, st, folder, {"healing": rec})
+        return {"healing": rec}
+
+    def _evaluate(self, st: Stage, folder: Path) -> dict:
+        from prunelab.workflow.evaluate import evaluate_model
+
+        src = self.inputs[st.id]
+        lm = self.model(src)
+        o = st.options
+        ref = self.reference() if o.reference and (src != "dense" or o.press) else None
+        metrics = evaluate_model(lm, o, data=o.data or self.recipe.test, reference=ref,
+                                 reference_cache=self.ref_cache, seed=self.recipe.seed)
+        return {"model": src, "metrics": metrics}
+
+    def _save(self, st: Stage, folder: Path) -> dict:
+        from prunelab import api
+        from prunelab.io.save import build_manifest
+
+        src = self.inputs[st.id]
+        lm = self.model(src)
+        target = self.out / st.options.path
+        man = build_manifest(lm, extra={"recipe_stage": src})
+        if src == "dense":
+            man["recipe"] = chain_recipe(self.recipe, src, st.options.path)
+        else:  # the stage's own manifest: its data, report, healing and recipe as it ran
+            stored = json.loads((point_dir(self.out, src) / "model" / "manifest.json")
+                                .read_text())
+            man.update({k: stored[k] for k in ("data", "report", "healing", "recipe")
+                        if k in stored})
+            man["recipe"]["stages"][-1] = {"save": {"path": st.options.path}}
+        api.save(lm, target, manifest=man, overwrite=target.exists())
+        return {"model": src, "path": str(target)}
+
+    def _report(self, st: Stage, folder: Path) -> dict:
+        from prunelab.workflow.leaderboard import write_study
+
+        rows, dense = [], None
+        for sid, res in self.results.items():
+            if res.get("kind") != "evaluate":
+                continue
+            label = res["model"] if sid.startswith("evaluate-") else sid
+            rows.append({"method": label, **res["metrics"]})
+            if res["model"] == "dense" and dense is None:
+                dense = rows[-1]
+        probes = {n: p["json"] for res in self.results.values() if res.get("kind") == "probe"
+                  for n, p in res["probes"].items()}
+        return write_study(self.out, rows, dense=dense, title=st.options.title,
+                           recipe=self.recipe.to_dict(), probes=probes,
+                           commands=[f"prunelab run RECIPE.yaml --out {self.out}"],
+                           summary={"model": self.recipe.model, "calibration":
+                                    self.recipe.data, "test": self.recipe.test,
+                                    "seed": self.recipe.seed})
+
+
+def _release() -> None:
+    """Free what the last stage dropped, and give it back to the system (glibc)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def load_stage_model(folder: Path, load_kwargs: dict):
+    """A stage's checkpoint, with its history and size-before from the manifest (so a
+    later manifest records every operation since the dense model)."""
+    from prunelab import api
+
+    kw = dict(load_kwargs, trust_remote_code=True)  # prunelab's own modeling file
+    lm = api.load(str(folder), **kw)
+    man = json.loads((folder / "manifest.json").read_text())
+    lm.history = [dict(op) for op in man.get("operations") or []]
+    if man.get("size_before"):
+        lm.size_before = man["size_before"]
+    spec = (man.get("source_model") or {}).get("spec")
+    if spec:
+        lm.spec = spec
+    return lm

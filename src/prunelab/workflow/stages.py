@@ -1,0 +1,276 @@
+"""The stages of a recipe and their typed options.
+
+A recipe stage is a one-key mapping ``{KIND: {options}}``. Every kind's options are a
+frozen dataclass validated at construction; the method-bearing kinds reuse the configs of
+the Python API unchanged: a ``prune`` stage's method is a :data:`prunelab.pruning.METHODS`
+config (``method: wanda`` plus that config's fields), a ``probe`` stage's probes are
+:data:`prunelab.probes.PROBES` configs, a ``heal`` stage's fields are those of
+:class:`prunelab.heal.HealConfig`, an ``evaluate`` stage's ``press`` is a
+:data:`prunelab.inference.PRESSES` config. Keys shared by every stage: ``id`` (a unique
+name; default ``KIND-INDEX``, 0-based) and ``from`` (the model it starts from: ``dense``,
+or the id of an earlier stage; default the model the previous stage left).
+
+:func:`parse_stage` turns one YAML stage into a :class:`Stage`, raising
+:class:`~prunelab.errors.ConfigError` with one line naming the stage and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from prunelab.errors import ConfigError
+from prunelab.registry import check_range, strict_kwargs, to_dict
+
+_ID = re.compile(r"^[A-Za-z0-9._+-]{1,60}$")
+#: stages whose output is a new model (a checkpoint under ``OUT/points/<id>/model``)
+MODEL_STAGES = ("prune", "heal")
+
+
+def _opt(default, text: str):
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass(frozen=True)
+class Calib:
+    """Calibration windows of a probe / prune stage (``None``: the recipe's top level)."""
+
+    data: str | None = _opt(None, "calibration data spec")
+    samples: int | None = _opt(None, "calibration windows")
+    seqlen: int | None = _opt(None, "window length in tokens")
+    batch_size: int | None = _opt(None, "windows per block call")
+
+    def __post_init__(self) -> None:
+        for name, low in (("samples", 1), ("seqlen", 2), ("batch_size", 1)):
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name), low, None, integer=True)
+
+
+@dataclass(frozen=True)
+class ProbeStage:
+    """Run redundancy probes on the current model; results (JSON, CSV, PNG) in the stage
+    folder. ``probes``: names or ``{name: NAME, OPTION: VALUE}`` (a PROBES config)."""
+
+    probes: tuple = _opt(("block-influence",), "probe names or {name, options} mappings")
+    calib: Calib = _opt(Calib(), "calibration windows (default: the recipe's)")
+
+
+@dataclass(frozen=True)
+class PruneStage:
+    """Prune the current model in place with a registered method (``method: NAME`` and
+    that method config's fields)."""
+
+    method: Any = _opt(None, "a METHODS config: its name plus its fields")
+    calib: Calib = _opt(Calib(), "calibration windows (default: the recipe's)")
+
+
+@dataclass(frozen=True)
+class HealStage:
+    """Fine-tune the current model (every :class:`~prunelab.heal.HealConfig` field)."""
+
+    config: Any = _opt(None, "the HealConfig fields")
+    teacher: str = _opt("dense", "dense (the recipe's model) or none")
+    train_samples: int | None = _opt(None, "training windows (default: all)")
+    eval_samples: int | None = _opt(16, "held-out windows for early stopping")
+
+    def __post_init__(self) -> None:
+        if self.teacher not in ("dense", "none"):
+            raise ConfigError(f"teacher must be dense or none, got {self.teacher!r}")
+        for name in ("train_samples", "eval_samples"):
+            if getattr(self, name) is not None:
+                check_range(name, getattr(self, name), 1, None, integer=True)
+
+
+@dataclass(frozen=True)
+class EvaluateStage:
+    """Perplexity of the current model on held-out windows; KL and top-1 agreement to the
+    dense model; speed, downstream tasks and an inference-time press on request."""
+
+    data: str | None = _opt(None, "held-out data spec (default: the recipe's test)")
+    samples: int | None = _opt(16, "held-out windows")
+    seqlen: int = _opt(256, "window length in tokens")
+    batch_size: int = _opt(4, "windows per forward")
+    reference: bool = _opt(True, "KL and top-1 agreement to the dense model")
+    speed: bool = _opt(False, "prefill / decode tokens per second and peak memory")
+    tasks: tuple = _opt((), "downstream tasks (needs api.evaluate(tasks=...))")
+    limit: int | None = _opt(None, "items per downstream task")
+    press: Any = _opt(None, "a PRESSES config: {name: snapkv, ratio: 0.5, ...}")
+    press_context: float = _opt(0.5, "press: share of each window that is the prompt")
+
+    def __post_init__(self) -> None:
+        if self.samples is not None:
+            check_range("samples", self.samples, 1, None, integer=True)
+        check_range("seqlen", self.seqlen, 2, None, integer=True)
+        check_range("batch_size", self.batch_size, 1, None, integer=True)
+        if self.limit is not None:
+            check_range("limit", self.limit, 1, None, integer=True)
+        check_range("press_context", self.press_context, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class SaveStage:
+    """Save the current model as a checkpoint (folder under OUT) with its manifest; the
+    manifest keeps the recipe that reproduces it (``prunelab recipe --from``)."""
+
+    path: str = _opt("model", "checkpoint folder, relative to --out")
+
+    def __post_init__(self) -> None:
+        if not self.path or self.path.startswith(("/", "..")) or "/../" in self.path \
+                or self.path == "points":
+            raise ConfigError(f"path must be a folder name inside --out, got {self.path!r}")
+
+
+@dataclass(frozen=True)
+class ReportStage:
+    """Leaderboard of every evaluation (markdown + CSV), plots, and the HTML report."""
+
+    title: str = _opt("prunelab run", "the report's title")
+
+
+STAGE_KINDS: dict[str, type] = {"probe": ProbeStage, "prune": PruneStage,
+                                "heal": HealStage, "evaluate": EvaluateStage,
+                                "save": SaveStage, "report": ReportStage}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One parsed stage: its ``kind``, ``id``, input model (``source``) and options."""
+
+    kind: str
+    id: str
+    source: str | None
+    options: Any
+
+    def to_dict(self, with_source: bool = True) -> dict:
+        body = stage_options_dict(self)
+        head = {"id": self.id}
+        if with_source and self.source is not None:
+            head["from"] = self.source
+        return {self.kind: {**head, **body}}
+
+
+def stage_options_dict(stage: Stage) -> dict:
+    """The YAML options of a stage (the method / heal config flattened in)."""
+    o = stage.options
+    if stage.kind == "prune":
+        d = to_dict(o.method)
+        d["method"] = d.pop("name")
+        return {"method": d.pop("method"), **d, **_calib_dict(o.calib)}
+    if stage.kind == "heal":
+        d = to_dict(o.config)
+        return {**d, "teacher": o.teacher, "train_samples": o.train_samples,
+                "eval_samples": o.eval_samples}
+    if stage.kind == "probe":
+        return {"probes": [to_dict(p) for p in o.probes], **_calib_dict(o.calib)}
+    d = to_dict(o)
+    if stage.kind == "evaluate" and o.press is not None:
+        d["press"] = to_dict(o.press)
+    return d
+
+
+def _calib_dict(c: Calib) -> dict:
+    d = {k: v for k, v in to_dict(c).items() if v is not None}
+    return {"calib": d} if d else {}
+
+
+def parse_stage(index: int, raw: Any) -> Stage:
+    """A :class:`Stage` from the YAML item ``raw`` (0-based ``index``), or a one-line
+    :class:`ConfigError` ``stage INDEX (KIND): ...``."""
+    if not isinstance(raw, dict) or len(raw) != 1:
+        raise ConfigError(f"stage {index}: a stage is a one-key mapping {{KIND: options}} "
+                          f"with KIND one of {', '.join(STAGE_KINDS)}, got {raw!r}")
+    kind, opts = next(iter(raw.items()))
+    if kind not in STAGE_KINDS:
+        raise ConfigError(f"stage {index}: unknown stage kind {kind!r}; valid kinds: "
+                          f"{', '.join(STAGE_KINDS)}")
+    opts = {} if opts is None else opts
+    if not isinstance(opts, dict):
+        raise ConfigError(f"stage {index} ({kind}): options must be a mapping, got {opts!r}")
+    opts = dict(opts)
+    sid = opts.pop("id", f"{kind}-{index}")
+    source = opts.pop("from", None)
+    label = f"stage {index} ({kind} {sid!r})" if "id" in raw[kind] else \
+        f"stage {index} ({kind})"
+    try:
+        if not isinstance(sid, str) or not _ID.match(sid) or sid == "dense":
+            raise ConfigError(f"id must be 1-60 letters, digits or . _ + - and not 'dense', "
+                              f"got {sid!r}")
+        if source is not None and not isinstance(source, str):
+            raise ConfigError(f"from must be a stage id or dense, got {source!r}")
+        return Stage(kind, sid, source, _BUILDERS[kind](opts))
+    except ConfigError as exc:
+        raise ConfigError(f"{label}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{label}: {str(exc).splitlines()[0]}") from None
+
+
+def _calib(opts: dict) -> Calib:
+    raw = opts.pop("calib", None) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"calib must be a mapping, got {raw!r}")
+    strict_kwargs(Calib, raw, "calib")
+    return Calib(**raw)
+
+
+def _build_probe(opts: dict) -> ProbeStage:
+    from prunelab.probes import PROBES
+
+    calib = _calib(opts)
+    probes = opts.pop("probes", ProbeStage.probes)
+    strict_kwargs(ProbeStage, opts, "probe")
+    if isinstance(probes, (str, dict)):
+        probes = [probes]
+    if not probes:
+        raise ConfigError("probes must name at least one probe")
+    return ProbeStage(tuple(PROBES.from_dict(p) for p in probes), calib)
+
+
+def _build_prune(opts: dict) -> PruneStage:
+    from prunelab.pruning import METHODS
+
+    calib = _calib(opts)
+    name = opts.pop("method", None)
+    if not isinstance(name, str):
+        raise ConfigError(f"method must name a pruning method ({', '.join(METHODS.names())})"
+                          f", got {name!r}")
+    return PruneStage(METHODS.from_dict({"name": name, **opts}), calib)
+
+
+def _build_heal(opts: dict) -> HealStage:
+    from prunelab.heal.config import HealConfig
+
+    own = {k: opts.pop(k) for k in ("teacher", "train_samples", "eval_samples") if k in opts}
+    strict_kwargs(HealConfig, opts, "heal")
+    hints = {f.name: f.type for f in dataclasses.fields(HealConfig)}
+    for k, v in opts.items():  # YAML writes 1 for 1.0
+        if isinstance(v, int) and not isinstance(v, bool) and "float" in str(hints[k]):
+            opts[k] = float(v)
+    return HealStage(HealConfig(**opts), **own)
+
+
+def _build_evaluate(opts: dict) -> EvaluateStage:
+    from prunelab.inference import PRESSES
+
+    strict_kwargs(EvaluateStage, opts, "evaluate")
+    if opts.get("press") is not None:
+        opts["press"] = PRESSES.from_dict(opts["press"])
+    if "tasks" in opts:
+        tasks = opts["tasks"]
+        opts["tasks"] = tuple(tasks.split(",") if isinstance(tasks, str) else tasks)
+    if isinstance(opts.get("press_context"), int):
+        opts["press_context"] = float(opts["press_context"])
+    return EvaluateStage(**opts)
+
+
+def _simple(cls: type, kind: str):
+    def build(opts: dict):
+        strict_kwargs(cls, opts, kind)
+        return cls(**opts)
+    return build
+
+
+_BUILDERS = {"probe": _build_probe, "prune": _build_prune, "heal": _build_heal,
+             "evaluate": _build_evaluate, "save": _simple(SaveStage, "save"),
+             "report": _simple(ReportStage, "report")}
