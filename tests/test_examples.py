@@ -1,5 +1,6 @@
-"""The "Adding a method" examples of docs/adding-methods.md (examples/my_methods.py), registered from outside
-the package, run through the Python API and the CLI and give what they promise."""
+"""The "Adding a method" examples of docs/adding-methods.md (examples/my_methods.py),
+registered from outside the package, run through the Python API and the CLI and give what
+they promise."""
 
 from __future__ import annotations
 

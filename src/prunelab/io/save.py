@@ -262,7 +262,7 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     recovery) get a modeling file and ``auto_map`` and load with
     ``trust_remote_code=True`` (see :mod:`prunelab.io.remote`).
     """
-    from prunelab.io.remote import has_bridges, has_custom_modules, load_hint, write_remote_code
+    from prunelab.io.remote import has_bridges, has_custom_modules
 
     out = Path(out_dir)
     _check_target(out, overwrite, "checkpoint")
@@ -293,16 +293,26 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
                     from prunelab.pruning.elastic.method import ranking_to_save
                     if (ranking := ranking_to_save(lm)) is not None:
                         write_json(tmp / "elastic.json", ranking)
-                man = dict(manifest) if manifest is not None else build_manifest(lm)
-                if remote:
-                    man["remote_code"] = write_remote_code(lm.model, tmp)
-                man["loads_with"] = (load_hint(lm.model) if remote
-                                     else "plain transformers (no remote code)")
-                write_json(tmp / "manifest.json", man)
-                os.chmod(tmp, 0o755)
-                fsync_tree(tmp)
-                _install(tmp, out, overwrite, "checkpoint")
+                finish_checkpoint(lm, tmp, out, manifest, remote, overwrite)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def finish_checkpoint(lm, tmp: Path, out: Path, manifest: dict | None, remote: bool,
+                      overwrite: bool, **extra) -> None:
+    """Write the manifest (plus ``extra`` fields) and the remote code into the temporary
+    checkpoint folder ``tmp``, make it durable and rename it into place at ``out``."""
+    from prunelab.io.remote import load_hint, write_remote_code
+
+    man = dict(manifest) if manifest is not None else build_manifest(lm)
+    man.update(extra)
+    if remote:
+        man["remote_code"] = write_remote_code(lm.model, tmp)
+    man["loads_with"] = (load_hint(lm.model) if remote
+                         else "plain transformers (no remote code)")
+    write_json(tmp / "manifest.json", man)
+    os.chmod(tmp, 0o755)
+    fsync_tree(tmp)
+    _install(tmp, out, overwrite, "checkpoint")

@@ -11,7 +11,6 @@ under the output lock like :func:`prunelab.io.save.save` (no partial folder on f
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 import tempfile
@@ -19,13 +18,11 @@ from pathlib import Path
 
 import torch
 
-from prunelab.io.lock import clean_leftovers, fsync_tree, output_lock, temp_prefix
+from prunelab.io.lock import clean_leftovers, output_lock, temp_prefix
 from prunelab.io.save import (
     _check_target,
-    _install,
     _os_errors,
-    build_manifest,
-    write_json,
+    finish_checkpoint,
 )
 
 
@@ -110,7 +107,7 @@ def save_streamed(lm, out_dir: str | Path, manifest: dict | None = None,
     """Save a streamed (possibly pruned) model as a plain ``transformers`` checkpoint plus
     ``manifest.json``, atomically; the config follows the pruned shapes like
     :func:`prunelab.io.save.save` (per-block widths get the generated modeling file)."""
-    from prunelab.io.remote import has_bridges, has_custom_modules, load_hint, write_remote_code
+    from prunelab.io.remote import has_bridges, has_custom_modules
 
     out = Path(out_dir)
     _check_target(out, overwrite, "checkpoint")
@@ -135,16 +132,7 @@ def save_streamed(lm, out_dir: str | Path, manifest: dict | None = None,
                     gen.save_pretrained(tmp)
                 if lm.tokenizer is not None:
                     lm.tokenizer.save_pretrained(tmp)
-                man = dict(manifest) if manifest is not None else build_manifest(lm)
-                man["streamed"] = True
-                if remote:
-                    man["remote_code"] = write_remote_code(lm.model, tmp)
-                man["loads_with"] = (load_hint(lm.model) if remote
-                                     else "plain transformers (no remote code)")
-                write_json(tmp / "manifest.json", man)
-                os.chmod(tmp, 0o755)
-                fsync_tree(tmp)
-                _install(tmp, out, overwrite, "checkpoint")
+                finish_checkpoint(lm, tmp, out, manifest, remote, overwrite, streamed=True)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
