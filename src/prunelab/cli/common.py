@@ -20,7 +20,9 @@ out = Console(highlight=False)
 state: dict = {"verbose": False, "on_interrupt": None}
 
 ModelOpt = typer.Option("smollm2-135m", "--model", "-m",
-                        help="smollm2-135m | minilm-l6 | gemma3-270m | DIR | FILE.gguf | hub id")
+                        help="smollm2-135m | minilm-l6 | gemma3-270m | dinov2-small | "
+                        "whisper-tiny-en | whisper-base | qwen2.5-coder-0.5b | "
+                        "qwen2.5-coder-1.5b | DIR | FILE.gguf | hub id")
 DtypeOpt = typer.Option("auto", help="float32 (CPU default), bfloat16 (CUDA default), float16")
 DeviceOpt = typer.Option("cpu", help="cpu, cuda[:N] or auto")
 RemoteOpt = typer.Option(False, "--trust-remote-code",
