@@ -54,9 +54,14 @@ def _first_line(cls: type) -> str:
 
 
 def _registry_section(title: str, registry, level: str = "####") -> list[str]:
+    """One entry per built-in registration (classes defined inside prunelab; methods a user
+    or a test registers from outside are left out, so the page does not depend on what else
+    the process imported)."""
     out = [f"### {title}\n"]
     for name in registry.names():
         cls = registry.get(name)
+        if not getattr(cls, "__module__", "").startswith("prunelab."):
+            continue
         out.append(f"{level} `{name}`\n\n{_first_line(cls)}\n\n" + fields_table(cls))
     return out
 
