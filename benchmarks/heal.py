@@ -72,7 +72,8 @@ def heal_config(row: str, args, steps: int) -> HealConfig:
     if row == "depth6-cascadeflow":
         extra = dict(prune="cascadeflow", remove=6, prune_every=max(1, steps // 8))
     return HealConfig(loss=loss, steps=steps, batch_size=args.batch_size, seqlen=args.seqlen,
-                      eval_every=every, patience=2, seed=0, quiet=not args.verbose, **extra)
+                      eval_every=every, patience=2, seed=0, quiet=not args.verbose,
+                      lr=args.lr, **extra)
 
 
 def ppl(lm, ids, batch_size: int) -> float:
@@ -130,6 +131,8 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--loss", default="ce", help="loss of the rows that do not name one")
     ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak learning rate (default: HealConfig's, 2e-4 with LoRA)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--heldout", type=int, default=8, help="calib windows for early stopping")
     ap.add_argument("--eval-samples", type=int, default=32, help="wiki-vital:test windows")

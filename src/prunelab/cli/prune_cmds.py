@@ -484,6 +484,9 @@ def sweep_depth_cmd(
     removes = parse_range(remove)
     if ray is None and (cpus_per_point != 1.0 or gpus_per_point != 0.0):
         raise ConfigError("--cpus-per-point and --gpus-per-point need --ray")
+    from prunelab.workflow.ray_backend import check_resources
+
+    check_resources(cpus_per_point, gpus_per_point)
     for name, value in (("--batch-size", batch_size), ("--samples", samples),
                         ("--test-samples", test_samples)):
         check_positive(name, value)

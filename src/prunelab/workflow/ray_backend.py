@@ -132,6 +132,14 @@ def _unwrap(ray, exc: Exception, key: str) -> Exception:
                     f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]})")
 
 
+def check_resources(cpus_per_point: float, gpus_per_point: float) -> None:
+    """Refuse resource requests Ray cannot honour (nan, inf, negative) before it starts."""
+    from prunelab.registry import check_range
+
+    check_range("cpus_per_point (--cpus-per-point)", cpus_per_point, 0.0, 1e6)
+    check_range("gpus_per_point (--gpus-per-point)", gpus_per_point, 0.0, 1e6)
+
+
 def run_on_ray(points: list[Point], run_point: Callable[[Point, Path], dict], out: Path, *,
                address: str = "auto", cpus_per_point: float = 1.0,
                gpus_per_point: float = 0.0, retries: int = 2) -> Iterator[tuple[Point, dict]]:
@@ -140,8 +148,9 @@ def run_on_ray(points: list[Point], run_point: Callable[[Point, Path], dict], ou
     ``run_point`` must be a module-level function (it is pickled by cloudpickle); each
     task asks Ray for ``cpus_per_point`` CPUs and ``gpus_per_point`` GPUs and is retried
     ``retries`` times when its worker is lost (see the module docstring)."""
-    if cpus_per_point < 0 or gpus_per_point < 0 or retries < 0:
-        raise ConfigError("--cpus-per-point, --gpus-per-point and retries must be >= 0")
+    check_resources(cpus_per_point, gpus_per_point)
+    if retries < 0:
+        raise ConfigError(f"retries must be >= 0, got {retries}")
     ray = import_ray()
     import ray.cloudpickle as cloudpickle
 
