@@ -73,7 +73,9 @@ def compare_cmd(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="model spec"),
         methods: str = typer.Option(..., help="comma-separated method names (wanda, depth, "
                                     "width, svd-llm, ...) or recipe files"),
-        budget: str = typer.Option(..., help="params:F (kept) | sparsity:F | blocks:N"),
+        budget: str = typer.Option(..., help="params:F (kept) | sparsity:F | blocks:N, or "
+                                   "several of one kind (blocks:2,4,6; params:0.9,0.8): "
+                                   "every method at every budget, plus budget_curves.png"),
         out_dir: Path = typer.Option(..., "--out", help="comparison folder (resumable)"),
         calib: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         test: str = typer.Option("wiki-vital:test", help="held-out data spec"),
@@ -94,8 +96,9 @@ def compare_cmd(
         cpus_per_point: float = typer.Option(1.0, help="--ray: CPUs per method"),
         gpus_per_point: float = typer.Option(0.0, help="--ray: GPUs per method"),
         overwrite: bool = typer.Option(False, help="discard a previous comparison in --out")):
-    """Run several methods at one budget, evaluate each once, write a leaderboard
-    (markdown + CSV) and plots. A rerun skips finished methods."""
+    """Run several methods at one budget (or at each of several budgets of one kind),
+    evaluate each once, write a leaderboard (markdown + CSV) and plots (with several
+    budgets: perplexity against the budget per method). A rerun skips finished points."""
     from prunelab.workflow.compare import compare
     from prunelab.workflow.run import prepare_out
 
