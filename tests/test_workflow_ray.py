@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from prunelab.workflow.recipe import load_recipe
-from prunelab.workflow.run import run_recipe, stage_deps
+from prunelab.workflow.run import run_recipe
+from prunelab.workflow.run_ray import stage_deps
 
 from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
 

@@ -231,6 +231,7 @@ def compare_point(point: Point, folder: Path) -> dict:
 def _apply(lm, recipe, folder: Path):
     """The prune / heal stages of ``recipe`` on ``lm`` in place."""
     from prunelab import api
+    from prunelab.workflow.run import heal_eval_data
 
     for st in recipe.stages:
         if st.kind == "prune":
@@ -242,7 +243,8 @@ def _apply(lm, recipe, folder: Path):
             teacher = _reference({"model": recipe.model, "dtype": recipe.dtype,
                                   "device": recipe.device})[0] \
                 if st.options.teacher == "dense" else None
-            lm, _ = api.heal(lm, teacher=teacher, data=recipe.data, eval_data=recipe.test,
+            lm, _ = api.heal(lm, teacher=teacher, data=st.options.data or recipe.data,
+                             eval_data=heal_eval_data(st.options, recipe.test),
                              config=st.options.config, out_dir=folder / "heal-state",
                              train_samples=st.options.train_samples,
                              eval_samples=st.options.eval_samples)

@@ -70,7 +70,7 @@ def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
     (``cpus_per_point`` / ``gpus_per_point`` each) that starts when the stages it reads
     are done (:func:`stage_deps`), so independent stages run in parallel; the ``OUT``
     layout, the hashes and the results are those of the serial run (the workers must
-    see ``OUT``: one machine or a shared filesystem)."""
+    see ``OUT``: one machine or a shared filesystem; :mod:`prunelab.workflow.run_ray`)."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     check_runnable(recipe)
     out = Path(out)
@@ -79,36 +79,9 @@ def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
     runner = _Runner(recipe, out)
     if ray is None:
         return runner.run()
-    return runner.run_ray(ray, cpus_per_point, gpus_per_point)
+    from prunelab.workflow.run_ray import run_stages_on_ray
 
-
-def stage_deps(recipe: Recipe) -> dict[str, list[str]]:
-    """Stage id -> the ids of the stages it reads: the stage whose model it starts from;
-    a report stage reads every earlier stage, a prune stage with ``from_probe`` every
-    earlier probe stage."""
-    inputs = recipe.inputs()
-    deps: dict[str, list[str]] = {}
-    earlier: list[Stage] = []
-    for st in recipe.stages:
-        if st.kind == "report":
-            need = [s.id for s in earlier]
-        else:
-            need = [] if inputs[st.id] == "dense" else [inputs[st.id]]
-            if st.kind == "prune" and getattr(st.options.method, "from_probe", None):
-                need += [s.id for s in earlier if s.kind == "probe" and s.id not in need]
-        deps[st.id] = need
-        earlier.append(st)
-    return deps
-
-
-def run_stage(point: Point, folder: Path, *, recipe: dict, out: str) -> dict:
-    """One stage of a recipe in its own process (a Ray task): ``{"result", "seconds"}``.
-    The result is recorded here, before the task ends, so the stages that read it (which
-    Ray starts as soon as this task is done) find it on disk."""
-    runner = _Runner(load_recipe(recipe), Path(out))
-    reply = runner.one(point.key)
-    record(Path(out), point, reply["result"])
-    return reply
+    return run_stages_on_ray(runner, ray, cpus_per_point, gpus_per_point)
 
 
 class _Runner:
@@ -146,59 +119,6 @@ class _Runner:
 
     def _point(self, st: Stage) -> Point:
         return Point(st.id, {"hash": self.hashes[st.id], "kind": st.kind})
-
-    def run_ray(self, address: str, cpus: float, gpus: float) -> dict:
-        """The stages still to run as Ray tasks (see :func:`run_recipe`)."""
-        from functools import partial
-
-        from prunelab.workflow.ray_backend import run_on_ray
-
-        rows: dict[str, dict] = {}
-        todo = []
-        for st in self.recipe.stages:
-            point = self._point(st)
-            done = finished(self.out, point)
-            if done is not None and self._outputs_exist(st):
-                self.results[st.id] = done
-                rows[st.id] = self._row(st, "reused", 0.0)
-            else:
-                todo.append(point)
-        log.info(f"{len(rows)} of {len(self.recipe.stages)} stages unchanged, reused; "
-                 f"{len(todo)} to run on Ray")
-        by_id = {s.id: s for s in self.recipe.stages}
-        fn = partial(run_stage, recipe=self.recipe.to_dict(), out=str(self.out.resolve()))
-        for point, reply in run_on_ray(todo, fn, self.out, address=address,
-                                       cpus_per_point=cpus, gpus_per_point=gpus,
-                                       deps=stage_deps(self.recipe)):
-            record(self.out, point, reply["result"])
-            self.results[point.key] = reply["result"]
-            rows[point.key] = self._row(by_id[point.key], "ran", reply["seconds"])
-            self.rows = [rows[s.id] for s in self.recipe.stages if s.id in rows]
-            self._write_run()
-        self.rows = [rows[s.id] for s in self.recipe.stages]
-        self.results = {s.id: self.results[s.id] for s in self.recipe.stages}
-        self._write_run()
-        return self._manifest()
-
-    def one(self, stage_id: str) -> dict:
-        """Run the stage ``stage_id`` alone (its inputs are on disk): the earlier stages'
-        results are read back, their resolved ``from_probe`` paths recomputed."""
-        stages = list(self.recipe.stages)
-        st = next(s for s in stages if s.id == stage_id)
-        for s in stages[:stages.index(st)]:
-            done = finished(self.out, self._point(s))
-            if done is not None:
-                self.results[s.id] = done
-            if s.kind == "prune" and getattr(s.options.method, "from_probe", None):
-                try:
-                    self._resolved(s)
-                except ConfigError:
-                    pass  # not an ancestor that ran: its path is not needed
-        folder = self._attempt(self._point(st))
-        start = time.perf_counter()
-        res = getattr(self, f"_{st.kind}")(st, folder)
-        res = {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
-        return {"result": res, "seconds": time.perf_counter() - start}
 
     # ------------------------------------------------------------------ plumbing
     def _attempt(self, point: Point) -> Path:
@@ -343,8 +263,8 @@ class _Runner:
         lm = self.model(self.inputs[st.id], mutate=True)
         o = st.options
         teacher = self.reference() if o.teacher == "dense" else None
-        lm, rec = api.heal(lm, teacher=teacher, data=self.recipe.data,
-                           eval_data=self.recipe.test, config=o.config,
+        lm, rec = api.heal(lm, teacher=teacher, data=o.data or self.recipe.data,
+                           eval_data=heal_eval_data(o, self.recipe.test), config=o.config,
                            out_dir=folder / "heal-state", train_samples=o.train_samples,
                            eval_samples=o.eval_samples)
         self._save_model(lm, st, folder, {"healing": rec})
@@ -399,6 +319,14 @@ class _Runner:
                            summary={"model": self.recipe.model, "calibration":
                                     self.recipe.data, "test": self.recipe.test,
                                     "seed": self.recipe.seed})
+
+
+def heal_eval_data(o, test: str) -> str | None:
+    """The held-out spec of a heal stage ``o``: its ``eval_data`` (``none``: no held-out
+    evaluation), else the recipe's ``test``."""
+    if o.eval_data is None:
+        return test
+    return None if o.eval_data.lower() == "none" else o.eval_data
 
 
 def _release() -> None:
