@@ -64,9 +64,9 @@ def run_stages_on_ray(runner, address: str, cpus: float, gpus: float) -> dict:
              "on Ray")
     by_id = {s.id: s for s in stages}
     fn = partial(run_stage, recipe=runner.recipe.to_dict(), out=str(runner.out.resolve()))
-    for point, reply in run_on_ray(todo, fn, runner.out, address=address,
-                                   cpus_per_point=cpus, gpus_per_point=gpus,
-                                   deps=stage_deps(runner.recipe)):
+    replies = run_on_ray(todo, fn, runner.out, address=address, cpus_per_point=cpus,
+                         gpus_per_point=gpus, deps=stage_deps(runner.recipe)) if todo else ()
+    for point, reply in replies:
         record(runner.out, point, reply["result"])
         runner.results[point.key] = reply["result"]
         rows[point.key] = runner._row(by_id[point.key], "ran", reply["seconds"])
