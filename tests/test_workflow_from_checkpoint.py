@@ -102,3 +102,26 @@ def test_inexpressible_operations_are_one_line(chain, tmp_path, capsys):
     with pytest.raises(ConfigError, match="'prune-sparsity' \\(wanda\\) cannot be turned"):
         recipe_from_checkpoint(_forged(tmp_path / "c", chain,
                                        operations=[bad, *man["operations"][1:]]))
+
+
+def test_cli_heal_of_a_recipe_checkpoint(chain, tmp_path):
+    """`prunelab heal` (ce, no held-out data) on a recipe's checkpoint: the recipe it keeps,
+    then the heal stage."""
+    from prunelab.cli import cli_main
+    from prunelab.workflow.run import run_recipe
+
+    data = f"text:{chain / 'text.txt'}"
+    run_recipe(f"model: {chain / 'model'}\ndata: {data}\ntest: {data}\nsamples: 4\n"
+               "seqlen: 16\nbatch_size: 2\nstages:\n  - prune: {id: d, method: depth, "
+               "remove: 1, bootstrap: 0}\n  - save: {}\n", tmp_path / "run")
+    assert cli_main(["-q", "heal", "--model", str(tmp_path / "run" / "model"), "--loss", "ce",
+                     "--steps", "2", "--batch-size", "2", "--seqlen", "16", "--eval-every",
+                     "0", "--data", data, "--eval-data", "none", "--dtype", "float32",
+                     "--out", str(tmp_path / "h")]) == 0
+    recipe = recipe_from_checkpoint(tmp_path / "h")
+    assert [(s.kind, s.id) for s in recipe.stages] == [("prune", "d"), ("heal", "heal-1"),
+                                                        ("save", "save-2")]
+    heal = recipe.stages[1].options
+    assert heal.teacher == "none" and heal.eval_data == "none" and heal.data is None
+    run_recipe(recipe, tmp_path / "again")
+    _same_tensors(tmp_path / "h", tmp_path / "again" / "model")

@@ -35,7 +35,12 @@ def local_ray():
     from prunelab.workflow.ray_backend import connect
 
     started = connect("auto", num_cpus=2, object_store_memory=100 * 1024 * 1024)
+    # both workers import the library while the test runs its serial run
+    from prunelab.workflow.run_ray import warm_up
+
+    pending = [ray.remote(num_cpus=1)(warm_up).remote() for _ in "ab"]
     yield
+    ray.get(pending)
     if started:
         ray.shutdown()
 

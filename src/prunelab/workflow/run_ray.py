@@ -110,3 +110,14 @@ def one_stage(runner, stage_id: str) -> dict:
     res = getattr(runner, f"_{st.kind}")(st, folder)
     res = {**res, "stage": st.id, "kind": st.kind, "from": runner.inputs[st.id]}
     return {"result": res, "seconds": time.perf_counter() - start}
+
+
+def warm_up() -> int:
+    """Import what a stage task needs (torch, transformers, prunelab's API), so a Ray
+    worker that runs this first does not pay it in its first stage; returns its pid."""
+    import os
+
+    import prunelab.api  # noqa: F401
+    import prunelab.workflow.run  # noqa: F401
+
+    return os.getpid()
