@@ -123,3 +123,20 @@ def test_run_command_ray_flags(tiny, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err == "error: --cpus-per-point and --gpus-per-point need --ray"
     assert not (tmp_path / "o").exists()
+
+
+def test_compare_at_two_budgets_on_ray_equals_serial(tiny, tmp_path, local_ray):
+    from prunelab.workflow.compare import compare
+
+    data = f"text:{tiny / 'text.txt'}"
+    kw = dict(calib=data, test=data, samples=4, seqlen=16, batch_size=2, test_samples=4,
+              test_seqlen=16, speed=False)
+    model = str(tiny / "model")
+    serial = compare(model, ["depth", "magnitude"], "blocks:1,2", tmp_path / "s", **kw)
+    on_ray = compare(model, ["depth", "magnitude"], "blocks:1,2", tmp_path / "r", ray="auto",
+                     **kw)
+    keys = ("method", "budget", "achieved", "params", "nonzero_params", "perplexity",
+            "kl_to_reference", "top1_agreement", "operations")
+    assert [[r.get(k) for k in keys] for r in on_ray["rows"]] == \
+        [[r.get(k) for k in keys] for r in serial["rows"]]
+    assert len(serial["rows"]) == 5 and (tmp_path / "r" / "budget_curves.png").is_file()
