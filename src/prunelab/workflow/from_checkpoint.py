@@ -65,8 +65,7 @@ def rebuild(man: dict, folder, depth: int = 0) -> dict:
         sid = f"{kind}-{len(stages) + i}"
         while sid in used:
             sid += "b"
-        body.update(_fit(body, kind, top))
-        st[kind] = {"id": sid, **body}
+        st[kind] = {"id": sid, **_fit(body, kind, top)}
     return {**top, "stages": [*stages, *own, {"save": {}}]}
 
 
@@ -161,16 +160,15 @@ def _fill_top(top: dict, own: list[dict], folder) -> None:
 
 
 def _fit(body: dict, kind: str, top: dict) -> dict:
-    """Drop what repeats the recipe's top level (data specs, batch size)."""
-    if kind == "prune":
-        calib = body["calib"]
-        if calib.get("batch_size") == top.get("batch_size", CLI_BATCH_SIZE):
-            calib.pop("batch_size")
-        return {"calib": calib} if calib else {}
+    """``body`` without what repeats the recipe's top level (batch size, data specs)."""
     out = dict(body)
+    if kind == "prune":
+        calib = {k: v for k, v in out["calib"].items()
+                 if not (k == "batch_size" and v == top.get("batch_size", CLI_BATCH_SIZE))}
+        out["calib"] = calib
+        return out
     if out.get("data") == top.get("data"):
         out.pop("data")
     if out.get("eval_data") == top.get("test", "wiki-vital:test"):
         out.pop("eval_data")
-    body.clear()
     return out
