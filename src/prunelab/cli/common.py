@@ -39,6 +39,10 @@ StreamOpt = typer.Option(False, "--stream", help="layer-wise loading from disk: 
 BatchOpt = typer.Option(8, help="windows per block call")
 StackOpt = typer.Option(None, "--stack", help="Whisper: encoder (default) or decoder, the "
                         "stack probes and pruning act on")
+RayOpt = typer.Option(None, "--ray", help="run the points as Ray tasks: 'auto' (a local "
+                      "Ray instance) or HOST:PORT of a Ray cluster (shared --out folder)")
+CpusOpt = typer.Option(1.0, "--cpus-per-point", help="with --ray: CPUs per point")
+GpusOpt = typer.Option(0.0, "--gpus-per-point", help="with --ray: GPUs per point")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,13 +13,16 @@ from prunelab import log
 from prunelab.cli.apps import prune_app, sweep_app
 from prunelab.cli.common import (
     BatchOpt,
+    CpusOpt,
     DeviceOpt,
     DtypeOpt,
+    GpusOpt,
     LoadArgs,
     MissingOpt,
     ModelOpt,
     OffloadOpt,
     PickleOpt,
+    RayOpt,
     RemoteOpt,
     StackOpt,
     StreamOpt,
@@ -435,12 +438,6 @@ def _show_width(lm, rep, model: str, out_dir: Path, unit: str, score: str, alloc
                   f"{out_dir} with {load_hint(lm.model)}")
     else:
         out.print(f"checkpoint {out_dir} (plain transformers)")
-
-
-RayOpt = typer.Option(None, "--ray", help="run the points as Ray tasks: 'auto' (a local "
-                      "Ray instance) or HOST:PORT of a Ray cluster (shared --out folder)")
-CpusOpt = typer.Option(1.0, "--cpus-per-point", help="with --ray: CPUs per point")
-GpusOpt = typer.Option(0.0, "--gpus-per-point", help="with --ray: GPUs per point")
 
 
 def ray_load_args(args: LoadArgs) -> dict:

@@ -11,7 +11,17 @@ from rich.table import Table
 
 from prunelab import log
 from prunelab.cli.apps import app
-from prunelab.cli.common import DeviceOpt, check_positive, out, parse_list, writing
+from prunelab.cli.common import (
+    CpusOpt,
+    DeviceOpt,
+    GpusOpt,
+    RayOpt,
+    check_positive,
+    out,
+    parse_list,
+    writing,
+)
+from prunelab.errors import ConfigError
 
 
 @app.command("run")
@@ -19,12 +29,16 @@ def run_cmd(
         recipe: Path = typer.Argument(..., help="recipe YAML (see docs/workflow.md)"),
         out_dir: Path = typer.Option(..., "--out", help="run folder (a rerun resumes it)"),
         overwrite: bool = typer.Option(False, help="discard a previous run in --out"),
-        check: bool = typer.Option(False, "--check", help="only parse and check the recipe")):
+        check: bool = typer.Option(False, "--check", help="only parse and check the recipe"),
+        ray: Optional[str] = RayOpt, cpus_per_point: float = CpusOpt,
+        gpus_per_point: float = GpusOpt):
     """Run a recipe: probes, pruning, healing, evaluation, checkpoints and the report. A
-    finished stage whose inputs and options are unchanged is not redone."""
+    finished stage whose inputs and options are unchanged is not redone. With --ray each
+    stage is a Ray task that starts when the stages it reads are done."""
     from prunelab.workflow.recipe import load_recipe
     from prunelab.workflow.run import check_runnable, prepare_out, run_recipe
 
+    _check_ray_flags(ray, cpus_per_point, gpus_per_point)
     rec = load_recipe(recipe)
     check_runnable(rec)
     if check:
@@ -33,7 +47,8 @@ def run_cmd(
     with writing(out_dir, None, overwrite,
                  on_interrupt=f"finished stages are kept in {out_dir}; rerun to resume"):
         prepare_out(out_dir, overwrite)
-        man = run_recipe(rec, out_dir, overwrite=False)
+        man = run_recipe(rec, out_dir, overwrite=False, ray=ray,
+                         cpus_per_point=cpus_per_point, gpus_per_point=gpus_per_point)
     t = Table(title=f"run {recipe}")
     for col in ("stage", "kind", "from", "status", "seconds"):
         t.add_column(col)
@@ -43,6 +58,13 @@ def run_cmd(
     report = next((r.get("report") or r.get("leaderboard") for r in man["results"].values()
                    if r.get("kind") == "report"), None)
     out.print(f"run folder: {out_dir}" + (f"; report: {report}" if report else ""))
+
+
+def _check_ray_flags(ray: str | None, cpus: float, gpus: float) -> None:
+    if ray is None and (cpus != 1.0 or gpus != 0.0):
+        raise ConfigError("--cpus-per-point and --gpus-per-point need --ray")
+    if cpus < 0 or gpus < 0:
+        raise ConfigError("--cpus-per-point and --gpus-per-point must be >= 0")
 
 
 @app.command("recipe")
@@ -73,7 +95,9 @@ def compare_cmd(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="model spec"),
         methods: str = typer.Option(..., help="comma-separated method names (wanda, depth, "
                                     "width, svd-llm, ...) or recipe files"),
-        budget: str = typer.Option(..., help="params:F (kept) | sparsity:F | blocks:N"),
+        budget: str = typer.Option(..., help="params:F (kept) | sparsity:F | blocks:N, or "
+                                   "several of one kind (blocks:2,4,6; params:0.9,0.8): "
+                                   "every method at every budget, plus budget_curves.png"),
         out_dir: Path = typer.Option(..., "--out", help="comparison folder (resumable)"),
         calib: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         test: str = typer.Option("wiki-vital:test", help="held-out data spec"),
@@ -89,13 +113,12 @@ def compare_cmd(
         limit: Optional[int] = typer.Option(None, help="items per downstream task"),
         dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
         device: str = DeviceOpt,
-        ray: Optional[str] = typer.Option(None, "--ray", help="auto (local Ray) or a Ray "
-                                          "cluster address: each method is a Ray task"),
-        cpus_per_point: float = typer.Option(1.0, help="--ray: CPUs per method"),
-        gpus_per_point: float = typer.Option(0.0, help="--ray: GPUs per method"),
+        ray: Optional[str] = RayOpt, cpus_per_point: float = CpusOpt,
+        gpus_per_point: float = GpusOpt,
         overwrite: bool = typer.Option(False, help="discard a previous comparison in --out")):
-    """Run several methods at one budget, evaluate each once, write a leaderboard
-    (markdown + CSV) and plots. A rerun skips finished methods."""
+    """Run several methods at one budget (or at each of several budgets of one kind),
+    evaluate each once, write a leaderboard (markdown + CSV) and plots (with several
+    budgets: perplexity against the budget per method). A rerun skips finished points."""
     from prunelab.workflow.compare import compare
     from prunelab.workflow.run import prepare_out
 

@@ -48,6 +48,36 @@ def parse_budget(text: str) -> Budget:
     return Budget(kind, v)
 
 
+def parse_budgets(text: str) -> list[Budget]:
+    """One budget or a list of one kind: ``blocks:2,4,6``, ``params:0.9,0.8,0.7`` (each
+    value checked as in :func:`parse_budget`, in the order given); a second kind, a
+    value that is not a number or a value given twice is a one-line :class:`ConfigError`."""
+    kind, sep, values = str(text).partition(":")
+    if not sep or kind not in KINDS:
+        raise ConfigError(f"--budget takes params:F, sparsity:F or blocks:N (or a list of "
+                          f"one kind, blocks:2,4,6), got {text!r}")
+    items = [v.strip() for v in values.split(",")]
+    out: list[Budget] = []
+    for item in items:
+        if ":" in item:
+            raise ConfigError(f"--budget {text!r}: one kind per list ({kind}:...), got "
+                              f"{item!r}")
+        if not item:
+            raise ConfigError(f"--budget {text!r}: an empty value in the list")
+        try:
+            b = parse_budget(f"{kind}:{item}")
+        except ConfigError as exc:
+            if len(items) == 1:
+                raise
+            why = str(exc).split(": ", 1)[-1] if "is not a number" in str(exc) else \
+                str(exc).removeprefix("--budget ")
+            raise ConfigError(f"--budget {text!r}: {why}") from None
+        if b in out:
+            raise ConfigError(f"--budget {text!r}: {b} is listed twice")
+        out.append(b)
+    return out
+
+
 def _unique_params(modules) -> int:
     seen, n = set(), 0
     for m in modules:

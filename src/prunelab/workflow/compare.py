@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from prunelab.errors import ConfigError
-from prunelab.workflow.budget import Budget, achieved, apply_budget, parse_budget, sizes
+from prunelab.workflow.budget import (
+    Budget,
+    achieved,
+    apply_budget,
+    parse_budget,
+    parse_budgets,
+    sizes,
+)
 from prunelab.workflow.executor import Point, run_points
 
 _REFS: dict[tuple, Any] = {}  # per process: (model, dtype, device) -> (dense lm, cache)
@@ -81,7 +88,23 @@ def _key(label: str) -> str:
     return key or "method"
 
 
-def compare(model: str, methods: list[str], budget: str | Budget, out: str | Path, *,
+def _budgets(budget) -> list[Budget]:
+    if isinstance(budget, Budget):
+        return [budget]
+    if isinstance(budget, (list, tuple)):
+        out = [b if isinstance(b, Budget) else parse_budget(b) for b in budget]
+        if not out or len(set(out)) != len(out) or len({b.kind for b in out}) != 1:
+            raise ConfigError("--budget: give one or more distinct budgets of one kind")
+        return out
+    return parse_budgets(budget)
+
+
+def budget_text(budgets: list[Budget]) -> str:
+    """``blocks:2,4,6`` (the CLI spelling of a list; one budget as :class:`Budget`)."""
+    return budgets[0].kind + ":" + ",".join(str(b).partition(":")[2] for b in budgets)
+
+
+def compare(model: str, methods: list[str], budget: str | Budget | list, out: str | Path, *,
             calib: str = "wiki-vital:calib", test: str = "wiki-vital:test",
             samples: int = 32, seqlen: int = 256, batch_size: int = 8,
             test_samples: int = 16, test_seqlen: int = 256, seed: int = 0,
@@ -89,13 +112,19 @@ def compare(model: str, methods: list[str], budget: str | Budget, out: str | Pat
             dtype: str = "float32", device: str = "cpu", ray: str | None = None,
             cpus_per_point: float = 1.0, gpus_per_point: float = 0.0) -> dict:
     """Run ``methods`` at ``budget`` on ``model``; returns ``{"rows": [...], "dense":
-    {...}, **paths}`` (rows in the order of ``methods``, dense first)."""
+    {...}, **paths}`` (rows in the order of ``methods``, dense first).
+
+    ``budget``: one budget, or several of one kind (``blocks:2,4,6`` or a list of
+    :class:`Budget`): every method runs at every budget (points ``METHOD.KIND=VALUE``),
+    the rows are ``(method, budget)`` in the order of ``methods`` then budgets (each
+    with a ``budget`` entry), and ``budget_curves.png`` draws test perplexity against
+    the budget, one line per method."""
     from prunelab import api
     from prunelab.workflow.evaluate import tasks_supported
     from prunelab.workflow.leaderboard import write_study
-    from prunelab.workflow.stages import EvaluateStage
 
-    budget = budget if isinstance(budget, Budget) else parse_budget(budget)
+    budgets = _budgets(budget)
+    many = len(budgets) > 1
     if ray is not None:
         import importlib.util
 
@@ -107,28 +136,48 @@ def compare(model: str, methods: list[str], budget: str | Budget, out: str | Pat
     if tasks and not tasks_supported():
         raise ConfigError("--tasks needs downstream-task evaluation (api.evaluate(tasks=...)),"
                           " not in this install")
+    dense = sizes(api.load(model, dtype=dtype, device="cpu"))
+    base = _base(model, dense, dtype=dtype, device=device, test=test, seed=seed, calib=calib,
+                 samples=samples, seqlen=seqlen, batch_size=batch_size,
+                 test_samples=test_samples, test_seqlen=test_seqlen, speed=speed,
+                 tasks=tasks, limit=limit)
+    points = [Point("dense", {**base, "label": "dense", "stages": [],
+                              "budget": str(budgets[0])})]
+    for item in methods:
+        for b in budgets:
+            label, stages = method_stages(item, b, dense)
+            key = f"{_key(label)}.{b.kind}={str(b).partition(':')[2]}" if many else _key(label)
+            points.append(Point(key, {**base, "label": label, "stages": stages,
+                                      "budget": str(b)}))
+    out = Path(out)
+    results = run_points(points, compare_point, out, ray=ray, cpus_per_point=cpus_per_point,
+                         gpus_per_point=gpus_per_point)
+    if many:
+        results = [results[0]] + [{**r, "budget": p.payload["budget"]}
+                                  for p, r in zip(points[1:], results[1:], strict=True)]
+    shown = budget_text(budgets) if many else str(budgets[0])
+    cmd = (f"prunelab compare --model {model} --methods {','.join(methods)} --budget "
+           f"{shown} --calib {calib} --test {test} --out {out}")
+    paths = write_study(out, results, dense=results[0], title=f"compare {model} at {shown}",
+                        commands=[cmd], summary={"model": model, "budget": shown,
+                                                 "calibration": calib, "test": test},
+                        curves=budgets[0].kind if many else None)
+    return {"rows": results, "dense": results[0], **paths}
+
+
+def _base(model: str, dense: dict, *, dtype, device, test, seed, calib, samples, seqlen,
+          batch_size, test_samples, test_seqlen, speed, tasks, limit) -> dict:
+    """What every point of a comparison shares (its payload without label and stages)."""
+    from prunelab.workflow.stages import EvaluateStage
+
     ev = EvaluateStage(samples=test_samples, seqlen=test_seqlen, batch_size=min(batch_size, 8),
                        speed=speed, tasks=tuple(tasks), limit=limit)
-    dense = sizes(api.load(model, dtype=dtype, device="cpu"))
-    base = {"model": model, "dtype": dtype, "device": device, "test": test, "seed": seed,
+    return {"model": model, "dtype": dtype, "device": device, "test": test, "seed": seed,
             "calib": {"data": calib, "samples": samples, "seqlen": seqlen,
                       "batch_size": batch_size},
             "eval": {k: getattr(ev, k) for k in ("samples", "seqlen", "batch_size", "speed",
                                                  "tasks", "limit")},
-            "budget": str(budget), "dense_sizes": dense}
-    points = [Point("dense", {**base, "label": "dense", "stages": []})]
-    for item in methods:
-        label, stages = method_stages(item, budget, dense)
-        points.append(Point(_key(label), {**base, "label": label, "stages": stages}))
-    out = Path(out)
-    results = run_points(points, compare_point, out, ray=ray, cpus_per_point=cpus_per_point,
-                         gpus_per_point=gpus_per_point)
-    cmd = (f"prunelab compare --model {model} --methods {','.join(methods)} --budget "
-           f"{budget} --calib {calib} --test {test} --out {out}")
-    paths = write_study(out, results, dense=results[0], title=f"compare {model} at {budget}",
-                        commands=[cmd], summary={"model": model, "budget": str(budget),
-                                                 "calibration": calib, "test": test})
-    return {"rows": results, "dense": results[0], **paths}
+            "dense_sizes": dense}
 
 
 def _reference(p: dict):
@@ -182,6 +231,7 @@ def compare_point(point: Point, folder: Path) -> dict:
 def _apply(lm, recipe, folder: Path):
     """The prune / heal stages of ``recipe`` on ``lm`` in place."""
     from prunelab import api
+    from prunelab.workflow.run import heal_eval_data
 
     for st in recipe.stages:
         if st.kind == "prune":
@@ -193,7 +243,8 @@ def _apply(lm, recipe, folder: Path):
             teacher = _reference({"model": recipe.model, "dtype": recipe.dtype,
                                   "device": recipe.device})[0] \
                 if st.options.teacher == "dense" else None
-            lm, _ = api.heal(lm, teacher=teacher, data=recipe.data, eval_data=recipe.test,
+            lm, _ = api.heal(lm, teacher=teacher, data=st.options.data or recipe.data,
+                             eval_data=heal_eval_data(st.options, recipe.test),
                              config=st.options.config, out_dir=folder / "heal-state",
                              train_samples=st.options.train_samples,
                              eval_samples=st.options.eval_samples)

@@ -78,13 +78,37 @@ def _pressed(lm, opts):
         yield session
 
 
+#: tasks whose lm-eval YAML reports ``acc_norm`` beside ``acc``: their headline score is
+#: ``acc_norm`` (as on the Open LLM Leaderboard); every other task's (WinoGrande, BoolQ,
+#: MMLU, LAMBADA, local JSONL tasks) is ``acc``.
+NORM_HEADLINE = frozenset({"arc_easy", "arc_challenge", "hellaswag", "piqa", "openbookqa",
+                           "sciq"})
+
+
+def headline(task: str, scores: Any) -> float | None:
+    """The headline accuracy of one task's scores (``acc_norm`` for
+    :data:`NORM_HEADLINE` tasks, else ``acc``; a bare number is itself)."""
+    if isinstance(scores, dict):
+        first, second = ("acc_norm", "acc") if task in NORM_HEADLINE else ("acc", "acc_norm")
+        v = scores.get(first)
+        scores = v if v is not None else scores.get(second)
+    if isinstance(scores, (int, float)) and not isinstance(scores, bool):
+        return float(scores)
+    return None
+
+
 def task_scores(metrics: dict) -> dict[str, float]:
-    """``{task: accuracy}`` from an evaluation's ``tasks`` entry (per task ``acc_norm``
-    when there, else ``acc``, else the number itself)."""
+    """``{task: accuracy}`` from an evaluation's ``tasks`` entry (:func:`headline`)."""
     out: dict[str, float] = {}
     for name, v in (metrics.get("tasks") or {}).items():
-        if isinstance(v, dict):
-            v = v.get("acc_norm", v.get("acc"))
-        if isinstance(v, (int, float)):
-            out[name] = float(v)
+        score = headline(name, v)
+        if score is not None:
+            out[name] = score
     return out
+
+
+def zero_shot_average(metrics: dict) -> float | None:
+    """The mean of the row's headline task accuracies (:func:`task_scores`; unweighted,
+    one vote per task), ``None`` without tasks."""
+    scores = list(task_scores(metrics).values())
+    return sum(scores) / len(scores) if scores else None

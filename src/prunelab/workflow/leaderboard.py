@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab import log
-from prunelab.workflow.evaluate import task_scores
+from prunelab.workflow.evaluate import task_scores, zero_shot_average
 
 #: (column, metric key, format)
 COLUMNS = (("method", "method", "{}"), ("achieved", "achieved", "{}"),
@@ -32,11 +32,18 @@ TAIL = (("prefill_tok_s", "prefill_tokens_per_s", "{:.0f}"),
 
 
 def table(rows: list[dict], dense: dict | None = None) -> tuple[list[str], list[list]]:
-    """Header and raw values of the leaderboard (``params_kept`` against ``dense``)."""
+    """Header and raw values of the leaderboard (``params_kept`` against ``dense``). A
+    ``budget`` column follows ``method`` when rows carry one (a comparison at several
+    budgets); the downstream tasks are followed by ``zero-shot avg`` (the mean of a row's
+    task scores, :func:`~prunelab.workflow.evaluate.zero_shot_average`)."""
     tasks: list[str] = []
     for r in rows:
         tasks += [t for t in task_scores(r) if t not in tasks]
-    header = [c for c, _, _ in COLUMNS] + tasks + [c for c, _, _ in TAIL]
+    budget = any("budget" in r for r in rows)
+    avg = ["zero-shot avg"] if tasks else []
+    head = [c for c, _, _ in COLUMNS]
+    header = head[:1] + (["budget"] if budget else []) + head[1:] + tasks + avg + \
+        [c for c, _, _ in TAIL]
     dense = dense or {}
     base = dense.get("nonzero_params") or dense.get("params")
     values = []
@@ -45,9 +52,17 @@ def table(rows: list[dict], dense: dict | None = None) -> tuple[list[str], list[
         if base and r.get("params") and "params_kept" not in r:
             r["params_kept"] = r.get("nonzero_params", r["params"]) / base
         ts = task_scores(r)
-        values.append([r.get(k) for _, k, _ in COLUMNS] + [ts.get(t) for t in tasks]
+        cols = [r.get(k) for _, k, _ in COLUMNS]
+        values.append(cols[:1] + ([r.get("budget")] if budget else []) + cols[1:]
+                      + [ts.get(t) for t in tasks]
+                      + ([zero_shot_average(r)] if tasks else [])
                       + [r.get(k) for _, k, _ in TAIL])
     return header, values
+
+
+def _formats(header: list[str]) -> list[str]:
+    fmts = {c: f for c, _, f in COLUMNS + TAIL}
+    return [fmts.get(h, "{}" if h == "budget" else "{:.4f}") for h in header]
 
 
 def _fmt(value: Any, fmt: str) -> str:
@@ -61,8 +76,7 @@ def _fmt(value: Any, fmt: str) -> str:
 
 def markdown(rows: list[dict], dense: dict | None = None) -> str:
     header, values = table(rows, dense)
-    fmts = [f for _, _, f in COLUMNS] + ["{:.4f}"] * (len(header) - len(COLUMNS)
-                                                     - len(TAIL)) + [f for _, _, f in TAIL]
+    fmts = _formats(header)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for v in values:
         lines.append("| " + " | ".join(_fmt(x, f) for x, f in zip(v, fmts, strict=True)) + " |")
@@ -103,7 +117,9 @@ def plot_leaderboard(rows: list[dict], dense: dict | None, out: Path) -> list[Pa
                 if v[col[key]] is None:
                     continue
                 ax.scatter(v[col["params_kept"]], v[col[key]])
-                ax.annotate(str(v[0]), (v[col["params_kept"]], v[col[key]]), fontsize=7,
+                text = f"{v[0]} {v[col['budget']]}" if "budget" in col and \
+                    v[col["budget"]] else str(v[0])
+                ax.annotate(text, (v[col["params_kept"]], v[col[key]]), fontsize=7,
                             xytext=(3, 3), textcoords="offset points")
             if key == "perplexity":
                 ax.set_yscale("log")
@@ -115,12 +131,62 @@ def plot_leaderboard(rows: list[dict], dense: dict | None, out: Path) -> list[Pa
     return written
 
 
+#: x axis of the budget curves: (row key, label) per budget kind
+CURVE_AXES = {"blocks": ("achieved_value", "blocks removed (parameter-equivalent)"),
+              "params": ("achieved_value", "parameters kept (fraction of dense)"),
+              "sparsity": ("achieved_value", "sparsity of the blocks' linear maps")}
+
+
+def plot_curves(rows: list[dict], kind: str, out: Path) -> Path | None:
+    """``budget_curves.png``: test perplexity (log scale) against the budget reached, one
+    line per method over its budgets (``blocks``: the depth pruning curve; ``params`` /
+    ``sparsity``: quality against parameters kept / sparsity); the dense model is a dashed
+    line. ``None`` when no row has both."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    from prunelab.report.plots import save_figure
+
+    key, xlabel = CURVE_AXES[kind]
+    lines: dict[str, list[tuple[float, float]]] = {}
+    dense = None
+    for r in rows:
+        if r.get("perplexity") is None:
+            continue
+        if "budget" not in r:
+            dense = r["perplexity"] if r.get("method") == "dense" else dense
+        elif r.get(key) is not None:
+            lines.setdefault(str(r["method"]), []).append((r[key], r["perplexity"]))
+    if not lines:
+        return None
+    fig = Figure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    for name, pts in lines.items():
+        pts.sort()
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
+    if dense is not None:
+        ax.axhline(dense, color="grey", linestyle="--", linewidth=1, label="dense")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:.4g}")
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("test perplexity (log scale)")
+    ax.set_title("depth pruning curve" if kind == "blocks" else
+                 f"quality against {'parameters kept' if kind == 'params' else 'sparsity'}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, out / "budget_curves.png")
+
+
 def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
                 title: str = "prunelab", recipe: dict | None = None,
                 probes: dict | None = None, commands: list[str] | None = None,
-                summary: dict | None = None) -> dict:
-    """Write ``leaderboard.md``, ``leaderboard.csv``, the plots and (when available)
-    ``report.html`` into ``out``; returns the paths written."""
+                summary: dict | None = None, curves: str | None = None) -> dict:
+    """Write ``leaderboard.md``, ``leaderboard.csv``, the plots (``curves``: the budget
+    kind of a comparison at several budgets, adds ``budget_curves.png``) and (when
+    available) ``report.html`` into ``out``; returns the paths written."""
     from prunelab.io.save import write_json
 
     out = Path(out)
@@ -128,6 +194,9 @@ def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
     (out / "leaderboard.csv").write_text(csv_text(rows, dense))
     write_json(out / "leaderboard.json", rows, overwrite=True)
     plots = plot_leaderboard(rows, dense, out)
+    if curves is not None:  # a comparison at several budgets of kind ``curves``
+        curve = plot_curves(rows, curves, out)
+        plots = ([curve] if curve is not None else []) + plots
     res = {"leaderboard": str(out / "leaderboard.md"), "csv": str(out / "leaderboard.csv"),
            "plots": [str(p) for p in plots]}
     html = _html_report(out, title=title, leaderboard=out / "leaderboard.csv",

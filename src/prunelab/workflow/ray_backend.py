@@ -91,8 +91,11 @@ def connect(address: str = "auto", num_cpus: int | None = None,
     return True
 
 
-def _run_task(fn_bytes: bytes, paths: list[str], key: str, payload: dict, out: str) -> dict:
-    """The body of one Ray task: run the point, return its result and its small files."""
+def _run_task(fn_bytes: bytes, paths: list[str], key: str, payload: dict, out: str,
+              *after: dict) -> dict:
+    """The body of one Ray task: run the point, return its result and its small files.
+    ``after``: the replies of the points it depends on (Ray starts the task once they
+    are all done; their values are not used)."""
     for p in paths:
         if p not in sys.path and os.path.isdir(p):
             sys.path.append(p)
@@ -142,12 +145,16 @@ def check_resources(cpus_per_point: float, gpus_per_point: float) -> None:
 
 def run_on_ray(points: list[Point], run_point: Callable[[Point, Path], dict], out: Path, *,
                address: str = "auto", cpus_per_point: float = 1.0,
-               gpus_per_point: float = 0.0, retries: int = 2) -> Iterator[tuple[Point, dict]]:
+               gpus_per_point: float = 0.0, retries: int = 2,
+               deps: dict[str, list[str]] | None = None) -> Iterator[tuple[Point, dict]]:
     """Yield ``(point, result)`` for every point as its Ray task finishes (any order).
 
     ``run_point`` must be a module-level function (it is pickled by cloudpickle); each
     task asks Ray for ``cpus_per_point`` CPUs and ``gpus_per_point`` GPUs and is retried
-    ``retries`` times when its worker is lost (see the module docstring)."""
+    ``retries`` times when its worker is lost (see the module docstring). ``deps``: key
+    -> keys of EARLIER points in ``points`` that must finish first (keys not among the
+    points are taken as done); Ray holds such a task until their results exist (they are
+    passed to it as object references), so independent points run in parallel."""
     check_resources(cpus_per_point, gpus_per_point)
     if retries < 0:
         raise ConfigError(f"retries must be >= 0, got {retries}")
@@ -163,7 +170,11 @@ def run_on_ray(points: list[Point], run_point: Callable[[Point, Path], dict], ou
         fn = ray.put(cloudpickle.dumps(run_point))
         paths = [p for p in sys.path if p]
         out = Path(out).resolve()
-        refs = {task.remote(fn, paths, p.key, p.payload, str(out)): p for p in points}
+        by_key: dict = {}
+        for p in points:
+            after = [by_key[k] for k in (deps or {}).get(p.key, ()) if k in by_key]
+            by_key[p.key] = task.remote(fn, paths, p.key, p.payload, str(out), *after)
+            refs[by_key[p.key]] = p
         while refs:
             done, _ = ray.wait(list(refs), num_returns=1)
             for ref in done:

@@ -219,43 +219,12 @@ def recipe_from_checkpoint(folder: str | Path) -> Recipe:
     """The recipe that produced the checkpoint ``folder`` (from its ``manifest.json``).
 
     A checkpoint written by a recipe keeps that recipe (``manifest["recipe"]``); one
-    written by ``prunelab prune ...`` is rebuilt from the manifest's source model, its
-    operations (each config through :data:`~prunelab.pruning.METHODS`) and the
-    calibration data it records (spec, samples, seqlen, seed; batch size 8, the CLI's)."""
-    path = Path(folder) / "manifest.json"
-    if not path.is_file():
-        raise ConfigError(f"{folder} has no manifest.json: not a prunelab checkpoint")
-    try:
-        man = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {type(exc).__name__}") from None
+    written by ``prunelab prune ...`` / ``prunelab heal`` / the API is rebuilt from the
+    manifest's operations (:mod:`prunelab.workflow.from_checkpoint`: registered prune
+    configs, heal configs with their data, chains through source checkpoints)."""
+    from prunelab.workflow.from_checkpoint import read_manifest, rebuild
+
+    man = read_manifest(folder)
     if isinstance(man.get("recipe"), dict):
         return parse_recipe(man["recipe"])
-    return parse_recipe(_rebuild(man, folder))
-
-
-def _rebuild(man: dict, folder) -> dict:
-    src = (man.get("source_model") or {}).get("spec")
-    if not src:
-        raise ConfigError(f"{folder}/manifest.json names no source model")
-    data = man.get("data") or {}
-    stages = []
-    for op in man.get("operations") or []:
-        cfg = op.get("config")
-        if not isinstance(cfg, dict) or "name" not in cfg:
-            raise ConfigError(f"{folder}: operation {op.get('operation')!r} has no "
-                              "registered config; it cannot be turned into a recipe")
-        body = dict(cfg)
-        body["method"] = body.pop("name")
-        calib = op.get("calib") or {k: data[k] for k in ("spec", "samples", "seqlen")
-                                    if data.get(k) is not None}
-        if "spec" in calib:
-            calib = {"data": calib.pop("spec"), **calib}
-        stages.append({"prune": {**body, "calib": calib}})
-    if "healing" in man:
-        raise ConfigError(f"{folder} was healed outside a recipe; its heal options are not "
-                          "all in the manifest")
-    if not stages:
-        raise ConfigError(f"{folder}/manifest.json records no pruning operation")
-    return {"model": src, "data": data.get("spec", "wiki-vital:calib"),
-            "seed": int(data.get("seed") or 0), "stages": [*stages, {"save": {}}]}
+    return parse_recipe(rebuild(man, folder))

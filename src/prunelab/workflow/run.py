@@ -60,17 +60,28 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 
 
 def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
-               overwrite: bool = False) -> dict:
+               overwrite: bool = False, ray: str | None = None, cpus_per_point: float = 1.0,
+               gpus_per_point: float = 0.0) -> dict:
     """Run ``recipe`` into ``out`` (resuming a run already there); returns the run's
     manifest: ``{"recipe", "stages": [{id, kind, from, hash, status, seconds}],
-    "results": {id: result}}``."""
+    "results": {id: result}}``.
+
+    ``ray`` (``auto`` or a cluster address): every stage still to run is a Ray task
+    (``cpus_per_point`` / ``gpus_per_point`` each) that starts when the stages it reads
+    are done (:func:`stage_deps`), so independent stages run in parallel; the ``OUT``
+    layout, the hashes and the results are those of the serial run (the workers must
+    see ``OUT``: one machine or a shared filesystem; :mod:`prunelab.workflow.run_ray`)."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     check_runnable(recipe)
     out = Path(out)
     prepare_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     runner = _Runner(recipe, out)
-    return runner.run()
+    if ray is None:
+        return runner.run()
+    from prunelab.workflow.run_ray import run_stages_on_ray
+
+    return run_stages_on_ray(runner, ray, cpus_per_point, gpus_per_point)
 
 
 class _Runner:
@@ -87,7 +98,7 @@ class _Runner:
 
     def run(self) -> dict:
         for i, st in enumerate(self.recipe.stages):
-            point = Point(st.id, {"hash": self.hashes[st.id], "kind": st.kind})
+            point = self._point(st)
             done = finished(self.out, point)
             if done is not None and self._outputs_exist(st):
                 self.results[st.id] = done
@@ -105,6 +116,9 @@ class _Runner:
             self._write_run()
             _release()
         return self._manifest()
+
+    def _point(self, st: Stage) -> Point:
+        return Point(st.id, {"hash": self.hashes[st.id], "kind": st.kind})
 
     # ------------------------------------------------------------------ plumbing
     def _attempt(self, point: Point) -> Path:
@@ -249,8 +263,8 @@ class _Runner:
         lm = self.model(self.inputs[st.id], mutate=True)
         o = st.options
         teacher = self.reference() if o.teacher == "dense" else None
-        lm, rec = api.heal(lm, teacher=teacher, data=self.recipe.data,
-                           eval_data=self.recipe.test, config=o.config,
+        lm, rec = api.heal(lm, teacher=teacher, data=o.data or self.recipe.data,
+                           eval_data=heal_eval_data(o, self.recipe.test), config=o.config,
                            out_dir=folder / "heal-state", train_samples=o.train_samples,
                            eval_samples=o.eval_samples)
         self._save_model(lm, st, folder, {"healing": rec})
@@ -305,6 +319,14 @@ class _Runner:
                            summary={"model": self.recipe.model, "calibration":
                                     self.recipe.data, "test": self.recipe.test,
                                     "seed": self.recipe.seed})
+
+
+def heal_eval_data(o, test: str) -> str | None:
+    """The held-out spec of a heal stage ``o``: its ``eval_data`` (``none``: no held-out
+    evaluation), else the recipe's ``test``."""
+    if o.eval_data is None:
+        return test
+    return None if o.eval_data.lower() == "none" else o.eval_data
 
 
 def _release() -> None:

@@ -68,16 +68,24 @@ class PruneStage:
 
 @dataclass(frozen=True)
 class HealStage:
-    """Fine-tune the current model (every :class:`~prunelab.heal.HealConfig` field)."""
+    """Fine-tune the current model (every :class:`~prunelab.heal.HealConfig` field) on
+    ``data`` (default: the recipe's data), early-stopped on ``eval_data`` (default: the
+    recipe's test)."""
 
     config: Any = _opt(None, "the HealConfig fields")
     teacher: str = _opt("dense", "dense (the recipe's model) or none")
     train_samples: int | None = _opt(None, "training windows (default: all)")
     eval_samples: int | None = _opt(16, "held-out windows for early stopping")
+    data: str | None = _opt(None, "training data spec (default: the recipe's data)")
+    eval_data: str | None = _opt(None, "held-out data spec (default: the recipe's test; "
+                                 "none: no held-out evaluation)")
 
     def __post_init__(self) -> None:
         if self.teacher not in ("dense", "none"):
             raise ConfigError(f"teacher must be dense or none, got {self.teacher!r}")
+        for name in ("data", "eval_data"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a data spec, got {getattr(self, name)!r}")
         for name in ("train_samples", "eval_samples"):
             if getattr(self, name) is not None:
                 check_range(name, getattr(self, name), 1, None, integer=True)
@@ -160,8 +168,9 @@ def stage_options_dict(stage: Stage) -> dict:
         return {"method": d.pop("method"), **d, **_calib_dict(o.calib)}
     if stage.kind == "heal":
         d = to_dict(o.config)
+        data = {k: getattr(o, k) for k in ("data", "eval_data") if getattr(o, k) is not None}
         return {**d, "teacher": o.teacher, "train_samples": o.train_samples,
-                "eval_samples": o.eval_samples}
+                "eval_samples": o.eval_samples, **data}
     if stage.kind == "probe":
         return {"probes": [to_dict(p) for p in o.probes], **_calib_dict(o.calib)}
     d = to_dict(o)
@@ -241,7 +250,8 @@ def _build_prune(opts: dict) -> PruneStage:
 def _build_heal(opts: dict) -> HealStage:
     from prunelab.heal.config import HealConfig
 
-    own = {k: opts.pop(k) for k in ("teacher", "train_samples", "eval_samples") if k in opts}
+    own = {k: opts.pop(k) for k in ("teacher", "train_samples", "eval_samples", "data",
+                                    "eval_data") if k in opts}
     strict_kwargs(HealConfig, opts, "heal")
     hints = {f.name: f.type for f in dataclasses.fields(HealConfig)}
     for k, v in opts.items():  # YAML writes 1 for 1.0
