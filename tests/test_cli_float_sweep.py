@@ -44,6 +44,7 @@ BASE = {
     "prune factor": ["prune", "factor", "--model", M, "--out", O, *DATA],
     "prune tokens": ["prune", "tokens", "--model", V, "--layers", "1", "--samples", "2",
                      "--size", "28", "--lfw-size", "28"],
+    "run": ["run", "{r}", "--out", O, "--ray", "auto"],
     "sweep depth": ["sweep", "depth", "--model", M, "--out", O, *DATA, "--test",
                     f"text:{T}", "--test-seqlen", "16", "--remove", "1..2", "--ray", "auto"],
 }
@@ -107,9 +108,12 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("float_sweep")
     save_tiny_checkpoint("llama", root / "model")
     (root / "text.txt").write_text(SAMPLE_TEXT * 4)
-    from test_vision_tokens import tiny_vision
+    from test_vision import tiny_vision
 
     tiny_vision().save_pretrained(root / "vision")
+    (root / "recipe.yaml").write_text(
+        f"model: {root / 'model'}\ndata: text:{root / 'text.txt'}\nsamples: 2\nseqlen: 16\n"
+        "stages:\n  - prune: {id: m, from: dense, method: magnitude, sparsity: 0.5}\n")
     return root
 
 
@@ -126,7 +130,8 @@ def test_float_option_rejects(path, option, value, assets, tmp_path, capsys):
     size = [] if option in SIZE_OPTIONS else SIZE.get(path, [])
     argv = BASE[path] + size + NEEDS.get((path, option), []) + [option, value]
     args = ["--quiet"] + [a.format(m=assets / "model", t=assets / "text.txt",
-                                   o=tmp_path / "out", v=assets / "vision") for a in argv]
+                                   o=tmp_path / "out", v=assets / "vision",
+                                   r=assets / "recipe.yaml") for a in argv]
     before = _snapshot(tmp_path)
     cwd = os.getcwd()
     os.chdir(tmp_path)

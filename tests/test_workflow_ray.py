@@ -74,6 +74,7 @@ def _tensors(folder: Path) -> dict:
     return load_file(folder / "model.safetensors")
 
 
+@pytest.mark.slow  # a local Ray start + worker imports: ~40-70 s
 def test_ray_run_equals_serial_and_rerun_skips(tiny, tmp_path, local_ray, monkeypatch):
     text = _recipe(tiny)
     serial = run_recipe(text, tmp_path / "serial")
@@ -125,6 +126,7 @@ def test_run_command_ray_flags(tiny, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # a local Ray start + worker imports: ~40-70 s
 def test_compare_at_two_budgets_on_ray_equals_serial(tiny, tmp_path, local_ray):
     from prunelab.workflow.compare import compare
 

@@ -63,8 +63,9 @@ def run_cmd(
 def _check_ray_flags(ray: str | None, cpus: float, gpus: float) -> None:
     if ray is None and (cpus != 1.0 or gpus != 0.0):
         raise ConfigError("--cpus-per-point and --gpus-per-point need --ray")
-    if cpus < 0 or gpus < 0:
-        raise ConfigError("--cpus-per-point and --gpus-per-point must be >= 0")
+    from prunelab.workflow.ray_backend import check_resources
+
+    check_resources(cpus, gpus)
 
 
 @app.command("recipe")
