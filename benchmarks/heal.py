@@ -161,11 +161,14 @@ def main() -> None:
     data["dense_ppl"] = ppl(dense, data["test"], args.batch_size)
     print(f"{args.model}: {len(data['train'])} training windows of {args.seqlen} tokens, "
           f"{args.tokens} tokens per row, test ppl dense {data['dense_ppl']:.2f}")
-    results = [run_row(row, dense, data, args) for row in rows]
+    results = []
+    for row in rows:  # each row is kept as soon as it ends (a long run can be stopped)
+        results.append(run_row(row, dense, data, args))
+        print(f"done {row}: healed ppl {results[-1]['ppl_healed']:.2f}", flush=True)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=2)
     show(results)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
 
 
 if __name__ == "__main__":
