@@ -236,6 +236,8 @@ class EncoderHealRun:
     def _record_eval(self) -> None:
         m = self.evaluate()
         self.evals.append({"step": self.step, **m})
+        if self.cfg.eval_every <= 0:  # before / after only: the last state is kept
+            return
         if self.best is None or m["loss"] < self.best["loss"] - self.cfg.min_delta:
             self.best = {"step": self.step, "loss": m["loss"],
                          "state": self.trainables.state()}
@@ -257,6 +259,9 @@ class EncoderHealRun:
             if self.maybe_evaluate():
                 self.stopped_early = True
                 break
+        k = self.cfg.eval_every
+        if k > 0 and self.eval_inputs is not None and self.step % k != 0:
+            self._record_eval()  # the last state competes for the best one too
         self.seconds = time.perf_counter() - t0
 
     def finish(self) -> dict:
