@@ -1,5 +1,7 @@
 """``prunelab heal``: a short structure-preserving fine-tune of a pruned checkpoint (LoRA or
-full; ce / kd / hidden / mix), optionally pruning while tuning (REP-LIE, CascadeFlow)."""
+full; ce / kd / hidden / mix), optionally pruning while tuning (REP-LIE, CascadeFlow); on a
+vision or speech encoder, feature distillation from the dense model
+(:mod:`prunelab.heal.encoders`)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from prunelab.cli.common import (
     out,
     writing,
 )
+from prunelab.errors import ConfigError
 
 
 def _opt(help_text: str, *names: str):
@@ -37,10 +40,13 @@ def heal_cmd(
             "wiki-vital:test", help="held-out data spec for early stopping ('none': off)"),
         eval_samples: int = typer.Option(32, help="held-out windows"),
         train_samples: Optional[int] = _opt("training windows (default: all of --data)"),
-        loss: Optional[str] = _opt("ce | kd | hidden | mix (default ce)"),
+        loss: Optional[str] = _opt("ce | kd | hidden | mix (default ce); encoders: mse | "
+                                   "cosine (default mse)"),
         ce_weight: Optional[float] = _opt("mix: weight of the cross-entropy"),
         kd_weight: Optional[float] = _opt("mix: weight of the logit distillation"),
-        hidden_weight: Optional[float] = _opt("mix: weight of the hidden-state MSE"),
+        hidden_weight: Optional[float] = _opt("mix: weight of the hidden-state MSE; "
+                                              "encoders: weight of the matched block "
+                                              "boundaries (default 0)"),
         temperature: Optional[float] = _opt("kd: softmax temperature (default 2)"),
         lora_rank: Optional[int] = _opt("LoRA rank (default 8)"),
         lora_alpha: Optional[float] = _opt("LoRA alpha (default 16)"),
@@ -74,6 +80,7 @@ def heal_cmd(
         state_dir: Optional[Path] = typer.Option(
             None, "--state", help="resumable state folder (default OUT.heal-state; removed "
             "after the checkpoint is written)"),
+        image_size: Optional[int] = _opt("vision encoders: image size in px (default 224)"),
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt):
@@ -81,8 +88,11 @@ def heal_cmd(
     merged and saved (no peft needed to load it); held-out early stopping; resumable."""
     from prunelab import api, log
     from prunelab.heal import HealConfig
+    from prunelab.heal.encoder_entry import peek_modality
     from prunelab.log import is_quiet
 
+    load = {"dtype": dtype, "device": device, "trust_remote_code": trust_remote_code,
+            "allow_pickle": allow_pickle, "allow_missing_weights": allow_missing_weights}
     given = {"loss": loss, "ce_weight": ce_weight, "kd_weight": kd_weight,
              "hidden_weight": hidden_weight, "temperature": temperature,
              "lora_rank": lora_rank, "lora_alpha": lora_alpha, "full": full or None,
@@ -93,12 +103,17 @@ def heal_cmd(
              "min_delta": min_delta, "seed": seed, "prune": prune, "unit": unit,
              "ratio": ratio, "prune_every": prune_every, "prune_fraction": prune_fraction,
              "stability": stability, "remove": remove, "flow_measure": flow_measure}
+    if peek_modality(model) is not None:
+        _heal_encoder(model, teacher, data, eval_data, out_dir, overwrite, load, given,
+                      {"train_samples": train_samples, "eval_samples": eval_samples,
+                       "image_size": image_size, "state": state_dir})
+        return
+    if image_size is not None:
+        raise ConfigError("--image-size applies to vision encoders only")
     cfg = HealConfig(quiet=is_quiet(), **{k: v for k, v in given.items() if v is not None})
     state = state_dir if state_dir is not None else out_dir.with_name(out_dir.name +
                                                                       ".heal-state")
     held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
-    load = {"dtype": dtype, "device": device, "trust_remote_code": trust_remote_code,
-            "allow_pickle": allow_pickle, "allow_missing_weights": allow_missing_weights}
     with writing(out_dir, "checkpoint", overwrite, on_interrupt=(
             f"the run's state is in {state}/; rerun the same command to resume")):
         lm, rec = api.heal(model, teacher, data, held_out, config=cfg, out_dir=state,
@@ -133,6 +148,82 @@ def _show(rec: dict, model: str, out_dir: Path) -> None:
     if rec.get("zeros_before") is not None:
         rows.insert(4, ("zero weights before -> after",
                         f"{rec['zeros_before']:,} -> {rec['zeros_after']:,}"))
+    for k, v in rows:
+        t.add_row(k, v)
+    out.print(t)
+
+
+#: text-only options and what an encoder heal says about them
+_TEXT_ONLY = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight",
+              "temperature": "--temperature", "tokens": "--tokens (use --steps)",
+              "seqlen": "--seqlen", "prune": "--prune", "unit": "--unit", "ratio": "--ratio",
+              "prune_every": "--prune-every", "prune_fraction": "--prune-fraction",
+              "stability": "--stability", "remove": "--remove",
+              "flow_measure": "--flow-measure", "state": "--state (encoder heals do not "
+              "resume)"}
+
+
+def _heal_encoder(model: str, teacher, data: str, eval_data, out_dir: Path, overwrite: bool,
+                  load: dict, given: dict, extra: dict) -> None:
+    """``prunelab heal`` on a vision or speech encoder: feature distillation from
+    ``--teacher`` (see :mod:`prunelab.heal.encoders`)."""
+    from prunelab import api, log
+    from prunelab.heal.encoder_entry import heal_encoder_specs
+    from prunelab.heal.encoders import EncoderHealConfig
+    from prunelab.log import is_quiet
+
+    bad = [flag for k, flag in _TEXT_ONLY.items()
+           if (given.get(k) if k in given else extra.get(k)) is not None]
+    if bad:
+        raise ConfigError(f"{model} is an encoder: {', '.join(bad)} apply to text models "
+                          "only")
+    if teacher is None:
+        raise ConfigError("healing an encoder distils it from the dense model: give "
+                          "--teacher")
+    keep = ("loss", "hidden_weight", "lora_rank", "lora_alpha", "full", "train_bridges",
+            "steps", "lr", "warmup", "final_lr_ratio", "weight_decay", "max_grad_norm",
+            "batch_size", "eval_every", "patience", "min_delta", "seed")
+    cfg = EncoderHealConfig(quiet=is_quiet(), **{k: given[k] for k in keep
+                                                 if given.get(k) is not None})
+    size = extra["image_size"] if extra["image_size"] is not None else 224
+    held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
+    with writing(out_dir, "checkpoint", overwrite):
+        lm = api.load(model, **load)
+        lm, rec = heal_encoder_specs(lm, teacher, data, held_out, config=cfg,
+                                     train_samples=extra["train_samples"],
+                                     eval_samples=extra["eval_samples"], image_size=size,
+                                     load_options=load)
+        api.save(lm, out_dir, overwrite=overwrite, data=rec["data"]["train"],
+                 metrics=_encoder_metrics(rec), extra={"healing": rec})
+    _show_encoder(rec, model, out_dir)
+    log.info(f"wrote {out_dir}/")
+
+
+def _encoder_metrics(rec: dict) -> dict:
+    held = rec.get("held_out") or {}
+    out = {}
+    for when in ("before", "after"):
+        for k, v in (held.get(when) or {}).items():
+            if k != "step":
+                out[f"held_out_{when}_{k}"] = v
+    return out
+
+
+def _show_encoder(rec: dict, model: str, out_dir: Path) -> None:
+    held = rec.get("held_out") or {}
+
+    def pair(key: str) -> str:
+        b, a = ((held.get(w) or {}).get(key) for w in ("before", "after"))
+        return "-" if b is None or a is None else f"{b:.5f} -> {a:.5f}"
+    t = Table(title=f"encoder healing of {model}", show_header=False)
+    rows = [("modality", rec["modality"]), ("loss", rec["loss"]),
+            ("mode", rec["mode"]), ("steps", str(rec["steps"])),
+            ("held-out loss before -> after", pair("loss")),
+            ("held-out token cosine before -> after", pair("token_cosine"))]
+    if rec["modality"] == "vision":
+        rows.append(("held-out CLS cosine before -> after", pair("cls_cosine")))
+    rows += [("best step", str(rec["best_step"])), ("blocks", str(rec["num_blocks"])),
+             ("wall seconds", f"{rec['wall_seconds']:.1f}"), ("checkpoint", str(out_dir))]
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)

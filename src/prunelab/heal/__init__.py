@@ -4,11 +4,13 @@ and pruning while fine-tuning from training signals: REP-LIE (unit importance fr
 LoRA matrices) and CascadeFlow (blocks ranked by accumulated gradient).
 
 ``prunelab.heal(lm, teacher, "wiki-vital:calib", "wiki-vital:test", HealConfig(loss="kd"))``
-(:func:`prunelab.api.heal`) or, on token windows, :func:`heal`.
+(:func:`prunelab.api.heal`) or, on token windows, :func:`heal`; pruned vision and speech
+encoders: :func:`heal_encoder` (feature distillation, :mod:`prunelab.heal.encoders`).
 """
 
 from prunelab.heal.cascadeflow import FlowAccumulator, fan_in_profile, gradient_flow
 from prunelab.heal.config import HealConfig
+from prunelab.heal.encoders import EncoderHealConfig, heal_encoder
 from prunelab.heal.loop import HealRun, eval_nll, heal
 from prunelab.heal.losses import kept_positions
 from prunelab.heal.rep_lie import (
@@ -19,7 +21,7 @@ from prunelab.heal.rep_lie import (
     weight_importance,
 )
 
-__all__ = ["FlowAccumulator", "HealConfig", "HealRun", "RepLieTracker", "eval_nll",
-           "fan_in_profile", "gradient_flow", "heal", "kept_positions",
-           "lora_gradient_estimate", "rep_lie_importances", "unit_importance",
-           "weight_importance"]
+__all__ = ["EncoderHealConfig", "FlowAccumulator", "HealConfig", "HealRun", "RepLieTracker",
+           "eval_nll", "fan_in_profile", "gradient_flow", "heal", "heal_encoder",
+           "kept_positions", "lora_gradient_estimate", "rep_lie_importances",
+           "unit_importance", "weight_importance"]
