@@ -279,3 +279,17 @@ def test_api_heal_reads_the_pruned_checkpoint_manifest_and_saves(tmp_path):
 
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.config.num_hidden_layers == 3
+
+
+def test_without_periodic_evaluation_the_last_state_is_kept():
+    """``eval_every=0`` with held-out data: measured before and after, never "restored" to
+    the start (the held-out set is only reported, there is no best state to pick)."""
+    lm = wrap(tiny_model("llama"))
+    start = {n: p.detach().clone() for n, p in lm.model.named_parameters()}
+    batch = tiny_tokens(2, 16, seed=1)
+    lm, rec = heal(lm, None, batch, tiny_tokens(2, 12, seed=2),
+                   HealConfig(steps=4, lr=1e-2, eval_every=0, patience=0, quiet=True,
+                              batch_size=2))
+    changed = sum(not torch.equal(p, start[n]) for n, p in lm.model.named_parameters())
+    assert changed > 0
+    assert rec["held_out"]["after"]["nll"] != rec["held_out"]["before"]["nll"]

@@ -137,7 +137,8 @@ class HealRun:
         nll = self.evaluate()
         if nll is not None:
             self.evals.append({"step": 0, "nll": nll})
-            self.best = {"step": 0, "nll": nll, "state": self.trainables.state()}
+            if self.cfg.eval_every > 0:  # no later evaluation: the last state is the result
+                self.best = {"step": 0, "nll": nll, "state": self.trainables.state()}
 
     def _lora_seed(self) -> int:
         return self.cfg.seed + 7919 * len(self.events)
