@@ -38,7 +38,7 @@ def test_installed_pruning_equals_the_wrapper_and_reloads(arch, fuse, tmp_path):
     out = prunelab.save(lm, tmp_path / f"tok_{arch}_{fuse}")
     cfg_json = json.loads((out / "config.json").read_text())
     assert [m["kind"] for m in cfg_json["prunelab_modules"]] == ["token_pruner"] * 2
-    with pytest.raises(Exception):  # the custom model type needs its modeling file
+    with pytest.raises(ValueError, match="custom code"):  # needs its modeling file
         tf.AutoModel.from_pretrained(out)
     again = tf.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
     assert torch.equal(hidden(again, x), got)

@@ -91,7 +91,7 @@ def test_in_loop_beats_or_ties_the_raw_search_on_its_own_metric():
 def test_in_loop_refusals():
     with pytest.raises(ConfigError, match="needs a --recovery that fits"):
         Depth(remove=1, strategy="validation", recovery_in_loop=True)
-    with pytest.raises(ConfigError, match="iterative or validation"):
+    with pytest.raises(ConfigError, match="validation, beam, sleb or iterative"):
         Depth(remove=1, strategy="one-shot", recovery="foldable", recovery_in_loop=True)
 
 

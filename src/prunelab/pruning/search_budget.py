@@ -41,8 +41,8 @@ def check_search_options(cfg) -> None:
     rec = RECOVERIES.name_of(cfg.recovery)
     if cfg.recovery_in_loop:
         if name not in IN_LOOP_STRATEGIES:
-            raise ConfigError("--recovery-in-loop applies to --strategy beam, sleb, "
-                              f"iterative or validation, not {name or 'the default one-shot'}")
+            raise ConfigError("--recovery-in-loop applies to --strategy validation, beam, "
+                              f"sleb or iterative, not {name or 'the default one-shot'}")
         if not cfg.recovery.fits:
             raise ConfigError("--recovery-in-loop needs a --recovery that fits (foldable, "
                               "boundary, ghost or lra)")
