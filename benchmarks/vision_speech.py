@@ -69,7 +69,7 @@ def _search(args, dense, calib, prior, repair=None) -> dict:
 
     start = time.perf_counter()
     options = {"size": args.lfw_size, "split": "calib"} if args.val_metric == "lfw-acc" \
-        else {"size": args.size, "samples": args.calib}  # embed-cos: the calib photos
+        else {"size": args.size, "samples": args.calib, "seed": args.val_seed}
     metric = make_task_metric(args.val_metric, dense, **options)
     _, how = validation_search(dense, metric, max(args.remove), 1, prior, args.val_metric,
                                repair=repair)
@@ -109,6 +109,25 @@ def _width_rows(args, dense, calib, scores) -> list[dict]:
     return rows
 
 
+def _in_loop_only(args, dense, calib, scores, rows) -> list[dict]:
+    """Dense and the in-loop validation search's -n rows only (a second run, e.g. with
+    the metric on held-out photos: ``--val-seed 1``)."""
+    import prunelab
+
+    prior = prunelab.probe(dense, "block-influence", calib, batch_size=8).layer_values()
+    how = _in_loop_search(args, dense, calib, prior)
+    val = f"validation({args.val_metric}, seed {args.val_seed})"
+    for n in args.remove:
+        step = how["steps"][n - 1]
+        rec = args.in_loop if step["repaired"][0] else "none"
+        lm, rep = _pruned(dense, sorted(step["best"][0]), rec, calib)
+        rows.append(_row(f"{val} + {args.in_loop} in loop -{n} ({rec})", lm,
+                         rep["removed_blocks"], scores))
+    for r in rows:
+        r["speedup"] = r["images_per_s"] / rows[0]["images_per_s"]
+    return [{"validation_search_in_loop": how}, *rows]
+
+
 def vision(args) -> list[dict]:
     import prunelab
     from prunelab.data.images import images_for
@@ -126,6 +145,8 @@ def vision(args) -> list[dict]:
         return _scores(model, dense_emb, photos, lfw, args.size, args.batch)
 
     rows = [_row("dense", dense, [], scores)]
+    if args.in_loop_only:
+        return _in_loop_only(args, dense, calib, scores, rows)
     probes = prunelab.probe(dense, "block-influence,leave-one-out", calib, batch_size=8)
     prior = probes["block-influence"].layer_values()
     searches = {"validation": _search(args, dense, calib, prior)}
@@ -208,6 +229,11 @@ def main(argv=None) -> None:
                    "or per wall-clock second")
     p.add_argument("--in-loop", default="foldable",
                    help="recovery fitted inside a second validation search (none: skip)")
+    p.add_argument("--val-seed", type=int, default=0,
+                   help="embed-cos / knn-agree: seed of the validation photos (0: the "
+                   "calibration photos themselves; another: held-out augmentations)")
+    p.add_argument("--in-loop-only", action="store_true",
+                   help="only dense and the in-loop validation search's rows")
     p.add_argument("--skip-width", action="store_true",
                    help="leave out the width rows (heads 2 of 6, FFN 25 %%)")
     p.add_argument("--skip-speech", action="store_true")
