@@ -113,3 +113,14 @@ def test_cli_validation_flags_reach_the_strategy(tmp_path):
         assert piece in man
     assert cli_main(["prune", "depth", "--model", str(ckpt), "--remove", "1",
                      "--val-width", "2", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_photo_metrics_take_a_held_out_seed():
+    lm = wrap(tiny_vision())
+    same = make_task_metric("embed-cos", lm, data="images:calib", samples=3, size=SIZE)
+    held = make_task_metric("embed-cos", lm, data="images:calib", samples=3, size=SIZE,
+                            seed=1)
+    assert held(lm) == pytest.approx(1.0)
+    with blocks_removed(lm, (1,)):
+        a, b = same(lm), held(lm)
+    assert a < 0.999 and b < 0.999 and a != b  # other photos, other score
