@@ -10,7 +10,12 @@ held-out photos (``images:test``): CLS / mean-pooled embedding cosine, kNN agree
 (1 thread, best of 5 batches; per CPU-second by default, ``--clock wall`` for wall
 time). Then token pruning at 70 % of the patch tokens kept (TAP-Path /
 EViT: CLS-attention pruning before block 3, dropped tokens fused into one), alone and on
-top of the validation-chosen 3-block removal, plus TAP-Path's gated multi-depth head.
+top of the 3-block removal of the in-loop search below, plus TAP-Path's gated
+multi-depth head. A second validation search with the ``--in-loop`` recovery (default
+foldable) fitted for every candidate (recovery in the loop) gives its own rows; width rows:
+2 of 6 heads and 25 % of the FFN channels removed (wanda-sp, plain and refit).
+``--val-seed 1`` scores embed-cos / knn-agree on held-out photos instead of the
+calibration photos; ``--in-loop-only`` runs only the dense and the in-loop rows.
 
 Seeds: similarity-based ViT block redundancy ("Is Attention Required for ViT?"): DINOv2
 with 20 % of its blocks removed at 1.24x throughput; TAP-Path: 24 of 32 blocks, 70 % of
