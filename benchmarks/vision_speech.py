@@ -10,7 +10,12 @@ held-out photos (``images:test``): CLS / mean-pooled embedding cosine, kNN agree
 (1 thread, best of 5 batches; per CPU-second by default, ``--clock wall`` for wall
 time). Then token pruning at 70 % of the patch tokens kept (TAP-Path /
 EViT: CLS-attention pruning before block 3, dropped tokens fused into one), alone and on
-top of the validation-chosen 3-block removal, plus TAP-Path's gated multi-depth head.
+top of the 3-block removal of the in-loop search below, plus TAP-Path's gated
+multi-depth head. A second validation search with the ``--in-loop`` recovery (default
+foldable) fitted for every candidate (recovery in the loop) gives its own rows; width rows:
+2 of 6 heads and 25 % of the FFN channels removed (wanda-sp, plain and refit).
+``--val-seed 1`` scores embed-cos / knn-agree on held-out photos instead of the
+calibration photos; ``--in-loop-only`` runs only the dense and the in-loop rows.
 
 Seeds: similarity-based ViT block redundancy ("Is Attention Required for ViT?"): DINOv2
 with 20 % of its blocks removed at 1.24x throughput; TAP-Path: 24 of 32 blocks, 70 % of
@@ -57,12 +62,81 @@ def _pruned(dense_lm, blocks, recovery, calib):
     return lm, rep
 
 
+def _row(name, lm, removed, ctx_scores, extra=None) -> dict:
+    row = {"name": name, "removed": removed, **ctx_scores(lm), **(extra or {})}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _search(args, dense, calib, prior, repair=None) -> dict:
+    from prunelab.eval.task_metric import make_task_metric
+    from prunelab.pruning.strategies.validation import validation_search
+
+    start = time.perf_counter()
+    options = {"size": args.lfw_size, "split": "calib"} if args.val_metric == "lfw-acc" \
+        else {"size": args.size, "samples": args.calib, "seed": args.val_seed}
+    metric = make_task_metric(args.val_metric, dense, **options)
+    _, how = validation_search(dense, metric, max(args.remove), 1, prior, args.val_metric,
+                               repair=repair)
+    how["seconds"] = time.perf_counter() - start
+    print(json.dumps({"validation_search": how}), flush=True)
+    return how
+
+
+def _in_loop_search(args, dense, calib, prior) -> dict:
+    """The validation search with ``args.in_loop`` recovery fitted on the calibration
+    photos for every candidate (see prunelab.pruning.strategies.validation)."""
+    from prunelab.probes import ProbeContext
+    from prunelab.pruning import Depth
+    from prunelab.pruning.strategies.validation import repaired_copy
+
+    cfg = Depth(remove=1, recovery=args.in_loop)
+    ctx = ProbeContext(dense, calib.input_ids, batch_size=8)
+    try:
+        return _search(args, dense, calib, prior,
+                       repair=lambda cand: repaired_copy(dense, cfg, ctx, cand))
+    finally:
+        ctx.close()
+
+
+def _width_rows(args, dense, calib, scores) -> list[dict]:
+    import prunelab
+    from prunelab.pruning import Width
+
+    rows = []
+    for label, cfg in (("heads -2/6", {"unit": "heads", "ratio": 2 / 6}),
+                       ("ffn -25%", {"unit": "ffn", "ratio": 0.25, "round_to": 384})):
+        for comp in (False, True):
+            lm = copy.deepcopy(dense)
+            prunelab.prune(lm, Width(compensate=comp, **cfg), calib, batch_size=8)
+            name = f"width {label} (wanda-sp{', refit' if comp else ''})"
+            rows.append(_row(name, lm, [], scores))
+    return rows
+
+
+def _in_loop_only(args, dense, calib, scores, rows) -> list[dict]:
+    """Dense and the in-loop validation search's -n rows only (a second run, e.g. with
+    the metric on held-out photos: ``--val-seed 1``)."""
+    import prunelab
+
+    prior = prunelab.probe(dense, "block-influence", calib, batch_size=8).layer_values()
+    how = _in_loop_search(args, dense, calib, prior)
+    val = f"validation({args.val_metric}, seed {args.val_seed})"
+    for n in args.remove:
+        step = how["steps"][n - 1]
+        rec = args.in_loop if step["repaired"][0] else "none"
+        lm, rep = _pruned(dense, sorted(step["best"][0]), rec, calib)
+        rows.append(_row(f"{val} + {args.in_loop} in loop -{n} ({rec})", lm,
+                         rep["removed_blocks"], scores))
+    for r in rows:
+        r["speedup"] = r["images_per_s"] / rows[0]["images_per_s"]
+    return [{"validation_search_in_loop": how}, *rows]
+
+
 def vision(args) -> list[dict]:
     import prunelab
     from prunelab.data.images import images_for
-    from prunelab.eval.task_metric import make_task_metric
     from prunelab.eval.vision import LfwData, embed
-    from prunelab.pruning.strategies.validation import validation_search
     from prunelab.pruning.tokens import TokenPrunedEncoder, TokenPruning, lfw_gated_accuracy
 
     torch.manual_seed(0)
@@ -71,46 +145,58 @@ def vision(args) -> list[dict]:
     photos = images_for("images:test", samples=args.test, size=args.size).input_ids
     lfw = LfwData.make(args.lfw_size)
     dense_emb = embed(dense, photos, args.batch)
-    rows = [{"name": "dense", "removed": [], **_scores(dense, dense_emb, photos, lfw,
-                                                       args.size, args.batch)}]
-    base_ips = rows[0]["images_per_s"]
+
+    def scores(model):
+        return _scores(model, dense_emb, photos, lfw, args.size, args.batch)
+
+    rows = [_row("dense", dense, [], scores)]
+    if args.in_loop_only:
+        return _in_loop_only(args, dense, calib, scores, rows)
     probes = prunelab.probe(dense, "block-influence,leave-one-out", calib, batch_size=8)
-    start = time.perf_counter()
-    options = {"size": args.lfw_size, "split": "calib"} if args.val_metric == "lfw-acc" \
-        else {"size": args.size, "samples": args.calib}
-    metric = make_task_metric(args.val_metric, dense, **options)
-    _, how = validation_search(dense, metric, max(args.remove), 1,
-                               probes["block-influence"].layer_values(), args.val_metric)
-    search_s = time.perf_counter() - start
+    prior = probes["block-influence"].layer_values()
+    searches = {"validation": _search(args, dense, calib, prior)}
+    if args.in_loop != "none":
+        searches["in-loop"] = _in_loop_search(args, dense, calib, prior)
     chosen = {m: (lambda n, m=m: probes[m].ranking()[:n]) for m in args.methods
               if m in probes}
-    chosen["validation"] = lambda n: how["steps"][n - 1]["best"][0]
+    chosen["validation"] = lambda n: searches["validation"]["steps"][n - 1]["best"][0]
+    val = f"validation({args.val_metric})"
     for n in args.remove:
         for method, pick in chosen.items():
             for recovery in ("none", "foldable"):
                 lm, rep = _pruned(dense, sorted(pick(n)), recovery, calib)
-                label = f"validation({args.val_metric})" if method == "validation" \
-                    else method
-                row = {"name": f"{label} -{n} {recovery}", "removed": rep["removed_blocks"],
-                       **_scores(lm, dense_emb, photos, lfw, args.size, args.batch)}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                label = val if method == "validation" else method
+                rows.append(_row(f"{label} -{n} {recovery}", lm, rep["removed_blocks"],
+                                 scores))
+        if "in-loop" in searches:
+            step = searches["in-loop"]["steps"][n - 1]
+            rec = args.in_loop if step["repaired"][0] else "none"
+            lm, rep = _pruned(dense, sorted(step["best"][0]), rec, calib)
+            rows.append(_row(f"{val} + {args.in_loop} in loop -{n} ({rec})", lm,
+                             rep["removed_blocks"], scores))
+    if not args.skip_width:
+        rows += _width_rows(args, dense, calib, scores)
     tokens = TokenPruning(keep=0.7, layers=(3,), fuse=True)
-    enc = TokenPrunedEncoder(dense, tokens)
-    rows.append({"name": "tokens 70% @3", "removed": [],
-                 **_scores(enc, dense_emb, photos, lfw, args.size, args.batch)})
+    rows.append(_row("tokens 70% @3", TokenPrunedEncoder(dense, tokens), [], scores))
     n = max(args.remove)
-    lm3, _ = _pruned(dense, sorted(chosen["validation"](n)), "foldable", calib)
+    if "in-loop" in searches:
+        step = searches["in-loop"]["steps"][n - 1]
+        blocks, rec = sorted(step["best"][0]), args.in_loop if step["repaired"][0] else "none"
+        name = f"{val} + {args.in_loop} in loop -{n} ({rec}) + tokens 70% @3"
+    else:
+        blocks, rec = sorted(chosen["validation"](n)), "foldable"
+        name = f"{val} -{n} foldable + tokens 70% @3"
+    lm3, _ = _pruned(dense, blocks, rec, calib)
     enc3 = TokenPrunedEncoder(lm3, tokens)
-    row = {"name": f"validation({args.val_metric}) -{n} foldable + tokens 70% @3",
-           "removed": sorted(chosen["validation"](n)),
-           **_scores(enc3, dense_emb, photos, lfw, args.size, args.batch)}
     last = lm3.adapter.num_blocks - 1
-    row.update(lfw_gated_accuracy(enc3, (last - 4, last - 2, last), args.lfw_size, args.batch))
-    rows.append(row)
+    rows.append(_row(name, enc3, blocks, scores, lfw_gated_accuracy(
+        enc3, (last - 4, last - 2, last), args.lfw_size, args.batch)))
+    base_ips = rows[0]["images_per_s"]
     for r in rows:
         r["speedup"] = r["images_per_s"] / base_ips
-    return [{"validation_search": {**how, "seconds": search_s}}, *rows]
+    return [{"validation_search": searches["validation"]},
+            *([{"validation_search_in_loop": searches["in-loop"]}]
+              if "in-loop" in searches else []), *rows]
 
 
 def table(rows: list[dict]) -> str:
@@ -146,6 +232,15 @@ def main(argv=None) -> None:
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="images/s per CPU-second (default: robust on a shared machine) "
                    "or per wall-clock second")
+    p.add_argument("--in-loop", default="foldable",
+                   help="recovery fitted inside a second validation search (none: skip)")
+    p.add_argument("--val-seed", type=int, default=0,
+                   help="embed-cos / knn-agree: seed of the validation photos (0: the "
+                   "calibration photos themselves; another: held-out augmentations)")
+    p.add_argument("--in-loop-only", action="store_true",
+                   help="only dense and the in-loop validation search's rows")
+    p.add_argument("--skip-width", action="store_true",
+                   help="leave out the width rows (heads 2 of 6, FFN 25 %%)")
     p.add_argument("--skip-speech", action="store_true")
     args, rest = p.parse_known_args(argv)
     global CLOCK
@@ -155,7 +250,8 @@ def main(argv=None) -> None:
     rows = vision(args)
     print(table(rows))
     result = {"vision": rows, "args": {k: v for k, v in vars(args).items() if k != "out"},
-              "vision_seconds": time.perf_counter() - start}
+              "vision_seconds": time.perf_counter() - start,
+              "vision_cpu_seconds": time.process_time()}
     args.out.write_text(json.dumps(result, indent=1, default=str))
     speech = Path(__file__).with_name("speech.py")
     if speech.is_file() and not args.skip_speech:

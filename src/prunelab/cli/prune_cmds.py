@@ -150,8 +150,8 @@ def prune_depth_cmd(
             None, help="block (default), or sublayer: attention and MLP sub-blocks searched "
             "separately (--remove N = N blocks' worth of parameters)"),
         recovery_in_loop: bool = typer.Option(
-            False, "--recovery-in-loop", help="beam / sleb / iterative: score each candidate "
-            "after its closed-form recovery"),
+            False, "--recovery-in-loop", help="beam / sleb / iterative / validation: score "
+            "each candidate after its closed-form recovery"),
         bootstrap: Optional[int] = typer.Option(
             None, help="resamples of the windows re-deriving the removal set (default 200; "
             "0: off)"),

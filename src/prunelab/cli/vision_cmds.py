@@ -1,6 +1,8 @@
 """``prunelab prune tokens``: TAP-Path patch-token pruning of a vision encoder, scored
-against its dense forward (token pruning is input-adaptive and changes no weight, so there
-is no checkpoint to write: the JSON records the setting and its measured effect)."""
+against its dense forward; the JSON records the setting and its measured effect. Token
+pruning changes no weight: with ``--out`` the checkpoint carries a weightless
+``TokenPruner`` module per pruning block (generated modeling file; reload with
+``AutoModel.from_pretrained(DIR, trust_remote_code=True)``)."""
 
 from __future__ import annotations
 
@@ -39,15 +41,21 @@ def prune_tokens_cmd(
         lfw_size: int = typer.Option(112, help="LFW crop size in pixels"),
         batch_size: int = typer.Option(8, help="images per forward"),
         json_path: Optional[Path] = typer.Option(None, "--json", help="write results"),
-        overwrite: bool = typer.Option(False, help="replace an existing --json file"),
+        out_dir: Optional[Path] = typer.Option(None, "--out", help="also write a checkpoint "
+                                               "that prunes tokens itself (remote code)"),
+        overwrite: bool = typer.Option(False, help="replace an existing --json / --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt):
     """Prune patch tokens by CLS attention (vision encoders) and report embedding fidelity,
     LFW accuracy, tokens per block and images/s against the dense forward."""
-    from prunelab.io.save import write_json
+    from prunelab.io.save import check_output_path, write_json
     from prunelab.pruning.tokens import TokenPruning, evaluate_token_pruning
 
     cfg = TokenPruning(keep=keep, layers=_ints(layers), fuse=fuse)
-    with writing(json_path, "file", overwrite):
+    if out_dir is not None and json_path is not None:
+        check_output_path(json_path, kind="file", overwrite=overwrite)
+    guard = writing(out_dir, "checkpoint", overwrite) if out_dir is not None else \
+        writing(json_path, "file", overwrite)
+    with guard:
         lm = LoadArgs(model, dtype, device, False, False, False).load()
         res = evaluate_token_pruning(lm, cfg, _ints(depths), samples=samples, size=size,
                                      lfw_size=lfw_size, batch_size=batch_size)
@@ -62,3 +70,19 @@ def prune_tokens_cmd(
         out.print(t)
         if json_path is not None:
             write_json(json_path, res, overwrite=overwrite)
+        if out_dir is not None:
+            _save_token_pruned(lm, cfg, res, out_dir, overwrite)
+
+
+def _save_token_pruned(lm, cfg, res: dict, out_dir: Path, overwrite: bool) -> None:
+    import prunelab
+    from prunelab.pruning.tokens import install_token_pruning
+
+    paths = install_token_pruning(lm, cfg)
+    metrics = {k: res[k] for k in ("cls_cosine", "mean_cosine", "knn_agreement",
+                                   "lfw_accuracy", "speedup") if k in res}
+    prunelab.save(lm, out_dir, overwrite=overwrite, operation="prune-tokens",
+                  config={"keep": cfg.keep, "layers": list(cfg.layers), "fuse": cfg.fuse,
+                          "modules": paths}, data=res.get("data"), metrics=metrics)
+    out.print(f"wrote {out_dir} (load with AutoModel.from_pretrained(path, "
+              "trust_remote_code=True))")

@@ -191,8 +191,11 @@ def display_rows(res: dict) -> list[tuple[str, str]]:
 # ---------------------------------------------------------------- task metrics
 
 def _photo_metric(name: str, pick, lm, data: str = "images:calib", samples: int = 16,
-                  size: int = PHOTO_SIZE, batch_size: int = 8, k: int = 5) -> TaskMetric:
-    photos = images_for(data, samples=samples, size=size).input_ids
+                  size: int = PHOTO_SIZE, batch_size: int = 8, k: int = 5,
+                  seed: int = 0) -> TaskMetric:
+    """``seed``: the photos' augmentation stream (``images:calib`` with ``seed=0`` are the
+    default calibration photos; another seed gives photos held out from them)."""
+    photos = images_for(data, samples=samples, seed=seed, size=size).input_ids
     ref = embed(lm, photos, batch_size)
     return TaskMetric(name, lambda m: pick(fidelity(ref, embed(m, photos, batch_size), k)),
                       higher_is_better=True)

@@ -24,7 +24,7 @@ from prunelab.pruning.sublayer import PARTS, sublayer_params
 
 GRANULARITIES = ("block", "sublayer")
 #: strategies that score candidates (recovery in the loop applies to them)
-IN_LOOP_STRATEGIES = ("beam", "sleb", "iterative")
+IN_LOOP_STRATEGIES = ("beam", "sleb", "iterative", "validation")
 SUBLAYER_STRATEGIES = ("one-shot", "beam", "sleb")
 SUBLAYER_RECOVERIES = ("none", "foldable", "ghost", "lra")
 
@@ -41,8 +41,8 @@ def check_search_options(cfg) -> None:
     rec = RECOVERIES.name_of(cfg.recovery)
     if cfg.recovery_in_loop:
         if name not in IN_LOOP_STRATEGIES:
-            raise ConfigError("--recovery-in-loop applies to --strategy beam, sleb or "
-                              f"iterative, not {name or 'the default one-shot'}")
+            raise ConfigError("--recovery-in-loop applies to --strategy validation, beam, "
+                              f"sleb or iterative, not {name or 'the default one-shot'}")
         if not cfg.recovery.fits:
             raise ConfigError("--recovery-in-loop needs a --recovery that fits (foldable, "
                               "boundary, ghost or lra)")

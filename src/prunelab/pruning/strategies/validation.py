@@ -16,11 +16,22 @@ LMs (when no module registers it: the perplexity of the calibration windows).
 the small LFW subset: every candidate ties, measured) and ``perplexity`` otherwise. Each
 candidate is evaluated on the model itself with the blocks taken out temporarily (no
 copy), restored afterwards.
+
+**Recovery in the loop** (``Depth(recovery_in_loop=True, recovery=...)``): each candidate is
+also scored after its closed-form recovery, fitted exactly as the applied model will be
+(:func:`prunelab.pruning.surgery.recover` on a copy of the model without the candidate's
+blocks, on the calibration windows), so the search picks the blocks that *recover* best.
+Least squares at the cut does not maximise the task metric, and can lower it: a candidate's
+value is the better of its raw and repaired scores, and the chosen set is repaired only when
+its repair helped (``how["repaired"]``, ``how["repair_spans"]``, used by the applied model).
+Each candidate then costs one model copy, one recovery fit (the calibration windows through
+the blocks up to the last cut) and a second metric evaluation.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
@@ -70,7 +81,39 @@ class Validation(Strategy):
         kwargs = {k: _parse_value(v) for k, v in (o.split("=", 1) for o in self.options)}
         metric = _bind_metric(name, job, kwargs)
         prior = job.result().layer_values() if job.cfg.probe else None
-        return validation_search(job.lm, metric, job.n, self.width, prior, name)
+        repair = _repairer(job) if job.cfg.recovery_in_loop else None
+        removed, how = validation_search(job.lm, metric, job.n, self.width, prior, name,
+                                         repair=repair)
+        if repair is not None:
+            from prunelab.pruning.selection import contiguous_spans
+
+            how["recovery_in_loop"] = True
+            how["repair_spans"] = [list(sp) for sp in contiguous_spans(removed)] \
+                if how["repaired"] else []
+        return removed, how
+
+
+def repaired_copy(lm, cfg, ctx, removed) -> object | None:
+    """A copy of ``lm`` without blocks ``removed`` (0-based), repaired by ``cfg.recovery``
+    on ``ctx``'s calibration windows as :func:`prunelab.pruning.surgery.run_depth` repairs
+    the applied model; ``None`` when the recovery cannot repair these cuts."""
+    from prunelab.errors import UnsupportedOperationError
+    from prunelab.models.loading import wrap
+    from prunelab.pruning.surgery import recover
+
+    work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
+    work.offload_to = getattr(lm, "offload_to", None)
+    work.adapter.delete_blocks(sorted(removed))
+    try:
+        recover(work, cfg, ctx, sorted(removed), ctx.runner.batches[0].shape[0])
+    except UnsupportedOperationError:
+        return None
+    return work
+
+
+def _repairer(job: SelectJob):
+    job.ctx.ensure_cached()  # the dense boundaries (targets) once, before the search
+    return lambda cand: repaired_copy(job.lm, job.cfg, job.ctx, cand)
 
 
 def _bind_metric(name: str, job: SelectJob, kwargs: dict):
@@ -114,11 +157,25 @@ def blocks_removed(lm, drop):
             ad.config.num_hidden_layers = layers
 
 
-def validation_search(lm, metric, n: int, width: int, prior=None,
-                      name: str = "") -> tuple[list[int], dict]:
+def _score(lm, metric, cand, repair) -> tuple[float, float, bool]:
+    """``(loss, raw loss, repaired)`` of removing ``cand``: with ``repair`` (``cand ->``
+    repaired copy or ``None``) the better of the raw and the repaired model."""
+    with blocks_removed(lm, cand):
+        raw = metric.loss(metric(lm))
+    fixed = repair(cand) if repair is not None else None
+    if fixed is None:
+        return raw, raw, False
+    rep = metric.loss(metric(fixed))
+    return (rep, raw, True) if rep < raw else (raw, raw, False)
+
+
+def validation_search(lm, metric, n: int, width: int, prior=None, name: str = "",
+                      repair=None) -> tuple[list[int], dict]:
     """Beam (greedy when ``width == 1``) search for ``n`` blocks whose removal keeps
-    ``metric`` best; ``prior``: per-block probe values breaking ties (lower first).
-    Returns the sorted blocks and ``how`` (every step's best sets and values)."""
+    ``metric`` best; ``prior``: per-block probe values breaking ties (lower first);
+    ``repair``: ``cand -> repaired model copy | None`` (recovery in the loop: each candidate
+    valued by the better of its raw and repaired scores). Returns the sorted blocks and
+    ``how`` (every step's best sets, values, values without repair and whether repaired)."""
     total = lm.adapter.num_blocks
     if n >= total:
         raise ConfigError(f"cannot remove {n} of {total} blocks")
@@ -127,8 +184,11 @@ def validation_search(lm, metric, n: int, width: int, prior=None,
     def tie(s):
         return sum((prior[b] or 0.0) for b in s) if prior else 0.0
 
+    def value(loss):
+        return -loss if metric.higher_is_better else loss
+
     beam: list[tuple[float, tuple]] = [(metric.loss(dense), ())]
-    steps, evaluations = [], 0
+    steps, evaluations, info = [], 0, {}
     for step in range(n):
         scored: dict[tuple, float] = {}
         for _, base in beam:
@@ -137,15 +197,19 @@ def validation_search(lm, metric, n: int, width: int, prior=None,
                 cand = tuple(sorted(base + (b,)))
                 if cand in scored:
                     continue
-                with blocks_removed(lm, cand):
-                    scored[cand] = metric.loss(metric(lm))
+                loss, raw, fixed = _score(lm, metric, cand, repair)
+                scored[cand], info[cand] = loss, (raw, fixed)
                 evaluations += 1
         ranked = sorted(scored.items(), key=lambda kv: (kv[1], tie(kv[0]), kv[0]))
         beam = [(loss, s) for s, loss in ranked[:width]]
         steps.append({"best": [list(s) for _, s in beam],
-                      "values": [(-loss if metric.higher_is_better else loss)
-                                 for loss, _ in beam]})
+                      "values": [value(loss) for loss, _ in beam]})
+        if repair is not None:
+            steps[-1]["values_without_recovery"] = [value(info[s][0]) for _, s in beam]
+            steps[-1]["repaired"] = [info[s][1] for _, s in beam]
     how = {"strategy": "validation", "metric": name or metric.name, "width": width,
            "dense_value": dense, "evaluations": evaluations, "steps": steps,
            "value": steps[-1]["values"][0]}
+    if repair is not None:
+        how["repaired"] = steps[-1]["repaired"][0]
     return list(beam[0][1]), how

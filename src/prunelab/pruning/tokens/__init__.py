@@ -3,6 +3,7 @@ a pruning layer run on fewer tokens. See :mod:`prunelab.pruning.tokens.runtime` 
 pruned forward) and :mod:`prunelab.pruning.tokens.head` (multi-depth feature recovery and
 a gated task head)."""
 
+from prunelab.pruning.tokens.checkpoint import TokenPruner, install_token_pruning
 from prunelab.pruning.tokens.evaluate import evaluate_token_pruning
 from prunelab.pruning.tokens.head import (
     GatedDepthHead,
@@ -12,6 +13,6 @@ from prunelab.pruning.tokens.head import (
 )
 from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning, cls_attention
 
-__all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruning", "cls_attention",
+__all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruner", "TokenPruning", "cls_attention",
            "depth_features", "evaluate_token_pruning", "lfw_gated_accuracy",
-           "train_gated_head"]
+           "install_token_pruning", "train_gated_head"]

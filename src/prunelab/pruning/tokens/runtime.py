@@ -15,13 +15,13 @@ tokens kept, multi-depth feature recovery and a gated task head: 35 % less compu
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from prunelab.errors import ConfigError, UnsupportedArchitectureError
+from prunelab.pruning.tokens.checkpoint import TokenPruner
 from prunelab.registry import check_range
 
 
@@ -50,33 +50,16 @@ def cls_attention(adapter, index: int, hidden: torch.Tensor) -> torch.Tensor:
     proj = adapter.attn_projections(index)
     geo = adapter.head_geometry(index)
     x = norm(hidden) if norm is not None else hidden
-    b, t, _ = x.shape
-    q = proj["q"](x[:, :1]).view(b, 1, geo.num_heads, geo.head_dim).transpose(1, 2)
-    k = proj["k"](x).view(b, t, geo.num_heads, geo.head_dim).transpose(1, 2)
-    att = (q @ k.transpose(-1, -2)) * geo.head_dim ** -0.5  # [B, H, 1, T]
-    return att.softmax(-1).mean(1)[:, 0]
+    return TokenPruner.cls_scores(x, proj["q"], proj["k"], geo.num_heads, geo.head_dim)
 
 
 def prune_tokens(hidden: torch.Tensor, scores: torch.Tensor, keep: float,
                  fuse: bool) -> torch.Tensor:
     """``[B, 1 + k (+1), d]``: the CLS token, the ``k = ceil(keep x (T - 1))`` patch tokens
     of highest ``scores`` in their original order, and with ``fuse`` (when any token is
-    dropped) the ``scores``-weighted mean of the dropped ones."""
-    patches = hidden.shape[1] - 1
-    k = min(patches, max(1, math.ceil(keep * patches - 1e-9)))
-    if k == patches:
-        return hidden
-    s = scores[:, 1:]
-    order = s.argsort(dim=-1, descending=True, stable=True)
-    kept = order[:, :k].sort(dim=-1).values
-    gather = lambda idx: hidden[:, 1:].gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))  # noqa: E731
-    parts = [hidden[:, :1], gather(kept)]
-    if fuse:
-        dropped = order[:, k:]
-        w = s.gather(1, dropped)
-        w = w / w.sum(-1, keepdim=True).clamp_min(1e-12)
-        parts.append((gather(dropped) * w[..., None]).sum(1, keepdim=True))
-    return torch.cat(parts, dim=1)
+    dropped) the ``scores``-weighted mean of the dropped ones (one implementation with
+    the checkpoint's :class:`~prunelab.pruning.tokens.checkpoint.TokenPruner`)."""
+    return TokenPruner.select(hidden, scores, keep, fuse)
 
 
 class TokenPrunedEncoder(nn.Module):
