@@ -1,5 +1,5 @@
-"""Every float option of every command rejects ``nan`` (and, in the slow run, ``inf``): exit 2, one ``error:``
-line that names the option, nothing written.
+"""Every float option of every command rejects ``nan`` (and, in the slow run, ``inf``):
+exit 2, one ``error:`` line that names the option, nothing written.
 
 The options are read from the CLI itself (typer's click tree), so an option added later
 without a valid base invocation here fails :func:`test_every_float_option_is_swept` instead

@@ -69,8 +69,8 @@ class Depth:
                                    "another removal set", 0.5)
     granularity: str = _help("block, or sublayer: attention and MLP sub-blocks (budget in "
                              "parameters; see pruning.search_budget)", "block")
-    recovery_in_loop: bool = _help("beam / sleb / iterative / validation: score each candidate after "
-                                   "its recovery", False)
+    recovery_in_loop: bool = _help("beam / sleb / iterative / validation: score each "
+                                   "candidate after its recovery", False)
     strategy: InitVar[str | None] = None
 
     _registries = {"select": STRATEGIES, "recovery": RECOVERIES}
