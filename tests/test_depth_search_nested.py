@@ -166,3 +166,27 @@ def test_holdout_option_is_validated():
     with pytest.raises(ConfigError, match="at least 2 calibration batches"):
         select(lm, Depth(remove=1, select="sleb", recovery="ghost", recovery_in_loop=True,
                          recovery_holdout=0.5), ProbeContext(lm, IDS, batch_size=4), 1)
+
+
+# ---------------------------------------------------------------- sub-block search cost
+def test_sublayer_steps_rerun_only_the_blocks_from_the_candidate_on():
+    """Candidate ``(b, part)`` starts from the cached stream entering block ``b`` and reruns
+    blocks ``b..3``: step 1 costs sum_b 2 (4 - b) = 20, then the refresh from the chosen
+    block; in step 2 a partial block counts as one evaluation and a block that lost both
+    branches as none. Cumulative counts per step are recorded."""
+    from prunelab.pruning.search_budget import unit_params
+
+    lm = _lm(seed=2)
+    ctx = ProbeContext(lm, IDS, batch_size=2)
+    keep = sum(p.numel() for p in lm.model.parameters()) - max(unit_params(lm.adapter)) - 1
+    parts, how = select(lm, Depth(target_params=float(keep), select=Sleb(score="kl"),
+                                  granularity="sublayer"), ctx, 1)
+    steps = how["steps"]
+    assert len(steps) >= 2
+    (b1, p1), = steps[0]["removed"]
+    assert steps[0]["block_evaluations"] == 20 + (4 - b1)
+    second = [(b, p) for b in range(4) for p in ("attention", "mlp") if (b, p) != (b1, p1)]
+    cost = sum(4 - b - (b == b1) for b, _ in second)
+    (b2, _), = steps[1]["removed"]
+    assert steps[1]["block_evaluations"] - steps[0]["block_evaluations"] == \
+        cost + (4 - b2 - (b2 == b1))
