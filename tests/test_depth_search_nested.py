@@ -190,3 +190,18 @@ def test_sublayer_steps_rerun_only_the_blocks_from_the_candidate_on():
     (b2, _), = steps[1]["removed"]
     assert steps[1]["block_evaluations"] - steps[0]["block_evaluations"] == \
         cost + (4 - b2 - (b2 == b1))
+
+
+def test_beam_in_the_loop_scores_on_the_held_out_batches():
+    from prunelab.pruning import Beam
+    from prunelab.pruning.holdout import HoldoutScorer
+    from prunelab.pruning.removal_plan import block_units
+
+    lm = _lm(seed=1)
+    ctx = ProbeContext(lm, IDS, batch_size=1)
+    blocks, how = select(lm, Depth(remove=1, select=Beam(seeds=4, width=2), recovery="ghost",
+                                   recovery_in_loop=True), ctx, 1)
+    scorer = HoldoutScorer(ctx, "kl", RECOVERIES.make("ghost"), 0.25)
+    best = min((scorer.candidate(Plan(), block_units(b)).value, b) for b in range(4))
+    assert how["recovery_holdout"] == 0.25
+    assert (how["beam"]["best_cost"], blocks) == (best[0], [best[1]])
