@@ -10,6 +10,16 @@ Rows (``METHOD:RECOVERY[:loop]``):
   ``remove = n`` block-equivalents, see :mod:`prunelab.pruning.search_budget`);
 * ``:loop`` (beam, sleb, sublayer): every candidate scored after its closed-form recovery.
 
+**Nested greedy rows** (``--nested``, the default): greedy removal is nested (the run to 8
+blocks passes through the 4- and 6-block selections; see
+:func:`prunelab.pruning.strategies.sleb.share_greedy_runs`), so the ``sleb`` and
+``sublayer`` rows search once, to the largest count, and the smaller counts take its
+prefix; their wall time and block evaluations are the prefix's (what a run to that count
+alone costs) plus their own repair. Greedy rows run after the others, largest count first.
+``sleb:ghost`` and ``sleb:foldable`` share one search (the recovery enters the search only
+with ``:loop``). ``:loop`` rows score each candidate's fit on held-out calibration batches
+(``--holdout``, default the config's 0.25).
+
 Every row prunes a fresh copy of the model; the dense model's probe context (the cached
 block boundaries on the calibration windows) is shared, so a row's wall time and block
 evaluations are its own selection and repair (the one dense caching pass is printed
@@ -20,6 +30,9 @@ Run (defaults are the issue's protocol)::
 
     python benchmarks/depth_search.py [--calib 32 --test 32 --seqlen 256 --test-seqlen 512]
         [--removes 4,6,8] [--rows sleb:ghost,sleb:ghost:loop] [--json out.json]
+        [--no-nested] [--holdout 0.25]
+
+``--json`` is rewritten after every row, so an interrupted run still leaves its table.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import time
 METHODS = ("block-influence", "span-angular", "beam", "sleb", "sublayer")
 RECOVERIES = ("none", "foldable", "ghost")
 LOOPED = ("beam", "sleb", "sublayer")
+NESTED = ("sleb", "sublayer")  # greedy: a run to n passes through every k < n
 
 
 def all_rows() -> list[str]:
@@ -40,12 +54,14 @@ def all_rows() -> list[str]:
     return rows
 
 
-def make_config(row: str, remove: int):
-    """The Depth config of a row label."""
+def make_config(row: str, remove: int, holdout: float | None = None):
+    """The Depth config of a row label (``holdout``: recovery_holdout of ``:loop`` rows)."""
     from prunelab.pruning import Beam, Depth, Sleb
 
     method, recovery, *loop = row.split(":")
     kw = {"remove": remove, "recovery": recovery, "recovery_in_loop": bool(loop)}
+    if loop and method in ("beam", "sleb", "sublayer"):
+        kw["recovery_holdout"] = holdout
     if method == "block-influence":
         return Depth(probe="block-influence", select="one-shot", **kw)
     if method == "span-angular":
@@ -59,14 +75,16 @@ def make_config(row: str, remove: int):
     raise SystemExit(f"error: unknown row {row!r}")
 
 
-def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int) -> dict:
-    """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``."""
+def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
+            holdout: float | None = None) -> dict:
+    """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``. A nested greedy row
+    answered from a larger run adds that run's prefix cost (``search_*``) to its own."""
     import prunelab
     from prunelab.errors import PrunelabError
     from prunelab.pruning.surgery import prune_depth
 
     work = copy.deepcopy(lm)
-    cfg = make_config(row, remove)
+    cfg = make_config(row, remove, holdout)
     t0 = time.perf_counter()
     try:
         rep = prune_depth(work, cfg, calib.input_ids, ctx=ctx, batch_size=batch_size)
@@ -75,8 +93,14 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int) -> dic
     seconds = time.perf_counter() - t0
     res = prunelab.evaluate(work, test, batch_size=batch_size)
     sel = rep["selection"]
+    evals = rep["block_evaluations"]
+    if sel.get("nested"):  # the search ran once, for a larger count: its prefix's cost
+        seconds += sel["seconds"]
+        evals += sel["block_evaluations"]
     return {"row": row, "remove": remove, "test_perplexity": res["perplexity"],
-            "seconds": seconds, "block_evaluations": rep["block_evaluations"],
+            "seconds": seconds, "block_evaluations": evals,
+            "search_block_evaluations": sel.get("block_evaluations"),
+            "nested": sel.get("nested"), "holdout": sel.get("holdout_split"),
             "params": rep["size_after"]["params"],
             "params_removed": rep["size_before"]["params"] - rep["size_after"]["params"],
             "removed": rep.get("removed_sublayers") or rep["removed_blocks"],
@@ -120,7 +144,11 @@ def main() -> None:
                     help="METHOD:RECOVERY[:loop], comma separated")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--device", default="cpu", help="e.g. cuda")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="rewritten after every row")
+    ap.add_argument("--nested", action=argparse.BooleanOptionalAction, default=True,
+                    help="greedy rows (sleb, sublayer): search once to the largest count")
+    ap.add_argument("--holdout", type=float, default=None,
+                    help=":loop rows: recovery_holdout (default: the config's 0.25)")
     args = ap.parse_args()
 
     import prunelab
@@ -139,19 +167,35 @@ def main() -> None:
     dense.update(test_perplexity=dense["perplexity"],
                  cache_block_evaluations=ctx.cache_block_evaluations,
                  cache_seconds=ctx.setup_seconds)
+    print(json.dumps({"dense_test_perplexity": dense["perplexity"],
+                      "cache_block_evaluations": ctx.cache_block_evaluations,
+                      "cache_seconds": ctx.setup_seconds}), flush=True)
+    if args.nested:
+        from prunelab.pruning.strategies.sleb import share_greedy_runs
+
+        share_greedy_runs(ctx)
     points = []
-    for n in (int(x) for x in args.removes.split(",")):
-        for row in rows:
-            points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size))
-            print(json.dumps(points[-1]), flush=True)
-    print_table(points, dense)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"dense": {k: dense[k] for k in ("test_perplexity", "params",
-                                                        "cache_block_evaluations",
-                                                        "cache_seconds")
-                                 if k in dense}, "points": points, "args": vars(args)},
-                      f, indent=1)
+    for row, n in plan_rows(rows, [int(x) for x in args.removes.split(",")], args.nested):
+        points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size, args.holdout))
+        print(json.dumps(points[-1]), flush=True)
+        if args.json:
+            write_json(args.json, dense, points, args)
+    print_table(sorted(points, key=lambda p: p["remove"]), dense)
+
+
+def plan_rows(rows: list[str], removes: list[int], nested: bool) -> list[tuple[str, int]]:
+    """The order of the work: every count of the one-shot rows first (cheap), then each
+    greedy row with its counts largest first (the smaller ones are its prefixes)."""
+    greedy = [r for r in rows if nested and r.split(":")[0] in NESTED]
+    order = [(r, n) for n in removes for r in rows if r not in greedy]
+    return order + [(r, n) for r in greedy for n in sorted(removes, reverse=True)]
+
+
+def write_json(path: str, dense: dict, points: list, args) -> None:
+    keys = ("test_perplexity", "params", "cache_block_evaluations", "cache_seconds")
+    with open(path, "w") as f:
+        json.dump({"dense": {k: dense[k] for k in keys if k in dense}, "points": points,
+                   "args": vars(args)}, f, indent=1)
 
 
 if __name__ == "__main__":

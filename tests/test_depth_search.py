@@ -217,7 +217,8 @@ def test_in_loop_score_is_the_applied_models_kl():
     repair, so the search's score is the applied model's calibration KL."""
     lm = _lm()
     rep = run_depth(lm, Depth(remove=1, select=Sleb(score="kl"), recovery="ghost",
-                              recovery_in_loop=True), IDS, batch_size=2).to_dict()
+                              recovery_in_loop=True, recovery_holdout=0), IDS,
+                    batch_size=2).to_dict()
     step = rep["selection"]["steps"][0]
     assert step["score"] < step["score_without_recovery"]
     assert rep["calib_kl_after_recovery"] == pytest.approx(step["score"], rel=1e-4)
@@ -241,7 +242,8 @@ def test_a_repair_that_hurts_is_neither_scored_nor_applied():
         lm = _lm()
         raw, _ = select(lm, Depth(remove=2, select=Sleb(score="kl")), _ctx(lm), 2)
         rep = run_depth(lm, Depth(remove=2, select=Sleb(score="kl"), recovery="flip-mlp",
-                                  recovery_in_loop=True), IDS, batch_size=2).to_dict()
+                                  recovery_in_loop=True, recovery_holdout=0), IDS,
+                        batch_size=2).to_dict()
         sel = rep["selection"]
         assert rep["removed_blocks"] == raw and sel["repaired_cuts"] == []
         assert all(s["score"] == s["score_without_recovery"] for s in sel["steps"])
@@ -254,8 +256,8 @@ def test_a_repair_that_hurts_is_neither_scored_nor_applied():
 def test_beam_in_the_loop_and_sublayer_apply_repair_only_helpful_cuts():
     lm = _lm()
     rep = run_depth(lm, Depth(remove=1, select=Beam(seeds=4, width=2), recovery="ghost",
-                              granularity="sublayer", recovery_in_loop=True), IDS,
-                    batch_size=2).to_dict()
+                              granularity="sublayer", recovery_in_loop=True,
+                              recovery_holdout=0), IDS, batch_size=2).to_dict()
     sel = rep["selection"]
     assert sel["beam"]["best_cost"] == pytest.approx(rep["calib_kl_after_recovery"],
                                                      rel=0.05)

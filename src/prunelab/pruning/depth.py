@@ -71,6 +71,10 @@ class Depth:
                              "parameters; see pruning.search_budget)", "block")
     recovery_in_loop: bool = _help("beam / sleb / iterative / validation: score each "
                                    "candidate after its recovery", False)
+    recovery_holdout: float | None = _help(
+        "recovery in the loop (sleb, beam): share of the calibration batches held out to "
+        "score each candidate's fit, fitted on the rest (default 0.25; 0: fit and score on "
+        "all)")
     strategy: InitVar[str | None] = None
 
     _registries = {"select": STRATEGIES, "recovery": RECOVERIES}
@@ -104,6 +108,22 @@ class Depth:
             raise ConfigError(f"unknown probe {self.probe!r}; available: "
                               f"{', '.join(PROBES.names())}")
         check_search_options(self)
+        if self.recovery_holdout is not None:
+            check_range("recovery_holdout", self.recovery_holdout, 0.0, 0.9)
+            name = None if self.select is None else STRATEGIES.name_of(self.select)
+            if self.recovery_holdout > 0 and not (self.recovery_in_loop and
+                                                  name in ("sleb", "beam")):
+                raise ConfigError("--recovery-holdout applies to --recovery-in-loop with "
+                                  "--strategy sleb or beam")
+
+    @property
+    def holdout(self) -> float:
+        """The resolved ``recovery_holdout``: 0.25 by default with recovery in the loop of
+        sleb / beam, else 0 (see :func:`prunelab.pruning.removal_plan.holdout_split`)."""
+        if self.recovery_holdout is not None:
+            return float(self.recovery_holdout)
+        name = None if self.select is None else STRATEGIES.name_of(self.select)
+        return 0.25 if self.recovery_in_loop and name in ("sleb", "beam") else 0.0
 
     @property
     def recovery_name(self) -> str:

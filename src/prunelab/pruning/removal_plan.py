@@ -194,11 +194,11 @@ class PlanScorer:
                 self._mid[j] = self.ctx.runner.run_block(j, self.ctx.boundary(j))
         return self._mid[j]
 
-    def fit(self, cut: tuple[int, int], inputs, removed):
+    def fit(self, cut: tuple[int, int], inputs, removed, ys=None):
         """The recovery fitted at ``cut`` from the cut block's ``inputs`` (``None`` where
-        the recovery cannot repair this cut)."""
+        the recovery cannot repair this cut); ``ys``: the targets (default: all windows)."""
         rec, ad = self.recovery, self.ctx.adapter
-        k, ys = cut_block(cut[0]), self.target(cut[1])
+        k, ys = cut_block(cut[0]), self.target(cut[1]) if ys is None else ys
         if k < 0:
             if not rec.repairs_embeddings or not hasattr(rec, "make_bridge"):
                 return None

@@ -8,11 +8,23 @@ only the blocks after it; after a removal is accepted the streams of the current
 refreshed from the changed block on. At ``granularity="sublayer"`` the same greedy runs
 over attention and MLP sub-blocks until the parameter budget is reached (BlockPruner,
 Zhong et al. 2024); with ``recovery_in_loop`` each candidate is scored after its
-closed-form recovery (see :mod:`prunelab.pruning.removal_plan`)."""
+closed-form recovery (see :mod:`prunelab.pruning.removal_plan`), fitted on part of the
+calibration batches and scored on the rest (``Depth.recovery_holdout``, see
+:mod:`prunelab.pruning.holdout`).
+
+**Nested runs.** Greedy removal is nested: each step depends only on the plan so far (and,
+with recovery in the loop, on the fixes and streams carried over from the earlier steps),
+so the run to ``n`` passes through the run to every ``k < n``. Every step records its
+cumulative block evaluations and seconds; :func:`share_greedy_runs` makes the searches on
+one probe context answer a smaller budget with the prefix of a finished larger run
+(selection, repaired cuts, costs as a run to ``k`` alone would have them) instead of
+searching again (sweeps, benchmarks)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from prunelab.errors import ConfigError
 from prunelab.log import progress
@@ -49,7 +61,12 @@ def search_setup(job: SelectJob, score: str):
 
     cfg = job.cfg
     job.ctx.ensure_cached()
-    scorer = PlanScorer(job.ctx, score, cfg.recovery if cfg.recovery_in_loop else None)
+    if cfg.recovery_in_loop and cfg.holdout > 0:
+        from prunelab.pruning.holdout import HoldoutScorer
+
+        scorer = HoldoutScorer(job.ctx, score, cfg.recovery, cfg.holdout)
+    else:
+        scorer = PlanScorer(job.ctx, score, cfg.recovery if cfg.recovery_in_loop else None)
     return scorer, budget_for(job.lm, cfg, job.n), job.ctx.block_evaluations
 
 
@@ -63,6 +80,7 @@ def search_result(job: SelectJob, plan, how: dict, evals0: float) -> tuple[list,
     how["cache_block_evaluations"] = job.ctx.cache_block_evaluations
     if job.cfg.recovery_in_loop:
         how["recovery_in_loop"] = True
+        how["recovery_holdout"] = job.cfg.holdout
         how["repaired_cuts"] = [list(c) for c in plan.repaired()]
         if job.cfg.granularity == "block":
             how["repair_spans"] = [list(s) for s in block_spans(plan.repaired())]
@@ -73,16 +91,25 @@ def search_result(job: SelectJob, plan, how: dict, evals0: float) -> tuple[list,
 
 def greedy_search(job: SelectJob, score: str, protect_ends: bool) -> tuple[list, dict]:
     """SLEB's loop over blocks or sub-blocks (see module docstring); ``how`` records each
-    step's choice, its score and its score without its own cut repaired."""
+    step's choice, its score, its score without its own cut repaired and the cumulative
+    block evaluations and seconds. With :func:`share_greedy_runs` on the context, a
+    finished run reaching the budget answers it with its prefix."""
     from prunelab.pruning.removal_plan import Plan, PlanStates, cut_block, cuts_of, unit_name
     from prunelab.pruning.search_budget import candidates
 
     if score == "nll" and job.ctx.encoder:
         raise ConfigError("sleb score nll needs a causal LM; use --sleb-score kl "
                           "(1 - cos for encoders)")
+    memo = getattr(job.ctx, "greedy_runs", None)
+    key = _run_key(job.cfg, score, protect_ends)
     scorer, budget, evals0 = search_setup(job, score)
-    states, plan, steps = PlanStates(scorer), Plan(), []
+    if memo is not None and key in memo:
+        hit = _prefix(memo[key], budget)
+        if hit is not None:
+            return hit
+    states, plan, steps, snaps = PlanStates(scorer), Plan(), [], []
     in_loop = scorer.recovery is not None
+    t0 = time.perf_counter()
     while not budget.done(plan.removed):
         cands = candidates(job.ctx.num_blocks, plan.removed, job.cfg.granularity,
                            protect_ends)
@@ -102,7 +129,60 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool) -> tuple[list,
             states.refresh(plan, min(units) // 2)
         what = [list(unit_name(u)) for u in sorted(units)] \
             if job.cfg.granularity == "sublayer" else min(units) // 2
-        steps.append({"removed": what, "score": s.value, "score_without_recovery": s.raw})
+        steps.append({"removed": what, "score": s.value, "score_without_recovery": s.raw,
+                      "block_evaluations": job.ctx.block_evaluations - evals0,
+                      "seconds": time.perf_counter() - t0})
+        snaps.append(Plan(plan.removed, {c: (True if f is not None else None)
+                                         for c, f in plan.fixes.items()}))
     how = {"strategy": "sleb", "score": score, "protect_ends": protect_ends,
            **budget.describe(), "steps": steps}
-    return search_result(job, plan, how, evals0)
+    if hasattr(scorer, "describe"):
+        how["holdout_split"] = scorer.describe()
+    chosen = search_result(job, plan, how, evals0)
+    if memo is not None:
+        memo[key] = GreedyRun(SimpleNamespace(cfg=job.cfg, ctx=job.ctx), how, snaps)
+    return chosen
+
+
+def share_greedy_runs(ctx) -> dict:
+    """Let the ``sleb`` searches (block and sub-block) on probe context ``ctx`` share their
+    runs: a search whose budget a finished run with the same options reaches is answered
+    by that run's prefix (``how["nested"]`` says so). Returns the (new) store; run the
+    largest budget first."""
+    ctx.greedy_runs = {}
+    return ctx.greedy_runs
+
+
+def _run_key(cfg, score: str, protect_ends: bool) -> tuple:
+    """What a greedy run depends on besides the context: the recovery and its holdout only
+    when in the loop (the budget is not part of it: runs are nested)."""
+    rec = (repr(cfg.recovery), cfg.holdout) if cfg.recovery_in_loop else None
+    return (cfg.granularity, score, protect_ends, rec)
+
+
+@dataclass
+class GreedyRun:
+    """A finished greedy run: its job (config and context only, not the model), its
+    ``how`` and the plan after every step (fixes replaced by markers)."""
+
+    job: SimpleNamespace
+    how: dict
+    plans: list
+
+
+def _prefix(run: GreedyRun, budget) -> tuple[list, dict] | None:
+    """The selection and ``how`` of the shortest prefix of ``run`` that reaches
+    ``budget`` (``None``: the run stops short of it)."""
+    k = next((i + 1 for i, p in enumerate(run.plans) if budget.done(p.removed)), None)
+    if k is None:
+        return None
+    steps = run.how["steps"][:k]
+    how = {key: v for key, v in run.how.items()
+           if key not in ("steps", "repaired_cuts", "repair_spans", "blocks",
+                          "params_to_remove", "block_evaluations")}
+    how.update(budget.describe(), steps=steps)
+    chosen, how = search_result(run.job, run.plans[k - 1], how, 0.0)
+    how["block_evaluations"] = steps[-1]["block_evaluations"]
+    how["seconds"] = steps[-1]["seconds"]
+    how["nested"] = {"prefix_of_steps": len(run.plans), "steps": k}
+    return chosen, how
