@@ -152,6 +152,10 @@ def prune_depth_cmd(
         recovery_in_loop: bool = typer.Option(
             False, "--recovery-in-loop", help="beam / sleb / iterative / validation: score "
             "each candidate after its closed-form recovery"),
+        recovery_holdout: Optional[float] = typer.Option(
+            None, help="--recovery-in-loop with sleb / beam: share of the calibration "
+            "batches held out to score each candidate's fit (default 0.25; 0: fit and score "
+            "on all)"),
         bootstrap: Optional[int] = typer.Option(
             None, help="resamples of the windows re-deriving the removal set (default 200; "
             "0: off)"),
@@ -179,7 +183,7 @@ def prune_depth_cmd(
                          sleb_score=sleb_score, protect_ends=protect_ends,
                          val_metric=val_metric, val_width=val_width, val_options=val_options,
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
-                         bootstrap=bootstrap, max_instability=max_instability, seed=seed)
+                         recovery_holdout=recovery_holdout, bootstrap=bootstrap, max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

@@ -120,7 +120,7 @@ def run_depth(lm, cfg: Depth, input_ids, batch_size: int = 8, ctx: ProbeContext 
         calib_divergence=ctx.divergence_name,
         calib_kl_before_recovery=kl_none[1], calib_kl_after_recovery=kl_after[1],
         calib_kl_last_before_recovery=kl_none[0], calib_kl_last_after_recovery=kl_after[0],
-        needs_remote_code=cfg.recovery.needs_remote_code,
+        needs_remote_code=cfg.recovery.needs_remote_code and bool(records),
         block_evaluations=ctx.block_evaluations - evals0)
 
 
