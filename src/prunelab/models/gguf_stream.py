@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -35,16 +35,26 @@ from prunelab.io.shard_writer import TensorSpec, write_sharded
 CHUNK_BYTES = 32 * 1024**2  # float32 output rows de-quantized per step
 
 
+class GGUFTensor(NamedTuple):
+    """Where one tensor lies in the GGUF file (the reader itself is not kept)."""
+
+    name: str
+    ggml_type: Any  # gguf.GGMLQuantizationType
+    data_offset: int  # absolute, in bytes
+    raw_shape: tuple[int, ...]  # numpy shape of the stored data (rows, bytes per row)
+    raw_dtype: np.dtype
+    n_elements: int
+
+
 @dataclass
 class GGUFPlan:
     """What a streamed conversion of one GGUF file writes."""
 
     path: Path
-    reader: Any  # gguf.GGUFReader
     processor: Any  # transformers TensorProcessor
     model: torch.nn.Module  # the target model on the meta device (config, names, shapes)
     specs: list[TensorSpec] = field(default_factory=list)
-    sources: dict[str, Any] = field(default_factory=dict)  # HF name -> gguf ReaderTensor
+    sources: dict[str, GGUFTensor] = field(default_factory=dict)  # HF name -> its tensor
     missing: list[str] = field(default_factory=list)  # HF names the file lacks
 
 
@@ -87,14 +97,13 @@ def plan_gguf(path: Path) -> GGUFPlan | None:
     proc_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
     if is_gguf_arch_supported(arch) or proc_cls not in _per_tensor_processors():
         return None
-    parsed = load_gguf_checkpoint(str(path), return_tensors=False)
-    processor = proc_cls(config=parsed["config"])
+    processor = proc_cls(config=dict(load_gguf_checkpoint(str(path))["config"]))
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.dtype = torch.float32
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     key_map = get_gguf_hf_weights_map(model, processor)
-    plan = GGUFPlan(path=path, reader=reader, processor=processor, model=model)
+    plan = GGUFPlan(path=path, processor=processor, model=model)
     expected = dict(model.state_dict().items())
     skip = _tied_targets(model)
     for t in reader.tensors:
@@ -106,34 +115,33 @@ def plan_gguf(path: Path) -> GGUFPlan | None:
         if want is not None and want != shape:
             raise ValueError(f"{t.name}: shape {shape} in the file, {want} in the model")
         plan.specs.append(TensorSpec(hf, shape, torch.float32))
-        plan.sources[hf] = t
+        plan.sources[hf] = GGUFTensor(t.name, t.tensor_type, int(t.data_offset),
+                                      tuple(t.data.shape), t.data.dtype, int(t.n_elements))
     plan.missing = sorted(set(expected) - set(plan.sources) - skip)
     return plan
 
 
-def dequantize_tensor(path: Path, tensor) -> np.ndarray:
-    """De-quantize one GGUF tensor (a ``gguf.ReaderTensor``) into a new array, reading its
-    bytes from ``path`` in row chunks with ``os.pread`` (so only the output and one chunk
-    are in memory). Same values as ``gguf.dequantize(tensor.data, tensor.tensor_type)``."""
+def dequantize_tensor(path: Path, tensor: GGUFTensor) -> np.ndarray:
+    """De-quantize one GGUF tensor into a new array, reading its bytes from ``path`` in
+    row chunks with ``os.pread`` (so only the output and one chunk are in memory). Same
+    values as ``gguf.dequantize(reader_tensor.data, reader_tensor.tensor_type)``."""
     from gguf import dequantize
 
-    raw = tensor.data  # memory-mapped view: only its shape and dtype are used here
-    rows = raw.shape[0] if raw.ndim > 1 else 1
-    row_shape = raw.shape[1:] if raw.ndim > 1 else raw.shape
-    row_bytes = int(np.prod(row_shape)) * raw.dtype.itemsize
-    n_elems = int(np.prod(tensor.shape.tolist()))
-    step = max(1, CHUNK_BYTES // max(1, 4 * n_elems // rows))
+    shape, dtype = tensor.raw_shape, np.dtype(tensor.raw_dtype)
+    row_shape = shape[1:] if len(shape) > 1 else shape
+    rows = shape[0] if len(shape) > 1 else 1
+    row_bytes = int(np.prod(row_shape)) * dtype.itemsize
+    step = max(1, CHUNK_BYTES // max(1, 4 * tensor.n_elements // rows))
     out = None
     with open(path, "rb") as fh:
-        fd = fh.fileno()
         for start in range(0, rows, step):
             stop = min(rows, start + step)
-            buf = os.pread(fd, (stop - start) * row_bytes,
-                           int(tensor.data_offset) + start * row_bytes)
-            chunk = np.frombuffer(buf, dtype=raw.dtype)
-            chunk = chunk.reshape((stop - start, *row_shape) if raw.ndim > 1 else row_shape)
-            values = dequantize(chunk, tensor.tensor_type)
-            if raw.ndim == 1:
+            buf = os.pread(fh.fileno(), (stop - start) * row_bytes,
+                           tensor.data_offset + start * row_bytes)
+            chunk = np.frombuffer(buf, dtype=dtype)
+            values = dequantize(chunk.reshape((stop - start, *row_shape) if len(shape) > 1
+                                              else row_shape), tensor.ggml_type)
+            if len(shape) == 1:
                 return np.array(values, copy=True)
             if out is None:
                 out = np.empty((rows, *values.shape[1:]), dtype=values.dtype)
@@ -155,18 +163,16 @@ def _produce(plan: GGUFPlan):
     return produce
 
 
-def write_streamed(plan: GGUFPlan, folder: Path, tokenizer,
+def write_streamed(plan: GGUFPlan, folder: Path,
                    max_shard_bytes: int = 2 * 1024**3) -> dict[str, str]:
-    """Write the plan's tensors as shards of ``folder`` (one tensor in memory at a time),
-    then the config, the generation config and ``tokenizer``; return the weight map."""
-    weight_map = write_sharded(folder, plan.specs, _produce(plan), max_shard_bytes)
+    """Write the config and generation config, then the plan's tensors as shards of
+    ``folder`` (one tensor in memory at a time); return the weight map."""
     model = plan.model
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(folder)
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return weight_map
+    return write_sharded(folder, plan.specs, _produce(plan), max_shard_bytes)
 
 
 def convert_gguf_streamed(path: Path, target: Path,
@@ -177,6 +183,7 @@ def convert_gguf_streamed(path: Path, target: Path,
     that lacks declared weights is a one-line CorruptCheckpointError."""
     import transformers
 
+    from prunelab.calib.memory import release_free_memory
     from prunelab.errors import CorruptCheckpointError
     from prunelab.models import loading as L
 
@@ -184,12 +191,18 @@ def convert_gguf_streamed(path: Path, target: Path,
         plan = plan_gguf(path)
         if plan is None:
             return False
-        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        tok = [transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)]
     except L._GGUF_ERRORS as exc:
         raise CorruptCheckpointError(
             f"{path.name} is not a readable GGUF model: {L._first_line(exc)}") from exc
     if plan.missing:
         raise CorruptCheckpointError(f"{path.name} lacks {len(plan.missing)} weights its "
                                      f"metadata declares ({L._names(plan.missing)})")
-    L._publish_checkpoint(target, lambda tmp: write_streamed(plan, tmp, tok, max_shard_bytes))
+
+    def write(tmp: Path) -> None:
+        tok.pop().save_pretrained(tmp)  # and dropped: the vocabulary is not held meanwhile
+        release_free_memory()
+        write_streamed(plan, tmp, max_shard_bytes)
+
+    L._publish_checkpoint(target, write)
     return True
