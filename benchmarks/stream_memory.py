@@ -111,6 +111,8 @@ def _tokens(args, work: Path) -> list[str]:
         # the windows may view the whole tokenized corpus: save only their own tokens
         b = dataclasses.replace(b, input_ids=b.input_ids.clone().contiguous())
         torch.save(b, work / f"{name}.pt")
+        print(f"{name}: {n} x {args.seqlen} tokens, sha256 {b.sha256[:12]}", file=sys.stderr,
+              flush=True)
     return ["--calib", str(work / "calib.pt"), "--test", str(work / "test.pt")]
 
 
