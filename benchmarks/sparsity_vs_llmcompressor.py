@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                     help="do not time the one-pass lower bound")
     ap.add_argument("--skip-dense", action="store_true",
                     help="do not score the dense model (saves one evaluation pass)")
+    ap.add_argument("--skip-eval", action="store_true",
+                    help="do not score the pruned checkpoints (time and memory only)")
     ap.add_argument("--within-block", default="default",
                     choices=("default", "sequential", "dense"),
                     help="prunelab's order inside a block (see prune sparsity --within-block); "
@@ -488,12 +490,12 @@ def main(argv: list[str] | None = None) -> dict | None:
             if "save_dir" not in r:
                 continue
             r["extra_peak_mib"] = r["extra_peak"] / MiB
-            r["ppl"] = evaluate_dir(r["save_dir"], test)
+            r["ppl"] = None if args.skip_eval else evaluate_dir(r["save_dir"], test)
             if not args.keep:
                 shutil.rmtree(r["save_dir"], ignore_errors=True)
             print(f"  {side}: {r['seconds']:.1f} s, +{r['extra_peak_mib']:.0f} MiB "
                   f"(peak {r['peak_rss'] / MiB:.0f} MiB), ppl "
-                  f"{r['ppl']:.3f}, sparsity {r['achieved_sparsity']:.4f}, embed zeros "
+                  f"{fmt(r['ppl'], '.3f')}, sparsity {r['achieved_sparsity']:.4f}, embed zeros "
                   f"{r['embed_zero_fraction']:.4f}", flush=True)
 
     print_table(results, dense_ppl, lower, args)
