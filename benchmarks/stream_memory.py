@@ -23,6 +23,7 @@ Run (about 10 min on 2 cores for SmolLM2 at the defaults)::
 
     python benchmarks/stream_memory.py [--model smollm2-135m] [--methods wanda,sparsegpt]
         [--samples 32 --seqlen 256] [--test-samples 16] [--threads 1] [--json out.json]
+        [--modes resident,stream]
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--test-samples", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--modes", default="resident,stream",
+                   help="which runs per method: resident, stream or both (default)")
     p.add_argument("--json", type=Path)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--eval-job", action="store_true", help=argparse.SUPPRESS)
@@ -165,7 +168,7 @@ def main() -> None:
     try:
         common += _tokens(args, work)
         for method in args.methods.split(","):
-            for stream in (False, True):
+            for stream in [m == "stream" for m in args.modes.split(",")]:
                 out = work / f"{method}-{'stream' if stream else 'resident'}"
                 flags = [*common, "--method", method, "--out", str(out)]
                 row = _spawn(["--job", *flags, *(["--stream"] if stream else [])],
