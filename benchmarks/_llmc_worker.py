@@ -66,6 +66,17 @@ def peak_rss_class():
     return PeakRSS
 
 
+def _vmhwm() -> int | None:
+    """Peak RSS of this process in bytes (``VmHWM``), None where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def zero_fraction(t) -> float:
     return float((t == 0).sum()) / t.numel()
 
@@ -151,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         "side": "llm-compressor", "method": args.method, "sparsity_target": args.sparsity,
         "mask_structure": args.mask_structure, "ignore": ignore, "seconds": seconds,
         "baseline_rss": baseline, "peak_rss": rss.peak, "extra_peak": rss.peak - baseline,
+        "vmhwm": _vmhwm(),  # the whole process's peak RSS (load + oneshot), Linux
         "achieved_sparsity": sparsity, "pruned_linear_params": linear_params,
         "embed_zero_fraction": zero_fraction(model.model.embed_tokens.weight),
         "embed_zero_fraction_before": embed_zero_before,

@@ -381,6 +381,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--test-samples", type=int, default=32, help="test windows")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--skip-llmc", action="store_true", help="run prunelab alone")
+    ap.add_argument("--skip-prunelab", action="store_true", help="run llm-compressor alone "
+                    "(e.g. when prunelab's side is measured by benchmarks/stream_memory.py)")
+    ap.add_argument("--skip-lower-bound", action="store_true",
+                    help="do not time the one-pass lower bound")
+    ap.add_argument("--skip-dense", action="store_true",
+                    help="do not score the dense model (saves one evaluation pass)")
+    ap.add_argument("--skip-eval", action="store_true",
+                    help="do not score the pruned checkpoints (time and memory only)")
     ap.add_argument("--within-block", default="default",
                     choices=("default", "sequential", "dense"),
                     help="prunelab's order inside a block (see prune sparsity --within-block); "
@@ -436,18 +444,22 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(f"work dir {workdir}; calibration sha256 {calib.sha256[:12]}, test sha256 "
           f"{test.sha256[:12]}", flush=True)
 
-    print("dense test perplexity ...", flush=True)
-    dense_ppl = float(prunelab.evaluate(lm, test, batch_size=4)["perplexity"])
-    print(f"  {dense_ppl:.3f}", flush=True)
+    dense_ppl = float("nan")
+    if not args.skip_dense:
+        print("dense test perplexity ...", flush=True)
+        dense_ppl = float(prunelab.evaluate(lm, test, batch_size=4)["perplexity"])
+        print(f"  {dense_ppl:.3f}", flush=True)
     emb0 = float((lm.model.get_input_embeddings().weight == 0).float().mean())
     del lm
 
     me = [sys.executable, str(Path(__file__).resolve())]
-    print("lower bound: one BlockRunner pass ...", flush=True)
-    lower = spawn(me + [*_model_args(), "--job", "lower-bound", "--workdir", str(workdir),
-                        "--result", str(workdir / "lower-bound.json")],
-                  workdir / "lower-bound.json", workdir / "lower-bound.log")
-    print(f"  {fmt(lower.get('seconds'), '.1f')} s", flush=True)
+    lower: dict = {}
+    if not args.skip_lower_bound:
+        print("lower bound: one BlockRunner pass ...", flush=True)
+        lower = spawn(me + [*_model_args(), "--job", "lower-bound", "--workdir",
+                            str(workdir), "--result", str(workdir / "lower-bound.json")],
+                      workdir / "lower-bound.json", workdir / "lower-bound.log")
+        print(f"  {fmt(lower.get('seconds'), '.1f')} s", flush=True)
 
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     results: dict = {}
@@ -455,13 +467,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         method, sparsity, pattern = parse_setting(s)
         tag = s.replace(":", "_")
         results[s] = {"prunelab": {}, "llmc": {}}
-        print(f"{label(s)}: prunelab ...", flush=True)
-        res = spawn(me + ["--job", f"prunelab-{s}", "--workdir", str(workdir), "--result",
-                          str(workdir / f"prunelab-{tag}.json"),
-                          "--within-block", args.within_block, *_model_args(),
-                          "--propagate", args.propagate],
-                    workdir / f"prunelab-{tag}.json", workdir / f"prunelab-{tag}.log")
-        results[s]["prunelab"] = res
+        if not args.skip_prunelab:
+            print(f"{label(s)}: prunelab ...", flush=True)
+            results[s]["prunelab"] = spawn(
+                me + ["--job", f"prunelab-{s}", "--workdir", str(workdir), "--result",
+                      str(workdir / f"prunelab-{tag}.json"), "--within-block",
+                      args.within_block, *_model_args(), "--propagate", args.propagate],
+                workdir / f"prunelab-{tag}.json", workdir / f"prunelab-{tag}.log")
         if llmc_py is not None:
             print(f"{label(s)}: llm-compressor ...", flush=True)
             save_dir = workdir / f"llmc-{tag}"
@@ -478,11 +490,12 @@ def main(argv: list[str] | None = None) -> dict | None:
             if "save_dir" not in r:
                 continue
             r["extra_peak_mib"] = r["extra_peak"] / MiB
-            r["ppl"] = evaluate_dir(r["save_dir"], test)
+            r["ppl"] = None if args.skip_eval else evaluate_dir(r["save_dir"], test)
             if not args.keep:
                 shutil.rmtree(r["save_dir"], ignore_errors=True)
-            print(f"  {side}: {r['seconds']:.1f} s, +{r['extra_peak_mib']:.0f} MiB, ppl "
-                  f"{r['ppl']:.3f}, sparsity {r['achieved_sparsity']:.4f}, embed zeros "
+            print(f"  {side}: {r['seconds']:.1f} s, +{r['extra_peak_mib']:.0f} MiB "
+                  f"(peak {r['peak_rss'] / MiB:.0f} MiB), ppl "
+                  f"{fmt(r['ppl'], '.3f')}, sparsity {r['achieved_sparsity']:.4f}, embed zeros "
                   f"{r['embed_zero_fraction']:.4f}", flush=True)
 
     print_table(results, dense_ppl, lower, args)

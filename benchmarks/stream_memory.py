@@ -23,6 +23,7 @@ Run (about 10 min on 2 cores for SmolLM2 at the defaults)::
 
     python benchmarks/stream_memory.py [--model smollm2-135m] [--methods wanda,sparsegpt]
         [--samples 32 --seqlen 256] [--test-samples 16] [--threads 1] [--json out.json]
+        [--modes resident,stream]
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def _tokens(args, work: Path) -> list[str]:
         # the windows may view the whole tokenized corpus: save only their own tokens
         b = dataclasses.replace(b, input_ids=b.input_ids.clone().contiguous())
         torch.save(b, work / f"{name}.pt")
+        print(f"{name}: {n} x {args.seqlen} tokens, sha256 {b.sha256[:12]}", file=sys.stderr,
+              flush=True)
     return ["--calib", str(work / "calib.pt"), "--test", str(work / "test.pt")]
 
 
@@ -142,6 +145,8 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=256)
     p.add_argument("--test-samples", type=int, default=16)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--modes", default="resident,stream",
+                   help="which runs per method: resident, stream or both (default)")
     p.add_argument("--json", type=Path)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--eval-job", action="store_true", help=argparse.SUPPRESS)
@@ -163,7 +168,7 @@ def main() -> None:
     try:
         common += _tokens(args, work)
         for method in args.methods.split(","):
-            for stream in (False, True):
+            for stream in [m == "stream" for m in args.modes.split(",")]:
                 out = work / f"{method}-{'stream' if stream else 'resident'}"
                 flags = [*common, "--method", method, "--out", str(out)]
                 row = _spawn(["--job", *flags, *(["--stream"] if stream else [])],

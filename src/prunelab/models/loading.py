@@ -122,6 +122,11 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
         return target
     info(f"prunelab: converting {path.name} to a float checkpoint in {target} (once)")
     start = time.time()
+    from prunelab.models.gguf_stream import convert_gguf_streamed  # one tensor at a time
+
+    if convert_gguf_streamed(path, target):
+        info(f"prunelab: converted in {time.time() - start:.1f} s")
+        return target
     kw = dict(gguf_file=path.name)
     try:
         tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
