@@ -293,3 +293,29 @@ def test_without_periodic_evaluation_the_last_state_is_kept():
     changed = sum(not torch.equal(p, start[n]) for n, p in lm.model.named_parameters())
     assert changed > 0
     assert rec["held_out"]["after"]["nll"] != rec["held_out"]["before"]["nll"]
+
+
+def test_the_last_step_is_evaluated_when_the_period_does_not_reach_it():
+    """3 steps with ``eval_every=25``: the final state is evaluated and kept, not discarded
+    for the step-0 state (the only one evaluated before the fix)."""
+    lm = wrap(tiny_model("llama"))
+    batch = tiny_tokens(2, 16, seed=1)
+    lm, rec = heal(lm, None, batch, batch, HealConfig(steps=3, lr=1e-2, eval_every=25,
+                                                      patience=3, quiet=True, batch_size=2))
+    assert [e["step"] for e in rec["held_out"]["history"]] == [0, 3]
+    assert rec["best_step"] == 3
+    assert rec["held_out"]["after"]["nll"] < rec["held_out"]["before"]["nll"]
+
+
+def test_a_teacher_for_a_loss_that_does_not_use_it_is_refused(tmp_path):
+    from prunelab.workflow.stages import _build_heal
+
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    lm = wrap(tiny_model("llama"), char_tokenizer())
+    with pytest.raises(ConfigError, match="--teacher is used by --loss kd, hidden and mix"):
+        prunelab.api.heal(lm, lm, data=f"text:{text}", eval_data=None, steps=1, seqlen=16,
+                      eval_every=0, patience=0, quiet=True)
+    with pytest.raises(ConfigError, match="teacher: dense is used by loss kd"):
+        _build_heal({"teacher": "dense", "loss": "ce", "steps": 1})
+    assert _build_heal({"loss": "ce", "steps": 1}).teacher == "dense"  # the default: unused

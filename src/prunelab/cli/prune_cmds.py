@@ -183,7 +183,8 @@ def prune_depth_cmd(
                          sleb_score=sleb_score, protect_ends=protect_ends,
                          val_metric=val_metric, val_width=val_width, val_options=val_options,
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
-                         recovery_holdout=recovery_holdout, bootstrap=bootstrap, max_instability=max_instability, seed=seed)
+                         recovery_holdout=recovery_holdout, bootstrap=bootstrap,
+                         max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

@@ -36,6 +36,9 @@ def heal_specs(model, teacher=None, data="wiki-vital:calib", eval_data="wiki-vit
     if config is not None and options:
         raise ConfigError("give config or options, not both")
     cfg = config or HealConfig(**options)
+    if teacher is not None and not cfg.needs_teacher:
+        raise ConfigError(f"--teacher is used by --loss kd, hidden and mix only (this run's "
+                          f"loss is {cfg.loss})")
     load_options = load_options or {}
     lm = api.load(model, **load_options) if isinstance(model, str) else api._as_loaded(model)
     ref = None

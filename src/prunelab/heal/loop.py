@@ -221,7 +221,9 @@ class HealRun:
     def maybe_evaluate(self) -> bool:
         """Evaluate when due; returns True when early stopping says stop."""
         k = self.cfg.eval_every
-        if k <= 0 or self.step % k != 0 or self.eval_ids is None:
+        if k <= 0 or self.eval_ids is None:
+            return False
+        if self.step % k != 0 and self.step != self.total:  # the last state is a candidate
             return False
         nll = self.evaluate()
         self.evals.append({"step": self.step, "nll": nll})

@@ -242,7 +242,7 @@ def _apply(lm, recipe, folder: Path):
         elif st.kind == "heal":
             teacher = _reference({"model": recipe.model, "dtype": recipe.dtype,
                                   "device": recipe.device})[0] \
-                if st.options.teacher == "dense" else None
+                if st.options.teacher == "dense" and st.options.config.needs_teacher else None
             lm, _ = api.heal(lm, teacher=teacher, data=st.options.data or recipe.data,
                              eval_data=heal_eval_data(st.options, recipe.test),
                              config=st.options.config, out_dir=folder / "heal-state",

@@ -262,7 +262,8 @@ class _Runner:
 
         lm = self.model(self.inputs[st.id], mutate=True)
         o = st.options
-        teacher = self.reference() if o.teacher == "dense" else None
+        teacher = self.reference() if o.teacher == "dense" and o.config.needs_teacher \
+            else None
         lm, rec = api.heal(lm, teacher=teacher, data=o.data or self.recipe.data,
                            eval_data=heal_eval_data(o, self.recipe.test), config=o.config,
                            out_dir=folder / "heal-state", train_samples=o.train_samples,

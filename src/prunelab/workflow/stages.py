@@ -73,7 +73,8 @@ class HealStage:
     recipe's test)."""
 
     config: Any = _opt(None, "the HealConfig fields")
-    teacher: str = _opt("dense", "dense (the recipe's model) or none")
+    teacher: str = _opt("dense", "dense (the recipe's model; used by the kd / hidden / mix "
+                        "losses) or none")
     train_samples: int | None = _opt(None, "training windows (default: all)")
     eval_samples: int | None = _opt(16, "held-out windows for early stopping")
     data: str | None = _opt(None, "training data spec (default: the recipe's data)")
@@ -257,7 +258,11 @@ def _build_heal(opts: dict) -> HealStage:
     for k, v in opts.items():  # YAML writes 1 for 1.0
         if isinstance(v, int) and not isinstance(v, bool) and "float" in str(hints[k]):
             opts[k] = float(v)
-    return HealStage(HealConfig(**opts), **own)
+    cfg = HealConfig(**opts)
+    if own.get("teacher") == "dense" and not cfg.needs_teacher:
+        raise ConfigError(f"heal: teacher: dense is used by loss kd, hidden and mix only "
+                          f"(this stage's loss is {cfg.loss})")
+    return HealStage(cfg, **own)
 
 
 def _build_evaluate(opts: dict) -> EvaluateStage:
