@@ -57,3 +57,17 @@ def test_eval_tasks_errors_are_one_line(root, tmp_path):
     res = cli("eval", "--model", str(root / "model"), "--tasks", str(bad), "--seqlen", "32")
     assert res.returncode == 2 and f"{bad}:1" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_eval_tasks_without_samples_scores_a_few_perplexity_windows(root):
+    """``--tasks`` without ``--samples``: perplexity on 16 windows, not the whole --data."""
+    text = root / "long.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    out = root / "few.json"
+    res = cli("--quiet", "eval", "--model", str(root / "model"), "--data", f"text:{text}",
+              "--seqlen", "16", "--tasks", str(root / "qa.jsonl"), "--limit", "2",
+              "--json", str(out), "--overwrite")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(out.read_text())
+    windows = got.get("windows") or got.get("data", {}).get("samples")
+    assert windows == 16, got.keys()

@@ -97,13 +97,17 @@ def _group_blocks(blocks: list[dict]):
     return groups
 
 
+TASKS_PPL_WINDOWS = 16  # eval --tasks without --samples: perplexity windows
+
+
 @app.command("eval")
 def eval_cmd(model: str = ModelOpt,
              data: str = typer.Option("wiki-vital:test", help="wiki-vital:test | wikitext2 | "
                                       "c4 | text:PATH | jsonl:PATH[:field]"),
              seqlen: int = typer.Option(512, help="window length in tokens"),
-             samples: Optional[int] = typer.Option(None, help="windows to score (default all); "
-                                                   "encoders: sentences (default 512)"),
+             samples: Optional[int] = typer.Option(None, help="windows to score (default all; "
+                                                   "16 with --tasks); encoders: sentences "
+                                                   "(default 512)"),
              batch_size: int = typer.Option(4, help="windows per forward pass"),
              kl_reference: Optional[str] = typer.Option(
                  None, "--kl-reference", "--reference",
@@ -151,6 +155,8 @@ def eval_cmd(model: str = ModelOpt,
     from prunelab.io.save import write_json
 
     check_positive("--batch-size", batch_size)
+    if tasks and samples is None:  # tasks are the point: a quick perplexity, not the whole set
+        samples = TASKS_PPL_WINDOWS  # (--help says so; the table shows the window count)
     if stream:
         from prunelab.calib.streamed import check_streamed_eval
         check_streamed_eval(speed=speed, press=press_name, moe_mass=moe_mass,
