@@ -186,6 +186,9 @@ def _heal_encoder(model: str, teacher, data: str, eval_data, out_dir: Path, over
     cfg = EncoderHealConfig(quiet=is_quiet(), **{k: given[k] for k in keep
                                                  if given.get(k) is not None})
     size = extra["image_size"] if extra["image_size"] is not None else 224
+    from prunelab.registry import check_range
+
+    check_range("--image-size", size, 14, 4096, integer=True)  # at least one 14-px patch
     held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
     with writing(out_dir, "checkpoint", overwrite):
         lm = api.load(model, **load)

@@ -176,6 +176,8 @@ def images_for(spec: str, samples: int | None = None, seed: int = 0, size: int =
                           f"lfw:calib, got {spec!r}")
     if samples is not None and samples < 1:
         raise ConfigError(f"--samples must be >= 1, got {samples}")
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 4096:
+        raise ConfigError(f"image size must be an integer in [1, 4096] px, got {size!r}")
     if name == "lfw":
         idx = lfw_split(split)[:samples]
         pixels = lfw_tensor(idx, size)
