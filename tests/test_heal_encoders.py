@@ -196,6 +196,8 @@ def test_cli_heals_a_whisper_encoder_on_a_folder_of_clips(tmp_path, capsys):
     (["--steps", "0"], "steps"),
     (["--image-size", "0"], "--image-size must be in [14, 4096], got 0"),
     (["--image-size", "-5"], "--image-size must be in [14, 4096], got -5"),
+    (["--train-samples", "0"], "--train-samples must be in [1, inf], got 0"),
+    (["--eval-samples", "0"], "--eval-samples must be in [1, inf], got 0"),
 ])
 def test_cli_encoder_errors_are_one_line(vision_dirs, capsys, extra, message):
     code, _, err = _cli(capsys, "heal", "--model", str(vision_dirs / "pruned"), "--teacher",

@@ -103,6 +103,10 @@ def heal_cmd(
              "min_delta": min_delta, "seed": seed, "prune": prune, "unit": unit,
              "ratio": ratio, "prune_every": prune_every, "prune_fraction": prune_fraction,
              "stability": stability, "remove": remove, "flow_measure": flow_measure}
+    from prunelab.cli.common import check_positive
+
+    check_positive("--train-samples", train_samples)
+    check_positive("--eval-samples", eval_samples)
     if peek_modality(model) is not None:
         _heal_encoder(model, teacher, data, eval_data, out_dir, overwrite, load, given,
                       {"train_samples": train_samples, "eval_samples": eval_samples,
