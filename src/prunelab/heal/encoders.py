@@ -186,12 +186,7 @@ class EncoderHealRun:
         self.optimizer.zero_grad(set_to_none=True)
         loss, _ = self.loss(self.train_inputs[idx], self.targets, idx)
         loss.backward()
-        self.trainables.mask_grads()
-        if self.cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.trainables.params(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        if self.cfg.full:
-            self.trainables.reapply_masks()
+        self.trainables.optimizer_step(self.optimizer, self.cfg.max_grad_norm)
         self.step += 1
         self.losses.append(float(loss.detach()))
         return self.losses[-1]

@@ -201,12 +201,7 @@ class HealRun:
         for obs in self._all_observers():
             if hasattr(obs, "after_backward"):
                 obs.after_backward(self)
-        self.trainables.mask_grads()
-        if self.cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.trainables.params(), self.cfg.max_grad_norm)
-        self.optimizer.step()
-        if self.cfg.full:
-            self.trainables.reapply_masks()
+        self.trainables.optimizer_step(self.optimizer, self.cfg.max_grad_norm)
         self.step += 1
         value = float(loss.detach())
         self.losses.append(value)

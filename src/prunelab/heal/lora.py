@@ -148,6 +148,16 @@ class Trainables:
             if w.grad is not None:
                 w.grad.mul_(mask)
 
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> None:
+        """One update after ``backward``: masked gradients, clipping (``max_grad_norm`` > 0),
+        the optimizer step, and in full mode the sparsity masks re-applied to the weights."""
+        self.mask_grads()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.params(), max_grad_norm)
+        optimizer.step()
+        if self.full:
+            self.reapply_masks()
+
     def reapply_masks(self) -> None:
         with torch.no_grad():
             for path, mask in self.masks.items():
