@@ -54,14 +54,18 @@ def all_rows() -> list[str]:
     return rows
 
 
-def make_config(row: str, remove: int, holdout: float | None = None):
-    """The Depth config of a row label (``holdout``: recovery_holdout of ``:loop`` rows)."""
+def make_config(row: str, remove: int, holdout: float | None = None,
+                search_windows: int | None = None):
+    """The Depth config of a row label (``holdout``: recovery_holdout of ``:loop`` rows;
+    ``search_windows``: the search rows score candidates on that many windows)."""
     from prunelab.pruning import Beam, Depth, Sleb
 
     method, recovery, *loop = row.split(":")
     kw = {"remove": remove, "recovery": recovery, "recovery_in_loop": bool(loop)}
     if loop and method in ("beam", "sleb", "sublayer"):
         kw["recovery_holdout"] = holdout
+    if method in ("beam", "sleb", "sublayer"):
+        kw["search_windows"] = search_windows
     if method == "block-influence":
         return Depth(probe="block-influence", select="one-shot", **kw)
     if method == "span-angular":
@@ -76,7 +80,7 @@ def make_config(row: str, remove: int, holdout: float | None = None):
 
 
 def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
-            holdout: float | None = None) -> dict:
+            holdout: float | None = None, search_windows: int | None = None) -> dict:
     """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``. A nested greedy row
     answered from a larger run adds that run's prefix cost (``search_*``) to its own."""
     import prunelab
@@ -84,7 +88,7 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
     from prunelab.pruning.surgery import prune_depth
 
     work = copy.deepcopy(lm)
-    cfg = make_config(row, remove, holdout)
+    cfg = make_config(row, remove, holdout, search_windows)
     t0 = time.perf_counter()
     try:
         rep = prune_depth(work, cfg, calib.input_ids, ctx=ctx, batch_size=batch_size)
@@ -101,6 +105,7 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
             "seconds": seconds, "block_evaluations": evals,
             "search_block_evaluations": sel.get("block_evaluations"),
             "nested": sel.get("nested"), "holdout": sel.get("holdout_split"),
+            "search_windows": sel.get("search_windows"),
             "params": rep["size_after"]["params"],
             "params_removed": rep["size_before"]["params"] - rep["size_after"]["params"],
             "removed": rep.get("removed_sublayers") or rep["removed_blocks"],
@@ -149,6 +154,9 @@ def main() -> None:
                     help="greedy rows (sleb, sublayer): search once to the largest count")
     ap.add_argument("--holdout", type=float, default=None,
                     help=":loop rows: recovery_holdout (default: the config's 0.25)")
+    ap.add_argument("--search-windows", type=int, default=None,
+                    help="beam / sleb / sublayer rows: score candidates on the first N "
+                    "calibration windows (default all; the recovery fits on all)")
     args = ap.parse_args()
 
     import prunelab
@@ -176,7 +184,8 @@ def main() -> None:
         share_greedy_runs(ctx)
     points = []
     for row, n in plan_rows(rows, [int(x) for x in args.removes.split(",")], args.nested):
-        points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size, args.holdout))
+        points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size, args.holdout,
+                              args.search_windows))
         print(json.dumps(points[-1]), flush=True)
         if args.json:
             write_json(args.json, dense, points, args)

@@ -156,6 +156,9 @@ def prune_depth_cmd(
             None, help="--recovery-in-loop with sleb / beam: share of the calibration "
             "batches held out to score each candidate's fit (default 0.25; 0: fit and score "
             "on all)"),
+        search_windows: Optional[int] = typer.Option(
+            None, help="sleb / beam / iterative: score the candidates on the first N "
+            "calibration windows only (default: all); the recovery fits on all"),
         bootstrap: Optional[int] = typer.Option(
             None, help="resamples of the windows re-deriving the removal set (default 200; "
             "0: off)"),
@@ -184,6 +187,7 @@ def prune_depth_cmd(
                          val_metric=val_metric, val_width=val_width, val_options=val_options,
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
                          recovery_holdout=recovery_holdout, bootstrap=bootstrap,
+                         search_windows=search_windows,
                          max_instability=max_instability, seed=seed)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack)

@@ -57,6 +57,11 @@ class ProbeContext:
         self.adapter = lm.adapter
         self.input_ids = torch.as_tensor(input_ids)
         self.runner = BlockRunner(lm, self.input_ids, batch_size=batch_size)
+        self.batch_size = batch_size
+        #: block evaluations spent elsewhere on this context's behalf (a search on a
+        #: subset of its windows, in this context's units: see :meth:`subset`)
+        self.extra_block_evaluations = 0.0
+        self._subsets: dict[int, ProbeContext] = {}
         self.store = StateStore(states)
         self.data_info = data_info or {}
         self.num_blocks = self.adapter.num_blocks
@@ -84,7 +89,30 @@ class ProbeContext:
     @property
     def block_evaluations(self) -> float:
         """Blocks run over the whole calibration set (one block x all windows = 1)."""
-        return self.runner.block_evals / max(len(self.runner.batches), 1)
+        return self.runner.block_evals / max(len(self.runner.batches), 1) + \
+            self.extra_block_evaluations
+
+    def subset(self, windows: int) -> ProbeContext:
+        """A context of the same dense model on the first ``windows`` calibration windows
+        (made once, kept until :meth:`close`); ``self`` when that is all of them. A search
+        run on it should charge :meth:`charge` with its cost."""
+        if windows >= len(self.input_ids):
+            return self
+        if windows not in self._subsets:
+            sub = ProbeContext(self.lm, self.input_ids[:windows], batch_size=self.batch_size,
+                               data_info=self.data_info, lazy=True)
+            if hasattr(self, "greedy_runs"):  # shared greedy runs: one store per subset
+                sub.greedy_runs = {}
+            self._subsets[windows] = sub
+        return self._subsets[windows]
+
+    def charge(self, sub: ProbeContext, evaluations: float) -> float:
+        """Add ``evaluations`` block evaluations of ``sub`` (a :meth:`subset`) to this
+        context's count, in this context's units (one block over all its windows);
+        returns the converted figure."""
+        converted = evaluations * len(sub.input_ids) / max(len(self.input_ids), 1)
+        self.extra_block_evaluations += converted
+        return converted
 
     def boundary(self, index: int) -> list[torch.Tensor]:
         """Cached hidden state entering block ``index`` (``index = L``: last output)."""
@@ -199,4 +227,7 @@ class ProbeContext:
         return "KL(p_dense || p_modified) of next-token distributions"
 
     def close(self) -> None:
+        for sub in self._subsets.values():
+            sub.close()
+        self._subsets.clear()
         self.store.close()

@@ -42,6 +42,10 @@ def _help(text: str, default=None, **kw):
     return field(default=default, metadata={"help": text})
 
 
+#: strategies that score candidate removals on the calibration windows (``search_windows``)
+SEARCH_STRATEGIES = ("sleb", "beam", "iterative")
+
+
 @METHODS.register("depth")
 @dataclass(frozen=True)
 class Depth:
@@ -75,6 +79,9 @@ class Depth:
         "recovery in the loop (sleb, beam): share of the calibration batches held out to "
         "score each candidate's fit, fitted on the rest (default 0.25; 0: fit and score on "
         "all)")
+    search_windows: int | None = _help(
+        "sleb / beam / iterative: score the candidates on the first N calibration windows "
+        "only (default: all); the recovery after the search fits on all of them")
     strategy: InitVar[str | None] = None
 
     _registries = {"select": STRATEGIES, "recovery": RECOVERIES}
@@ -108,6 +115,7 @@ class Depth:
             raise ConfigError(f"unknown probe {self.probe!r}; available: "
                               f"{', '.join(PROBES.names())}")
         check_search_options(self)
+        self._check_search_windows()
         if self.recovery_holdout is not None:
             check_range("recovery_holdout", self.recovery_holdout, 0.0, 0.9)
             name = None if self.select is None else STRATEGIES.name_of(self.select)
@@ -115,6 +123,15 @@ class Depth:
                                                   name in ("sleb", "beam")):
                 raise ConfigError("--recovery-holdout applies to --recovery-in-loop with "
                                   "--strategy sleb or beam")
+
+    def _check_search_windows(self) -> None:
+        if self.search_windows is None:
+            return
+        check_range("search_windows", self.search_windows, 1, None, integer=True)
+        name = None if self.select is None else STRATEGIES.name_of(self.select)
+        if name not in SEARCH_STRATEGIES:
+            raise ConfigError("--search-windows applies to --strategy "
+                              f"{' / '.join(SEARCH_STRATEGIES)}")
 
     @property
     def holdout(self) -> float:
@@ -202,16 +219,40 @@ def select(lm, cfg: Depth, ctx: ProbeContext, n: int,
             raise ConfigError(f"blocks {list(cfg.blocks)} invalid for {nb} blocks")
         return sorted(cfg.blocks), {"strategy": "explicit"}
 
+    sctx = ctx if cfg.search_windows is None else ctx.subset(cfg.search_windows)
+    spent0 = sctx.block_evaluations
+
     def load() -> ProbeResult:
         return _load_probe(cfg.from_probe, nb) if cfg.from_probe else \
-            run_probe(cfg.probe, ctx, cfg, n)
+            run_probe(cfg.probe, sctx, cfg, n)
 
-    job = SelectJob(lm, cfg, ctx, n, run_probe=lambda name, c, k: run_probe(name, c, cfg, k),
+    job = SelectJob(lm, cfg, sctx, n, run_probe=lambda name, c, k: run_probe(name, c, cfg, k),
                     load_result=load, _result=result)
     strategy = cfg.select or STRATEGIES.make(default_strategy(job.result()))
     removed, how = strategy.choose(job)
     check_selection(strategy, job, removed, how)
+    if sctx is not ctx:
+        how = charge_subset_search(ctx, sctx, how, sctx.block_evaluations - spent0)
     return removed, how
+
+
+def charge_subset_search(ctx: ProbeContext, sub: ProbeContext, how: dict,
+                         spent: float) -> dict:
+    """A search that ran on ``sub`` (``Depth.search_windows``): its block evaluations
+    (``how``'s total and per step, and what it spent now, ``spent``) in units of ``ctx``'s
+    windows, so that costs compare with searches on all of them. Returns a new ``how``
+    (a shared greedy run keeps its own figures)."""
+    how = dict(how)
+    scale = len(sub.input_ids) / max(len(ctx.input_ids), 1)
+    ctx.charge(sub, spent)
+    how["search_windows"] = len(sub.input_ids)
+    for key in ("block_evaluations", "cache_block_evaluations"):
+        if key in how:
+            how[key] = how[key] * scale
+    if "steps" in how:
+        how["steps"] = [{**step, "block_evaluations": step["block_evaluations"] * scale}
+                        if "block_evaluations" in step else step for step in how["steps"]]
+    return how
 
 
 #: strategies whose choice is a pure function of the probe's scores (re-derived per resample)
