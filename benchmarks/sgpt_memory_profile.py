@@ -30,6 +30,7 @@ import functools
 import json
 import threading
 import time
+import warnings
 from pathlib import Path
 
 MiB = 2**20
@@ -99,6 +100,38 @@ class PhaseRSS:
         return False
 
 
+def live_tensors(min_mib: float = 8.0) -> list[tuple[str, float]]:
+    """``(shape / dtype, MiB)`` of the live tensors (one per storage) of at least
+    ``min_mib``, largest first: what holds the memory at a given moment."""
+    import gc
+
+    import torch
+
+    seen: dict[int, tuple[str, float]] = {}
+    with warnings.catch_warnings():  # isinstance on deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        objects = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    for t in objects:
+        if not t.is_meta:
+            st = t.untyped_storage()
+            mib = st.nbytes() / MiB
+            if mib >= min_mib and st.data_ptr() not in seen:
+                kind = "param" if isinstance(t, torch.nn.Parameter) else "tensor"
+                seen[st.data_ptr()] = (f"{kind} {tuple(t.shape)} {t.dtype}", mib)
+    return sorted(seen.values(), key=lambda v: -v[1])
+
+
+def _census_at(owner, attr: str, label: str, out: list) -> None:
+    """Before each call of ``owner.attr``: the live tensors, appended to ``out``."""
+    fn = getattr(owner, attr)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        out.append((label, live_tensors()))
+        return fn(*args, **kwargs)
+    setattr(owner, attr, wrapped)
+
+
 def _instrument(prof: PhaseRSS) -> None:
     """Phases around the runner, the streamer and SparseGPT's steps."""
     from prunelab.calib import stats
@@ -137,6 +170,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--interval", type=float, default=0.002)
     p.add_argument("--resident", action="store_true", help="load the model whole")
+    p.add_argument("--census", action="store_true",
+                   help="list the live tensors of >= 8 MiB at every Cholesky and triangular "
+                        "solve and at the start of every stage")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
@@ -159,6 +195,14 @@ def main() -> None:
     base = _status()
     prof = PhaseRSS(args.interval)
     _instrument(prof)
+    census: list = []
+    if args.census:
+        from prunelab import linalg
+        from prunelab.calib.sequential import SequentialBlock
+
+        _census_at(linalg, "cholesky_ex", "cholesky", census)
+        _census_at(linalg, "solve_triangular", "solve", census)
+        _census_at(SequentialBlock, "_stage", "stage", census)
     cfg = METHODS.make("sparsegpt", sparsity=args.sparsity)
     t0 = time.perf_counter()
     with prof:
@@ -166,6 +210,9 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     end = _status()
     _report(prof, base, end, seconds, args)
+    for label, tensors in census:
+        print(f"{label}: {sum(m for _, m in tensors):,.0f} MiB in "
+              + ", ".join(f"{what} {m:,.0f}" for what, m in tensors))
 
 
 def _report(prof: PhaseRSS, base: dict, end: dict, seconds: float, args) -> None:

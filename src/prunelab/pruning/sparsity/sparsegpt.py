@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from prunelab import linalg
+from prunelab.calib.memory import release_free_memory
 from prunelab.errors import ConfigError
 from prunelab.pruning.sparsity.masks import (
     check_sparsity,
@@ -127,7 +128,7 @@ def _strict_upper(n: int, device) -> torch.Tensor:
     return torch.ones((n, n), dtype=torch.bool, device=device).triu(1)
 
 
-def _flip_(A: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+def _flip_(A: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """``A`` <- ``J A J`` (rows and columns reversed: ``A.flip(0, 1)``) in place, by
     swapping row panels of at most ``chunk`` rows. Returns ``A``."""
     d = A.shape[0]
@@ -262,6 +263,7 @@ def _dead_and_factor(H: torch.Tensor | None, device, dtype: torch.dtype,
         return factor_cache["dead"], factor_cache["U"]
     if H is None:
         raise ConfigError("SparseGPT: no Hessian given and none factorised in factor_cache")
+    release_free_memory()  # the stage's freed activations, before two d x d matrices
     Hf = _working_copy(H, device, dtype, overwrite_h)
     if perm is not None:
         Hf = Hf[perm][:, perm]
