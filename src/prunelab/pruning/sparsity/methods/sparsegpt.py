@@ -89,7 +89,8 @@ class SparseGPT(SparsityConfig):
             return dict(H=self.hessian(accs), factor_cache=None, overwrite_h=True)
         if "U" in cache:
             return dict(H=None, factor_cache=cache, overwrite_h=False)
-        return dict(H=find(accs, Gram).take().float(), factor_cache=cache, overwrite_h=True)
+        h = find(accs, Gram).take()
+        return dict(H=None if h is None else h.float(), factor_cache=cache, overwrite_h=True)
 
     def prune_weight(self, w, accs, sparsity):
         return sparsegpt_prune(w, sparsity=sparsity, **self._hessian_args(accs),
