@@ -160,7 +160,9 @@ class SequentialBlock:
                     stage = self._stage(g, group, {n: as_list(make(n)) for n in group})
                     accs = stage.shared.lists(stage.accs)
                 on_group(g, accs)
-                if stage is not None:
+                accs = None  # the group's statistics (a Gram, its factor) die here, not
+                if stage is not None:  # in the next stage or the final pass
+                    stage.accs = None
                     self._substitute(stage)
                     stage = None  # its saved inputs must not outlive the stage
                 release_free_memory()
@@ -191,6 +193,7 @@ class SequentialBlock:
                 out = self.runner._call(self.block, self.index, b, h)
                 if out is not None:
                     stage.outs.append(out)
+        stage.shared.new_call()  # the last batch's inputs (saved once in sub_inputs)
         self.placeholders = {}
         for key, values in stage.recording.items():
             if len(values) == len(self.hidden):  # ran to completion on every batch

@@ -100,9 +100,34 @@ class Gram(Accumulator):
             self._sym = upper + upper.triu(1).t()
         return self._sym
 
+    def take(self) -> torch.Tensor | None:
+        """The symmetric ``X^T X`` handed over to the caller, made in the accumulator's own
+        storage (the values of :attr:`xtx`, without its copies); the Gram is empty
+        afterwards (``xtx`` is ``None``, ``tokens`` kept). For a caller that consumes the
+        matrix (SparseGPT factorises it in place): one ``[d_in, d_in]`` matrix alive, not
+        three."""
+        out = self._sym if self._sym is not None else self._acc
+        if self._sym is None and out is not None:
+            mirror_upper_(out)
+        self._acc = self._sym = None
+        return out
+
     def mean(self) -> torch.Tensor:
         """``X^T X / tokens``."""
         return self.xtx / max(self.tokens, 1)
+
+
+def mirror_upper_(a: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``a`` (square) made symmetric in place from its upper triangle (diagonal
+    included): the strict lower triangle becomes the transposed strict upper one, in row
+    panels of ``chunk`` (temporaries of at most ``chunk^2`` numbers). Returns ``a``."""
+    d = a.shape[0]
+    for s in range(0, d, chunk):
+        e = min(s + chunk, d)
+        a[e:, s:e] = a[s:e, e:].t()
+        blk = a[s:e, s:e]
+        blk.copy_(blk.triu() + blk.triu(1).t())
+    return a
 
 
 class MeanVar(Accumulator):

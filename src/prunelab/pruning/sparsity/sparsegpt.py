@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from prunelab import linalg
+from prunelab.calib.memory import release_free_memory
 from prunelab.errors import ConfigError
 from prunelab.pruning.sparsity.masks import (
     check_sparsity,
@@ -70,32 +71,81 @@ def _column_threads(rows: int) -> int:
     return 1 if rows <= 8192 else torch.get_num_threads()
 
 
-def _upper_inverse_factor(H: torch.Tensor, percdamp: float) -> torch.Tensor:
-    """``U`` upper-triangular with ``U^T U = (H + damp I)^{-1}``, ``damp = percdamp *
-    mean(diag H)``; if a Cholesky fails the damping is multiplied by 10 (up to 6 times).
+def _upper_inverse_factor_(A: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """``U`` upper-triangular with ``U^T U = (A + damp I)^{-1}``, ``damp = percdamp *
+    mean(diag A)``; if a Cholesky fails the damping is multiplied by 10 (up to 6 times).
+    ``A`` (square, C-contiguous, symmetric) is consumed: ``U`` is built in its storage
+    (returned as a column-major view).
 
     One Cholesky and one triangular inverse: with ``J`` the reversal permutation and
-    ``J (H + damp I) J = L L^T``, ``H + damp I = R R^T`` for the upper ``R = J L J``, so
-    ``(H + damp I)^{-1} = R^{-T} R^{-1}`` and ``U = R^{-1} = J L^{-1} J`` (the unique
-    Cholesky factor of the inverse, without forming the inverse)."""
-    d = H.shape[0]
-    mean_diag = float(H.diagonal().mean())
+    ``J (A + damp I) J = L L^T``, ``A + damp I = R R^T`` for the upper ``R = J L J``, so
+    ``(A + damp I)^{-1} = R^{-T} R^{-1}`` and ``U = R^{-1} = J L^{-1} J`` (the unique
+    Cholesky factor of the inverse, without forming the inverse). At most two ``d x d``
+    matrices are alive at once (``A`` or ``L^{-1}``, and ``L``); the numbers are those of
+    ``L^{-1} = solve(L, I)`` on ``J A J + damp I``, bit for bit."""
+    mean_diag = float(A.diagonal().mean())
     damp = percdamp * mean_diag
-    eye = torch.eye(d, dtype=H.dtype, device=H.device)
-    flipped = H.flip(0, 1)
+    _flip_(A)
+    A.add_(0.0)  # as ``J A J + damp * I`` did off the diagonal (-0.0 becomes +0.0)
+    diag = A.diagonal().clone()
     for _ in range(7):
-        chol, info = linalg.cholesky_ex(flipped + damp * eye)
-        if int(info) == 0:
-            inv_l = linalg.solve_triangular(chol, eye, upper=False)
-            if bool(torch.isfinite(inv_l).all()):
-                return inv_l.flip(0, 1)
+        A.diagonal().copy_(diag).add_(damp)
+        chol, info = linalg.cholesky_ex(A)
+        if int(info) == 0 and _inverse_lower_(chol, A):
+            return _flip_(A).mT  # column-major, as ``solve_triangular`` returns it
+        del chol
         damp = max(damp * 10.0, 1e-8 * mean_diag)
     raise ConfigError("SparseGPT: the Hessian is not positive definite even after damping")
 
 
+def _inverse_lower_(chol: torch.Tensor, A: torch.Tensor, chunk: int = 1024) -> bool:
+    """``A^T`` <- ``L^{-1}`` (``chol`` = ``L`` lower, ``A`` the matrix it factors), solved in
+    ``A``'s storage; True when finite. Otherwise ``A`` is restored off its diagonal (the
+    caller's) from a copy of its strict lower triangle kept in ``L``'s unused strict upper
+    one, and False is returned."""
+    d = A.shape[0]
+    for s in range(0, d, chunk):  # stash: L[j, i] = A[i, j] for i > j
+        e = min(s + chunk, d)
+        chol[s:e, e:] = A[e:, s:e].t()
+        blk = chol[s:e, s:e]
+        blk.copy_(torch.where(_strict_upper(e - s, A.device), A[s:e, s:e].t(), blk))
+    A.zero_()
+    A.diagonal().fill_(1.0)
+    X = A.mT  # column-major, like the result torch allocates: the same LAPACK call
+    linalg.solve_triangular(chol, X, upper=False, out=X)  # reads L's lower triangle only
+    if all(bool(torch.isfinite(A[s:s + chunk]).all()) for s in range(0, d, chunk)):
+        return True
+    for s in range(0, d, chunk):  # A symmetric again from the stash
+        e = min(s + chunk, d)
+        A[e:, s:e] = chol[s:e, e:].t()
+        A[s:e, e:] = chol[s:e, e:]
+        blk = chol[s:e, s:e]
+        A[s:e, s:e] = torch.where(_strict_upper(e - s, A.device), blk, blk.t())
+    return False
+
+
+def _strict_upper(n: int, device) -> torch.Tensor:
+    return torch.ones((n, n), dtype=torch.bool, device=device).triu(1)
+
+
+def _flip_(A: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``A`` <- ``J A J`` (rows and columns reversed: ``A.flip(0, 1)``) in place, by
+    swapping row panels of at most ``chunk`` rows. Returns ``A``."""
+    d = A.shape[0]
+    half = d // 2
+    for s in range(0, half, chunk):
+        e = min(s + chunk, half)
+        top = A[s:e].flip(0, 1)
+        A[s:e] = A[d - e:d - s].flip(0, 1)
+        A[d - e:d - s] = top
+    if d % 2:
+        A[half] = A[half].flip(0)
+    return A
+
+
 def sparsegpt_prune(
     W: torch.Tensor,
-    H: torch.Tensor,
+    H: torch.Tensor | None,
     sparsity: float = 0.5,
     pattern: tuple[int, int] | str | None = None,
     blocksize: int = 128,
@@ -103,6 +153,7 @@ def sparsegpt_prune(
     perm: torch.Tensor | None = None,
     mask_group: str = "row",
     factor_cache: dict | None = None,
+    overwrite_h: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prune ``W`` with SparseGPT; returns ``(W_new, kept_mask)``.
 
@@ -131,13 +182,18 @@ def sparsegpt_prune(
     ``percdamp=0.01``.
 
     ``factor_cache``: a dict shared by calls with one and the same ``H`` (q/k/v see the same
-    inputs): the inverse Cholesky factor is computed once and reused.
+    inputs): the inverse Cholesky factor is computed once and reused; ``H`` may then be
+    ``None`` in the calls after the first. ``overwrite_h``: ``H`` is not read afterwards,
+    so its storage is the factorisation's workspace (and, for a float32 ``H``, the cached
+    factor's): at most two ``[d_in, d_in]`` matrices are alive instead of three. The
+    results are the same either way, bit for bit.
     """
     s = check_sparsity(sparsity)
     nm = parse_pattern(pattern) if isinstance(pattern, str) or pattern is None else pattern
-    if W.dim() != 2 or H.shape != (W.shape[1], W.shape[1]):
+    h_shape, h_dtype = _hessian_meta(H, factor_cache)
+    if W.dim() != 2 or h_shape != (W.shape[1], W.shape[1]):
         raise ConfigError(
-            f"SparseGPT: W {tuple(W.shape)} and H {tuple(H.shape)} must be [d_out, d_in] and "
+            f"SparseGPT: W {tuple(W.shape)} and H {h_shape} must be [d_out, d_in] and "
             "[d_in, d_in]"
         )
     if blocksize < 1 or percdamp < 0:
@@ -154,13 +210,14 @@ def sparsegpt_prune(
         blocksize = max(m, blocksize // m * m)
         nm = (n, m)
 
-    dtype = torch.float64 if torch.float64 in (W.dtype, H.dtype) else torch.float32
+    dtype = torch.float64 if torch.float64 in (W.dtype, h_dtype) else torch.float32
     with no_tf32():
         Wf = W.detach().to(dtype=dtype).clone()
         if perm is not None:
             perm = _check_perm(perm, cols).to(W.device)
             Wf = Wf[:, perm]
-        dead, U = _dead_and_factor(H, W.device, dtype, perm, percdamp, factor_cache)
+        dead, U = _dead_and_factor(H, W.device, dtype, perm, percdamp, factor_cache,
+                                   overwrite_h)
         Wf[:, dead] = 0.0
         pruned = torch.zeros((rows, cols), dtype=torch.bool, device=W.device)
         for b in range(0, cols, blocksize):
@@ -184,24 +241,49 @@ def sparsegpt_prune(
     return Wf.to(W.dtype), ~pruned
 
 
-def _dead_and_factor(H: torch.Tensor, device, dtype: torch.dtype, perm: torch.Tensor | None,
-                     percdamp: float, factor_cache: dict | None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def _hessian_meta(H: torch.Tensor | None, factor_cache: dict | None
+                  ) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of ``H``, or of the factor cached for it when ``H`` is None."""
+    if H is not None:
+        return tuple(H.shape), H.dtype
+    if not factor_cache or "U" not in factor_cache:
+        raise ConfigError("SparseGPT: no Hessian given and none factorised in factor_cache")
+    return tuple(factor_cache["U"].shape), factor_cache["U"].dtype
+
+
+def _dead_and_factor(H: torch.Tensor | None, device, dtype: torch.dtype,
+                     perm: torch.Tensor | None, percdamp: float, factor_cache: dict | None,
+                     overwrite_h: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dead columns (``H_jj = 0``, then set to 1) and the upper inverse factor ``U`` of
-    the (permuted) ``H``; reused from / stored in ``factor_cache`` for the same key."""
+    the (permuted) ``H``; reused from / stored in ``factor_cache`` for the same key.
+    ``overwrite_h``: ``H`` (in ``dtype`` on ``device``, contiguous) is the working
+    matrix and ``U`` is built in its storage (no copy of ``H``)."""
     key = (dtype, device, percdamp, None if perm is None else perm.tolist())
     if factor_cache is not None and factor_cache.get("key") == key:
         return factor_cache["dead"], factor_cache["U"]
-    Hf = H.detach().to(device=device, dtype=dtype).clone()
+    if H is None:
+        raise ConfigError("SparseGPT: no Hessian given and none factorised in factor_cache")
+    release_free_memory()  # the stage's freed activations, before two d x d matrices
+    Hf = _working_copy(H, device, dtype, overwrite_h)
     if perm is not None:
         Hf = Hf[perm][:, perm]
     dead = Hf.diagonal() == 0
     Hf[dead, dead] = 1.0
-    U = _upper_inverse_factor(Hf, percdamp)
+    U = _upper_inverse_factor_(Hf, percdamp)
     del Hf
     if factor_cache is not None:
         factor_cache.update(key=key, dead=dead, U=U)
     return dead, U
+
+
+def _working_copy(H: torch.Tensor, device, dtype: torch.dtype, overwrite: bool
+                  ) -> torch.Tensor:
+    """``H`` in ``dtype`` on ``device``, C-contiguous, that may be changed in place:
+    ``H`` itself when ``overwrite`` allows it, otherwise a copy."""
+    Hf = H.detach().to(device=device, dtype=dtype)
+    if (Hf.data_ptr() == H.data_ptr() and not overwrite) or not Hf.is_contiguous():
+        Hf = Hf.clone(memory_format=torch.contiguous_format)
+    return Hf
 
 
 def _unstructured_block_mask(Wb: torch.Tensor, d1: torch.Tensor, b: int, e: int, s: float,

@@ -78,9 +78,22 @@ class SparseGPT(SparsityConfig):
             return None
         return find(accs, Gram).__dict__.setdefault("_sparsegpt_factor", {})
 
+    def _hessian_args(self, accs: list) -> dict:
+        """``H``, the factor cache and ``overwrite_h`` for :func:`sparsegpt_prune`. The
+        plain ``X^T X`` is taken out of its Gram (made symmetric in place, no copy) by the
+        first linear that reads it and factorised in its own storage; the linears after
+        it that share the Gram get the cached factor (``H=None``). A blended Hessian is a
+        fresh matrix: it is overwritten too."""
+        cache = self._factor_cache(accs)
+        if cache is None:
+            return dict(H=self.hessian(accs), factor_cache=None, overwrite_h=True)
+        if "U" in cache:
+            return dict(H=None, factor_cache=cache, overwrite_h=False)
+        h = find(accs, Gram).take()
+        return dict(H=None if h is None else h.float(), factor_cache=cache, overwrite_h=True)
+
     def prune_weight(self, w, accs, sparsity):
-        return sparsegpt_prune(w, self.hessian(accs), sparsity,
-                               factor_cache=self._factor_cache(accs),
+        return sparsegpt_prune(w, sparsity=sparsity, **self._hessian_args(accs),
                                **self.sparsegpt_kwargs())[0]
 
     def joint_key(self, w, accs):
@@ -93,7 +106,6 @@ class SparseGPT(SparsityConfig):
         return None if gram is None else (id(gram), w.dtype, w.device)
 
     def prune_joint(self, ws, accs, sparsity):
-        new, _ = sparsegpt_prune(torch.cat(ws), self.hessian(accs[0]), sparsity,
-                                 factor_cache=self._factor_cache(accs[0]),
-                                 **self.sparsegpt_kwargs())
+        new, _ = sparsegpt_prune(torch.cat(ws), sparsity=sparsity,
+                                 **self._hessian_args(accs[0]), **self.sparsegpt_kwargs())
         return list(new.split([w.shape[0] for w in ws]))
