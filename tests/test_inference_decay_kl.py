@@ -29,7 +29,9 @@ def test_coordinate_search_reproduces_a_known_optimum():
         calls.append(p.clone())
         return float(((p[:, 0] - a) ** 2 + (p[:, 1] - b) ** 2).sum()) + 1.0
 
-    params, start, best = coordinate_search(objective, layers, 5, blocks=4, rounds=1)
+    grid = (0.0, 0.25, 0.5, 1.0, 2.0)
+    params, start, best = coordinate_search(objective, layers, 5, grid, grid, blocks=4,
+                                            rounds=1)
     want = torch.stack([a, b], 1)
     want[3] = 0.0
     assert torch.equal(params, want)
@@ -130,3 +132,30 @@ def test_blend_config_is_validated():
         DecayEviction(observe=4, blend=(0.0, 0.0), weights=(0.0,) * 6)
     with pytest.raises(ConfigError, match="too short"):
         KLCalibration(wrap(tiny_model("llama")), tiny_tokens(1, 10), horizon=5, observe=4)
+
+
+def test_share_reserves_snapkv_top_tokens_before_the_blend():
+    # recency dominates the blend; share 1 gives all of the budget outside the window to
+    # SnapKV (so it evicts exactly as SnapKV), share 0.5 the top 6 of keep = 12, and the
+    # one remaining slot goes to the most recent token not yet kept (computed independently)
+    m = tiny_model("llama")
+    lm = wrap(m)
+    ids = tiny_tokens(1, 30, seed=4)
+    cfg = dict(ratio=0.6, window=5, observe=5, kernel=3, blend=(0.0, 1e6) * 4)
+    with press(lm, SnapKV(ratio=0.6, window=5, kernel=3)) as r:
+        m(ids, use_cache=True)
+    with press(lm, DecayEviction(**cfg, share=1.0)) as s:
+        m(ids, use_cache=True)
+    for i in r.report["keep"]:
+        assert torch.equal(s.report["keep"][i], r.report["keep"][i])
+    with press(lm, DecayEviction(**cfg, share=0.5)) as s:
+        m(ids, use_cache=True)
+    att = m(ids, output_attentions=True).attentions
+    for i, kept in s.report["keep"].items():
+        snap = torch.nn.functional.max_pool1d(att[i][0, :, -5:].sum(1)[:, None], 3, 1, 1)
+        snap = snap[:, 0].view(2, 2, 30).mean(1)  # [G, 30]
+        for g in range(2):
+            order = torch.sort(snap[g, :25], descending=True, stable=True).indices
+            top = set(order[:6].tolist())
+            rest = max(set(range(25)) - top)
+            assert kept[0, g].tolist() == sorted(top | {rest} | set(range(25, 30)))

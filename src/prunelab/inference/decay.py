@@ -35,7 +35,10 @@ summed, max-pooled over ``kernel`` neighbours, averaged over the query heads of 
 group), ``theta . x_j`` the key-statistics decay prior (``weights``: ``layers x kv_heads x
 5``, a predicted log attention; optional) and the last ``window`` tokens are kept (no
 separate sink), so ``blend`` all zero evicts exactly as ``SnapKV(window=window,
-kernel=kernel)``. The ``(lam_l, rho_l)`` are chosen on calibration windows by the KL of the
+kernel=kernel)``. ``share`` reserves that fraction of the budget for SnapKV's own top tokens
+(what the prompt's last queries ask for, a question's needle, is never traded for recency)
+and ``recent`` that fraction for the most recent tokens (H2O's recent window, Zhang et al.
+2023); both reserved sets are taken before the blended score ranks the rest. The ``(lam_l, rho_l)`` are chosen on calibration windows by the KL of the
 continuation's next-token distributions under real eviction (derivative-free search).
 """
 
@@ -47,7 +50,7 @@ import torch
 
 from prunelab.errors import ConfigError
 from prunelab.inference.config import PRESSES, Press
-from prunelab.inference.scores import attention_rows, group_heads, smooth
+from prunelab.inference.scores import attention_rows, group_heads, n_removed, smooth
 from prunelab.registry import check_range
 
 FEATURES = 5
@@ -62,7 +65,10 @@ class DecayEviction(Press):
     ``blend``: ``layers x 2`` floats ``(lam, rho)`` per layer, flat (from
     :func:`~prunelab.inference.decay_kl.fit_decay_kl`; needs ``observe > 0``): the blended
     SnapKV + decay-prior score of the module docstring (then ``weights`` is the 5-feature
-    prior and only the last ``window`` tokens are protected)."""
+    prior and only the last ``window`` tokens are protected). ``share`` (blend only): the
+    fraction of the budget given first to SnapKV's own ranking (its top tokens are kept
+    whatever the blend says), ``recent`` the fraction given to the most recent tokens
+    before the window (H2O's recent window), the rest by the blended score."""
 
     ratio: float = 0.5
     window: int = 8
@@ -70,6 +76,8 @@ class DecayEviction(Press):
     observe: int = 0
     kernel: int = 5
     blend: tuple[float, ...] | None = None
+    share: float = 0.0
+    recent: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,6 +86,8 @@ class DecayEviction(Press):
         check_range("kernel", self.kernel, 1, None, integer=True)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel must be odd, got {self.kernel}")
+        check_range("share", self.share, 0.0, 1.0)
+        check_range("recent", self.recent, 0.0, 1.0)
         if self.blend is not None:
             if not self.observe:
                 raise ConfigError("blend needs observe > 0 (the observation window)")
@@ -179,8 +189,28 @@ def blend_scores(config: DecayEviction, cache, layers: list[int],
                 if i < w.shape[0]:
                     s = s + lam * (x * w[i].to(x.device)[None, :, None, :]).sum(-1)
             s = s - rho * x[..., 4]
-        out[i] = s
+        out[i] = _reserve(s, observed[i], config)
     return out
+
+
+def _reserve(s: torch.Tensor, snap: torch.Tensor, config: DecayEviction) -> torch.Tensor:
+    """``s`` with SnapKV's top ``share x budget`` tokens and the ``recent x budget`` most
+    recent tokens (outside the protected last ``window``) lifted above every other token,
+    so the budget keeps them first (reserved slots never exceed ``budget - window``)."""
+    t, w = s.shape[-1], config.window
+    keep = max(t - n_removed(t, config.ratio), 1)
+    room = max(keep - w, 0)
+    n = min(int(config.share * keep), room)
+    r = min(int(config.recent * keep), room - n)
+    lift = torch.zeros_like(s)
+    if r > 0:
+        lift[..., max(t - w - r, 0):t - w] = 1e30
+    if n > 0:
+        free = snap.double().clone()
+        free[..., max(t - w - r, 0):] = float("-inf")
+        top = torch.sort(free, dim=-1, descending=True, stable=True).indices[..., :n]
+        lift.scatter_(-1, top, 1e30)  # ties toward earlier tokens, as SnapKV's keep_top
+    return s + lift
 
 
 def fit_least_squares(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:

@@ -9,10 +9,14 @@ The ``(lam_l, rho_l)`` are chosen END-TO-END: each calibration window of ``T`` t
 into a prompt of ``T - horizon`` tokens and a continuation; the prompt's cache is evicted
 for real (the cache tensors shrink) under a candidate, the continuation runs on it, and the
 objective is the mean KL(full || evicted) of the continuation's next-token distributions,
-the quantity the benchmark measures on held-out text. The search is derivative-free: from
-``0`` (exactly SnapKV) a shared grid over ``(lam, rho)``, then coordinate passes over blocks
-of consecutive layers, a move accepted only when it lowers the calibration KL by more than
-``tol`` (relative). The model's weights, softmax attention and RoPE are untouched.
+the quantity the benchmark measures on held-out text. The search is derivative-free: the
+``recent`` share of the budget (H2O's recent window, one value for all layers) over a small
+grid, then from ``lam = rho = 0`` a shared grid over ``(lam, rho)``, then coordinate passes
+over blocks of consecutive layers, a move accepted only when it lowers the calibration KL by
+more than ``tol`` (relative). ``share`` (fixed, not fitted) reserves that fraction of the
+budget for SnapKV's own top tokens; with ``share = 0`` the search starts at SnapKV exactly,
+so the fitted calibration KL is never above SnapKV's. The model's weights, softmax
+attention and RoPE are untouched.
 
 Cost: one forward per calibration window (prompt, then continuation on a copy of its
 cache), then per candidate one continuation forward per window on the evicted cache (the
@@ -41,8 +45,9 @@ from prunelab.inference.kv import budget, evict, evictable_layers
 from prunelab.inference.scores import attention_rows
 from prunelab.registry import check_range
 
-LAMS = (0.0, 0.25, 0.5, 1.0)
-RHOS = (0.0, 0.25, 0.5, 1.0, 2.0)
+LAMS = (0.0, 0.25, 0.5, 1.0, 2.0)
+RHOS = (0.0, 0.5, 1.0, 2.0, 4.0)
+RECENTS = (0.0, 0.25, 0.5)
 
 
 def coordinate_search(objective: Callable[[torch.Tensor], float], layers: Sequence[int],
@@ -108,14 +113,16 @@ class KLCalibration:
 
     @torch.no_grad()
     def __init__(self, lm, input_ids: torch.Tensor, horizon: int = 32, observe: int = 32,
-                 kernel: int = 5, ridge: float = 1e-3):
+                 kernel: int = 5, ridge: float = 1e-3, share: float = 0.0):
         check_range("horizon", horizon, 1, None, integer=True)
         check_range("observe", observe, 1, None, integer=True)
         t = input_ids.shape[1]
         if t - horizon <= observe + 1:
             raise ConfigError(f"fit_decay_kl: windows of {t} tokens are too short for "
                               f"observe {observe} and horizon {horizon}")
+        check_range("share", share, 0.0, 1.0)
         self.lm, self.horizon, self.observe, self.kernel = lm, horizon, observe, kernel
+        self.share = share
         self.history: dict[float, dict] = {}
         self.windows: list[_Window] = []
         pairs: dict[int, list] = {}
@@ -161,13 +168,15 @@ class KLCalibration:
             pairs.setdefault(i, []).append((x[:, cut], torch.log(mass[:, cut] + 1e-6)))
         return _Window(cache, observed, row[:, p:], ref, p)
 
-    def config(self, ratio: float, params: torch.Tensor | None = None) -> DecayEviction:
-        """The press at ``ratio`` with blend ``params`` ``[layers, 2]`` (zero: SnapKV)."""
+    def config(self, ratio: float, params: torch.Tensor | None = None,
+               recent: float = 0.0) -> DecayEviction:
+        """The press at ``ratio`` with blend ``params`` ``[layers, 2]`` (zero, with
+        ``share = recent = 0``: SnapKV)."""
         n = self.lm.adapter.num_blocks
         params = torch.zeros(n, 2) if params is None else params
         return DecayEviction(ratio=ratio, window=self.observe, observe=self.observe,
-                             kernel=self.kernel, weights=self.prior,
-                             blend=tuple(float(v) for v in params.flatten()))
+                             kernel=self.kernel, weights=self.prior, share=self.share,
+                             recent=recent, blend=tuple(float(v) for v in params.flatten()))
 
     @torch.no_grad()
     def objective(self, cfg: DecayEviction) -> float:
@@ -187,23 +196,34 @@ class KLCalibration:
 
     def fit(self, ratio: float, lams: Sequence[float] = LAMS,
             rhos: Sequence[float] = RHOS, blocks: int = 3, rounds: int = 1,
-            tol: float = 0.01) -> DecayEviction:
-        """The blended press at ``ratio`` whose ``(lam, rho)`` per layer minimise the
-        calibration KL (:func:`coordinate_search`); ``history[ratio]`` records the KL at
-        zero (SnapKV) and at the result."""
+            tol: float = 0.01, recents: Sequence[float] = RECENTS) -> DecayEviction:
+        """The blended press at ``ratio``: first the ``recent`` share (one value for all
+        layers, over ``recents``, blend zero), then the ``(lam, rho)`` per layer that
+        minimise the calibration KL (:func:`coordinate_search`); ``history[ratio]``
+        records the KL of SnapKV (computed, share 0) and of the result."""
         check_range("ratio", ratio, 0.0, 0.99)
         n = self.lm.adapter.num_blocks
+        snap = dataclasses.replace(self.config(ratio), share=0.0)
+        history = {"kl_snapkv": self.objective(snap)}
+        recent, best = 0.0, None
+        for r in recents:
+            val = self.objective(self.config(ratio, recent=r))
+            if best is None or val < best * (1.0 - tol):
+                recent, best = r, val
         params, start, best = coordinate_search(
-            lambda p: self.objective(self.config(ratio, p)), self.layers, n, lams, rhos,
-            blocks, rounds, tol)
-        self.history[ratio] = {"kl_snapkv": start, "kl_fitted": best,
-                               "blend": params[self.layers].tolist()}
-        return self.config(ratio, params)
+            lambda p: self.objective(self.config(ratio, p, recent)), self.layers, n, lams,
+            rhos, blocks, rounds, tol)
+        history.update(recent=recent, kl_fitted=best, blend=params[self.layers].tolist())
+        self.history[ratio] = history
+        return self.config(ratio, params, recent)
 
 
 def fit_decay_kl(lm, input_ids: torch.Tensor, ratio: float = 0.5, horizon: int = 32,
-                 observe: int = 32, kernel: int = 5, **search) -> DecayEviction:
+                 observe: int = 32, kernel: int = 5, share: float = 0.0,
+                 **search) -> DecayEviction:
     """Fit the blended decay press end-to-end on calibration windows ``input_ids``
-    ``[N, T]`` (see the module docstring); ``search``: options of
+    ``[N, T]`` (see the module docstring; ``share``: the budget fraction reserved for
+    SnapKV's own top tokens, fixed, not fitted); ``search``: options of
     :meth:`KLCalibration.fit` (``lams``, ``rhos``, ``blocks``, ``rounds``, ``tol``)."""
-    return KLCalibration(lm, input_ids, horizon, observe, kernel).fit(ratio, **search)
+    return KLCalibration(lm, input_ids, horizon, observe, kernel,
+                         share=share).fit(ratio, **search)
