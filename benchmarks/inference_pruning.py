@@ -185,7 +185,7 @@ def main() -> None:
                     help="calibration window length of the end-to-end fit (decay-kl)")
     ap.add_argument("--decay-samples", type=int, default=8,
                     help="calibration windows of the end-to-end fit (decay-kl)")
-    ap.add_argument("--decay-share", type=float, default=0.5,
+    ap.add_argument("--decay-share", type=float, default=0.0,
                     help="budget fraction reserved for SnapKV's own top tokens (decay-kl)")
     ap.add_argument("--decay-blocks", type=int, default=3,
                     help="layer blocks of the coordinate search (decay-kl)")

@@ -9,7 +9,7 @@ import torch
 from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits
 from prunelab.eval.perplexity import final_hidden
-from prunelab.inference import PRESSES, DecayEviction, SnapKV, press
+from prunelab.inference import H2O, PRESSES, DecayEviction, SnapKV, press
 from prunelab.inference.decay_kl import KLCalibration, coordinate_search, fit_decay_kl
 from prunelab.models.loading import wrap
 from prunelab.registry import to_dict
@@ -159,3 +159,17 @@ def test_share_reserves_snapkv_top_tokens_before_the_blend():
             top = set(order[:6].tolist())
             rest = max(set(range(25)) - top)
             assert kept[0, g].tolist() == sorted(top | {rest} | set(range(25, 30)))
+
+
+def test_mix_one_with_half_recent_evicts_exactly_as_h2o():
+    m = tiny_model("llama")
+    lm = wrap(m)
+    ids = tiny_tokens(1, 40, seed=6)
+    cfg = DecayEviction(ratio=0.5, window=4, observe=4, kernel=3, blend=(0.0,) * 8,
+                        recent=0.5, mix=1.0)
+    with press(lm, cfg) as s:
+        m(ids, use_cache=True)
+    with press(lm, H2O(ratio=0.5, recent=0.5)) as r:
+        m(ids, use_cache=True)
+    for i in r.report["keep"]:
+        assert torch.equal(s.report["keep"][i], r.report["keep"][i])

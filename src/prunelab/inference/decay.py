@@ -28,7 +28,8 @@ A family that contains SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are L
 Before Generation") as its origin and adds the learned decay prior (Universal Attention)
 and recency, with per-layer combination weights ``(lam_l, rho_l)``::
 
-    s_j = log(snap_j + 1e-8) + lam_l * (theta . x_j) - rho_l * log(1 + age_j)
+    s_j = (1 - mix) log(snap_j + 1e-8) + mix log(acc_j + 1e-8)
+          + lam_l * (theta . x_j) - rho_l * log(1 + age_j)
 
 ``snap_j`` is SnapKV's score exactly (the last ``observe`` prompt queries' attention,
 summed, max-pooled over ``kernel`` neighbours, averaged over the query heads of the KV
@@ -38,7 +39,9 @@ separate sink), so ``blend`` all zero evicts exactly as ``SnapKV(window=window,
 kernel=kernel)``. ``share`` reserves that fraction of the budget for SnapKV's own top tokens
 (what the prompt's last queries ask for, a question's needle, is never traded for recency)
 and ``recent`` that fraction for the most recent tokens (H2O's recent window, Zhang et al.
-2023); both reserved sets are taken before the blended score ranks the rest. The ``(lam_l, rho_l)`` are chosen on calibration windows by the KL of the
+2023, "H2O: Heavy-Hitter Oracle"); both reserved sets are taken before the blended score
+ranks the rest. ``acc_j`` is H2O's score (the attention accumulated over every prompt
+query), so ``mix = 1, recent = 0.5, share = 0`` and zero blend evicts as ``H2O()``. The ``(lam_l, rho_l)`` are chosen on calibration windows by the KL of the
 continuation's next-token distributions under real eviction (derivative-free search).
 """
 
@@ -68,7 +71,10 @@ class DecayEviction(Press):
     prior and only the last ``window`` tokens are protected). ``share`` (blend only): the
     fraction of the budget given first to SnapKV's own ranking (its top tokens are kept
     whatever the blend says), ``recent`` the fraction given to the most recent tokens
-    before the window (H2O's recent window), the rest by the blended score."""
+    (the window included; H2O's recent window), the rest by the blended score. ``mix``:
+    the base score is ``(1 - mix) log snap + mix log acc``, ``acc`` H2O's attention
+    accumulated over all prompt queries (``mix > 0`` needs every query's attention row
+    in the prefill, as H2O)."""
 
     ratio: float = 0.5
     window: int = 8
@@ -78,6 +84,7 @@ class DecayEviction(Press):
     blend: tuple[float, ...] | None = None
     share: float = 0.0
     recent: float = 0.0
+    mix: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -88,6 +95,7 @@ class DecayEviction(Press):
             raise ConfigError(f"kernel must be odd, got {self.kernel}")
         check_range("share", self.share, 0.0, 1.0)
         check_range("recent", self.recent, 0.0, 1.0)
+        check_range("mix", self.mix, 0.0, 1.0)
         if self.blend is not None:
             if not self.observe:
                 raise ConfigError("blend needs observe > 0 (the observation window)")
@@ -179,7 +187,11 @@ def blend_scores(config: DecayEviction, cache, layers: list[int],
         if observed is None or i not in observed:
             raise ConfigError(f"decay: no observation-window attention for layer {i}")
         layer = cache.layers[i]
-        s = torch.log(observed[i].double() + 1e-8)
+        o = observed[i].double()
+        snap = o[..., 0] if o.dim() == 4 else o
+        s = torch.log(snap + 1e-8)
+        if config.mix:  # H2O's accumulated attention, [..., 1]
+            s = (1.0 - config.mix) * s + config.mix * torch.log(o[..., 1] + 1e-8)
         lam, rho = blend[i].tolist() if i < blend.shape[0] else (0.0, 0.0)
         if lam or rho:
             x = key_features(layer.keys, layer.values).double()
@@ -189,19 +201,19 @@ def blend_scores(config: DecayEviction, cache, layers: list[int],
                 if i < w.shape[0]:
                     s = s + lam * (x * w[i].to(x.device)[None, :, None, :]).sum(-1)
             s = s - rho * x[..., 4]
-        out[i] = _reserve(s, observed[i], config)
+        out[i] = _reserve(s, snap, config)
     return out
 
 
 def _reserve(s: torch.Tensor, snap: torch.Tensor, config: DecayEviction) -> torch.Tensor:
     """``s`` with SnapKV's top ``share x budget`` tokens and the ``recent x budget`` most
-    recent tokens (outside the protected last ``window``) lifted above every other token,
+    recent tokens (the protected last ``window`` included) lifted above every other token,
     so the budget keeps them first (reserved slots never exceed ``budget - window``)."""
     t, w = s.shape[-1], config.window
     keep = max(t - n_removed(t, config.ratio), 1)
     room = max(keep - w, 0)
     n = min(int(config.share * keep), room)
-    r = min(int(config.recent * keep), room - n)
+    r = min(max(int(config.recent * keep) - w, 0), room - n)
     lift = torch.zeros_like(s)
     if r > 0:
         lift[..., max(t - w - r, 0):t - w] = 1e30

@@ -10,8 +10,8 @@ into a prompt of ``T - horizon`` tokens and a continuation; the prompt's cache i
 for real (the cache tensors shrink) under a candidate, the continuation runs on it, and the
 objective is the mean KL(full || evicted) of the continuation's next-token distributions,
 the quantity the benchmark measures on held-out text. The search is derivative-free: the
-``recent`` share of the budget (H2O's recent window, one value for all layers) over a small
-grid, then from ``lam = rho = 0`` a shared grid over ``(lam, rho)``, then coordinate passes
+``recent`` share of the budget (H2O's recent window) and the ``mix`` of SnapKV's and H2O's
+scores (Zhang et al. 2023; one value each for all layers) over a small grid, then from ``lam = rho = 0`` a shared grid over ``(lam, rho)``, then coordinate passes
 over blocks of consecutive layers, a move accepted only when it lowers the calibration KL by
 more than ``tol`` (relative). ``share`` (fixed, not fitted) reserves that fraction of the
 budget for SnapKV's own top tokens; with ``share = 0`` the search starts at SnapKV exactly,
@@ -42,12 +42,13 @@ from prunelab.inference.decay import (
     snap_scores,
 )
 from prunelab.inference.kv import budget, evict, evictable_layers
-from prunelab.inference.scores import attention_rows
+from prunelab.inference.scores import attention_rows, group_heads
 from prunelab.registry import check_range
 
 LAMS = (0.0, 0.25, 0.5, 1.0, 2.0)
 RHOS = (0.0, 0.5, 1.0, 2.0, 4.0)
 RECENTS = (0.0, 0.25, 0.5)
+MIXES = (0.0, 0.5, 1.0)
 
 
 def coordinate_search(objective: Callable[[torch.Tensor], float], layers: Sequence[int],
@@ -146,17 +147,24 @@ class KLCalibration:
         lm, h, o = self.lm, self.horizon, self.observe
         p = row.shape[1] - h
         rows: dict[int, torch.Tensor] = {}
-        want = [o]
+        prompt = [True]
+
+        def capture(m, q, k, kw) -> None:  # prompt: [1, G, p, 2] (snap, acc); then rows
+            probs = attention_rows(q, k, kw.get("scaling") or m.scaling, q.shape[2],
+                                   kw.get("softcap"))
+            g = k.shape[1]
+            rows[m.layer_idx] = torch.stack(
+                [snap_scores(probs[:, :, -o:], g, self.kernel),
+                 group_heads(probs.sum(2), g)], -1) if prompt[0] else probs
+
         with press(lm, StreamingLLM(ratio=0.0)) as session:  # reuse the attention capture
-            session.on_attention = lambda m, q, k, kw: rows.__setitem__(
-                m.layer_idx, attention_rows(q, k, kw.get("scaling") or m.scaling, want[0],
-                                            kw.get("softcap")))
+            session.on_attention = capture
             cache = DynamicCache(config=lm.adapter.base.config)
             lm.adapter.base(input_ids=row[:, :p], cache=cache, use_cache=True)
             layers = evictable_layers(cache)
             g = cache.layers[layers[0]].keys.shape[1] if layers else 1
-            observed = {i: snap_scores(rows[i], g, self.kernel) for i in layers}
-            want[0] = h
+            observed = {i: rows[i] for i in layers}
+            prompt[0] = False
             out = lm.adapter.base(input_ids=row[:, p:], cache=_copy_cache(cache),
                                   use_cache=True)
         ref = lm.adapter.logits(out.last_hidden_state[0]).float()
@@ -169,14 +177,14 @@ class KLCalibration:
         return _Window(cache, observed, row[:, p:], ref, p)
 
     def config(self, ratio: float, params: torch.Tensor | None = None,
-               recent: float = 0.0) -> DecayEviction:
+               recent: float = 0.0, mix: float = 0.0) -> DecayEviction:
         """The press at ``ratio`` with blend ``params`` ``[layers, 2]`` (zero, with
-        ``share = recent = 0``: SnapKV)."""
+        ``share = recent = mix = 0``: SnapKV)."""
         n = self.lm.adapter.num_blocks
         params = torch.zeros(n, 2) if params is None else params
         return DecayEviction(ratio=ratio, window=self.observe, observe=self.observe,
                              kernel=self.kernel, weights=self.prior, share=self.share,
-                             recent=recent, blend=tuple(float(v) for v in params.flatten()))
+                             recent=recent, mix=mix, blend=tuple(float(v) for v in params.flatten()))
 
     @torch.no_grad()
     def objective(self, cfg: DecayEviction) -> float:
@@ -196,26 +204,30 @@ class KLCalibration:
 
     def fit(self, ratio: float, lams: Sequence[float] = LAMS,
             rhos: Sequence[float] = RHOS, blocks: int = 3, rounds: int = 1,
-            tol: float = 0.01, recents: Sequence[float] = RECENTS) -> DecayEviction:
-        """The blended press at ``ratio``: first the ``recent`` share (one value for all
-        layers, over ``recents``, blend zero), then the ``(lam, rho)`` per layer that
-        minimise the calibration KL (:func:`coordinate_search`); ``history[ratio]``
-        records the KL of SnapKV (computed, share 0) and of the result."""
+            tol: float = 0.01, recents: Sequence[float] = RECENTS,
+            mixes: Sequence[float] = MIXES) -> DecayEviction:
+        """The blended press at ``ratio``: first ``recent`` and ``mix`` (one value each
+        for all layers, over ``recents x mixes``, blend zero), then the ``(lam, rho)`` per
+        layer that minimise the calibration KL (:func:`coordinate_search`);
+        ``history[ratio]`` records the KL of SnapKV (computed, share 0) and of the
+        result."""
         check_range("ratio", ratio, 0.0, 0.99)
         n = self.lm.adapter.num_blocks
         snap = dataclasses.replace(self.config(ratio), share=0.0)
         history = {"kl_snapkv": self.objective(snap)}
-        recent, best = 0.0, None
+        (recent, mix), best = (0.0, 0.0), None
         for r in recents:
-            val = self.objective(self.config(ratio, recent=r))
-            if best is None or val < best * (1.0 - tol):
-                recent, best = r, val
+            for x in mixes:
+                val = self.objective(self.config(ratio, recent=r, mix=x))
+                if best is None or val < best * (1.0 - tol):
+                    (recent, mix), best = (r, x), val
         params, start, best = coordinate_search(
-            lambda p: self.objective(self.config(ratio, p, recent)), self.layers, n, lams,
-            rhos, blocks, rounds, tol)
-        history.update(recent=recent, kl_fitted=best, blend=params[self.layers].tolist())
+            lambda p: self.objective(self.config(ratio, p, recent, mix)), self.layers, n,
+            lams, rhos, blocks, rounds, tol)
+        history.update(recent=recent, mix=mix, kl_fitted=best,
+                       blend=params[self.layers].tolist())
         self.history[ratio] = history
-        return self.config(ratio, params, recent)
+        return self.config(ratio, params, recent, mix)
 
 
 def fit_decay_kl(lm, input_ids: torch.Tensor, ratio: float = 0.5, horizon: int = 32,

@@ -39,6 +39,10 @@ def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scalin
     if isinstance(config, DecayEviction) and config.observe:  # observation-window feature
         from prunelab.inference.decay import observation_scores, snap_scores
 
+        if config.blend is not None and config.mix:  # SnapKV's and H2O's scores
+            probs = attention_rows(query, key, scaling, query.shape[2], softcap)
+            snap = snap_scores(probs[:, :, -config.observe:], groups, config.kernel)
+            return torch.stack([snap, group_heads(probs.sum(2), groups)], -1)
         probs = attention_rows(query, key, scaling, config.observe, softcap)
         if config.blend is not None:
             return snap_scores(probs, groups, config.kernel)
