@@ -25,8 +25,8 @@ fitted weights the score is the recency prior ``-log(1 + age)``.
 
 **Blended (``blend``, fitted end-to-end by :func:`prunelab.inference.decay_kl.fit_decay_kl`).**
 A family that contains SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for
-Before Generation") as its origin and adds the learned decay prior (Universal Attention)
-and recency, with per-layer combination weights ``(lam_l, rho_l)``::
+Before Generation") and H2O as special cases and adds the learned decay prior (Universal
+Attention) and recency, with per-layer combination weights ``(lam_l, rho_l)``::
 
     s_j = (1 - mix) log(snap_j + 1e-8) + mix log(acc_j + 1e-8)
           + lam_l * (theta . x_j) - rho_l * log(1 + age_j)
@@ -35,14 +35,16 @@ and recency, with per-layer combination weights ``(lam_l, rho_l)``::
 summed, max-pooled over ``kernel`` neighbours, averaged over the query heads of the KV
 group), ``theta . x_j`` the key-statistics decay prior (``weights``: ``layers x kv_heads x
 5``, a predicted log attention; optional) and the last ``window`` tokens are kept (no
-separate sink), so ``blend`` all zero evicts exactly as ``SnapKV(window=window,
-kernel=kernel)``. ``share`` reserves that fraction of the budget for SnapKV's own top tokens
-(what the prompt's last queries ask for, a question's needle, is never traded for recency)
-and ``recent`` that fraction for the most recent tokens (H2O's recent window, Zhang et al.
-2023, "H2O: Heavy-Hitter Oracle"); both reserved sets are taken before the blended score
-ranks the rest. ``acc_j`` is H2O's score (the attention accumulated over every prompt
-query), so ``mix = 1, recent = 0.5, share = 0`` and zero blend evicts as ``H2O()``. The ``(lam_l, rho_l)`` are chosen on calibration windows by the KL of the
-continuation's next-token distributions under real eviction (derivative-free search).
+separate sink), so ``blend`` all zero (and ``share = recent = mix = 0``) evicts exactly as
+``SnapKV(window=window, kernel=kernel)``. ``share`` reserves that fraction of the budget
+for SnapKV's own top tokens (what the prompt's last queries ask for, a question's needle,
+is never traded for recency) and ``recent`` that fraction for the most recent tokens
+(H2O's recent window, Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"); both reserved sets
+are taken before the blended score ranks the rest. ``acc_j`` is H2O's score (the attention
+accumulated over every prompt query), so ``mix = 1, recent = 0.5, share = 0`` and zero
+blend evicts as ``H2O()``. The ``recent``, ``mix`` and ``(lam_l, rho_l)`` are chosen on
+calibration windows by the KL of the continuation's next-token distributions under real
+eviction (derivative-free search).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ for real (the cache tensors shrink) under a candidate, the continuation runs on 
 objective is the mean KL(full || evicted) of the continuation's next-token distributions,
 the quantity the benchmark measures on held-out text. The search is derivative-free: the
 ``recent`` share of the budget (H2O's recent window) and the ``mix`` of SnapKV's and H2O's
-scores (Zhang et al. 2023; one value each for all layers) over a small grid, then from ``lam = rho = 0`` a shared grid over ``(lam, rho)``, then coordinate passes
+scores (Zhang et al. 2023; one value each for all layers) over a small grid, then from ``lam
+= rho = 0`` a shared grid over ``(lam, rho)``, then coordinate passes
 over blocks of consecutive layers, a move accepted only when it lowers the calibration KL by
 more than ``tol`` (relative). ``share`` (fixed, not fitted) reserves that fraction of the
 budget for SnapKV's own top tokens; with ``share = 0`` the search starts at SnapKV exactly,
@@ -184,7 +185,8 @@ class KLCalibration:
         params = torch.zeros(n, 2) if params is None else params
         return DecayEviction(ratio=ratio, window=self.observe, observe=self.observe,
                              kernel=self.kernel, weights=self.prior, share=self.share,
-                             recent=recent, mix=mix, blend=tuple(float(v) for v in params.flatten()))
+                             recent=recent, mix=mix,
+                             blend=tuple(float(v) for v in params.flatten()))
 
     @torch.no_grad()
     def objective(self, cfg: DecayEviction) -> float:
