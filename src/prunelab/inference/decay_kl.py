@@ -211,8 +211,8 @@ class KLCalibration:
         """The blended press at ``ratio``: first ``recent`` and ``mix`` (one value each
         for all layers, over ``recents x mixes``, blend zero), then the ``(lam, rho)`` per
         layer that minimise the calibration KL (:func:`coordinate_search`);
-        ``history[ratio]`` records the KL of SnapKV (computed, share 0) and of the
-        result."""
+        ``history[ratio]`` records the KL of SnapKV (computed, share 0), with the chosen
+        ``mix`` / ``recent`` and zero blend, and of the result."""
         check_range("ratio", ratio, 0.0, 0.99)
         n = self.lm.adapter.num_blocks
         snap = dataclasses.replace(self.config(ratio), share=0.0)
@@ -223,6 +223,7 @@ class KLCalibration:
                 val = self.objective(self.config(ratio, recent=r, mix=x))
                 if best is None or val < best * (1.0 - tol):
                     (recent, mix), best = (r, x), val
+        history["kl_zero_blend"] = best  # at the chosen mix / recent (mix 1, recent 0.5: H2O)
         params, start, best = coordinate_search(
             lambda p: self.objective(self.config(ratio, p, recent, mix)), self.layers, n,
             lams, rhos, blocks, rounds, tol)
