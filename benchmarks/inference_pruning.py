@@ -17,14 +17,20 @@ removed) and context length (``--contexts``), on text from the embedded corpus
 
 Token-pruning presses map the ratio to their cut: LazyLLM removes ``ratio`` at block
 ``--prune-layer``; EntroPrefill caps its removal at ``max_ratio = ratio`` under
-``--mass-bound``. The decay press is fitted first on ``wiki-vital:calib`` windows.
+``--mass-bound``. The decay press is fitted first on ``wiki-vital:calib`` windows;
+``decay-kl`` is the blended decay press (SnapKV's score + the learned key-statistics prior
++ recency) whose per-layer weights are fitted end-to-end, at each ratio, by the
+continuation KL on ``--decay-samples`` calibration windows of ``--decay-seqlen`` tokens
+(never on the test contexts).
 
 Run (do not run inside the test suite)::
 
     python benchmarks/inference_pruning.py [--model smollm2-135m] [--device auto]
         [--contexts 1024,2048,4096] [--ratios 0.25,0.5,0.75,0.9]
-        [--presses streaming-llm,h2o,snapkv,decay,decay-keys,lazyllm,entroprefill]
+        [--presses streaming-llm,h2o,snapkv,decay,decay-keys,decay-kl,lazyllm,entroprefill]
         [--decay-observe 32 --decay-horizon 64] [--json out.json]
+        [--decay-seqlen 1024 --decay-samples 8 --decay-blocks 3] [--kl-samples 4]
+        [--quality-only]
     # smoke: --contexts 128 --ratios 0.5 --depths 0.5 --continuation 16 --decode 4
 """
 
@@ -42,6 +48,7 @@ from prunelab.data import make_batches
 from prunelab.eval.divergence import kl_from_logits, top1_agreement
 from prunelab.eval.perplexity import final_hidden
 from prunelab.inference import PRESSES, cache_bytes, fit_decay, press
+from prunelab.inference.decay_kl import KLCalibration
 
 PASSKEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -58,9 +65,10 @@ def sync(device: torch.device) -> None:
 
 
 def haystack(lm, length: int, seed: int) -> torch.Tensor:
-    """``[1, length]`` corpus tokens (windows of the embedded test split)."""
+    """``[1, length]`` corpus tokens (windows of the embedded test split; SmolLM2's
+    tokenizer adds no special tokens, Gemma's adds its ``<bos>``)."""
     batches = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=length, samples=None,
-                           mode="test", specials="none")
+                           mode="test")  # framed as the tokenizer frames a sequence (Gemma: BOS)
     ids = batches.input_ids
     return ids[seed % ids.shape[0]][None]
 
@@ -76,6 +84,15 @@ def passkey_prompt(lm, length: int, depth: float, key: int) -> torch.Tensor:
 
 
 def make_press(name: str, ratio: float, args, lm, decay_cfg):
+    if name == "decay-kl":  # fitted end-to-end at this ratio on the calibration windows
+        kl = decay_cfg["decay-kl"]
+        if ("decay-kl", ratio) not in decay_cfg:  # one fit per ratio, for every context
+            t0 = time.perf_counter()
+            decay_cfg["decay-kl", ratio] = kl.fit(ratio, blocks=args.decay_blocks)
+            print(json.dumps({"fit": "decay-kl", "ratio": ratio, "share": kl.share,
+                              "fit_s": time.perf_counter() - t0, **kl.history[ratio]}),
+                  flush=True)
+        return decay_cfg["decay-kl", ratio]
     if name in ("decay", "decay-keys"):
         fitted = decay_cfg[name]
         return PRESSES.get("decay")(ratio=ratio, window=fitted.window,
@@ -102,15 +119,19 @@ def retrieval(lm, cfg, length: int, depths: list[float]) -> float:
 
 
 @torch.no_grad()
-def continuation(lm, cfg, length: int, cont: int, ref_cache: dict) -> dict:
-    ids = haystack(lm, length + cont, seed=1).to(lm.device)
-    if length not in ref_cache:
-        ref_cache[length] = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
-    ref = ref_cache[length]
-    with press(lm, cfg, context=(length + 0.5) / (length + cont)):
-        logits = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
-    return {"kl": float(kl_from_logits(ref, logits).mean()),
-            "top1": float(top1_agreement(ref, logits).float().mean())}
+def continuation(lm, cfg, length: int, cont: int, ref_cache: dict, samples: int = 1) -> dict:
+    """Mean KL / top-1 over ``samples`` held-out contexts (seeds 1 .. samples)."""
+    kls, tops = [], []
+    for seed in range(1, samples + 1):
+        ids = haystack(lm, length + cont, seed=seed).to(lm.device)
+        if (length, seed) not in ref_cache:
+            ref_cache[length, seed] = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
+        ref = ref_cache[length, seed]
+        with press(lm, cfg, context=(length + 0.5) / (length + cont)):
+            logits = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
+        kls.append(float(kl_from_logits(ref, logits).mean()))
+        tops.append(float(top1_agreement(ref, logits).float().mean()))
+    return {"kl": sum(kls) / samples, "top1": sum(tops) / samples, "kl_per_context": kls}
 
 
 @torch.no_grad()
@@ -160,6 +181,18 @@ def main() -> None:
     ap.add_argument("--prune-layer", type=int, default=3)
     ap.add_argument("--mass-bound", type=float, default=0.1)
     ap.add_argument("--keep-scale", type=float, default=1.0)
+    ap.add_argument("--decay-seqlen", type=int, default=1024,
+                    help="calibration window length of the end-to-end fit (decay-kl)")
+    ap.add_argument("--decay-samples", type=int, default=8,
+                    help="calibration windows of the end-to-end fit (decay-kl)")
+    ap.add_argument("--decay-share", type=float, default=0.0,
+                    help="budget fraction reserved for SnapKV's own top tokens (decay-kl)")
+    ap.add_argument("--decay-blocks", type=int, default=3,
+                    help="layer blocks of the coordinate search (decay-kl)")
+    ap.add_argument("--kl-samples", type=int, default=1,
+                    help="held-out contexts the continuation KL is averaged over")
+    ap.add_argument("--quality-only", action="store_true",
+                    help="skip the speed / memory measurement (KL, top-1, retrieval only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     lm = prunelab.load(args.model, dtype=args.dtype, device=args.device)
@@ -177,11 +210,19 @@ def main() -> None:
                                        observe=args.decay_observe,
                                        horizon=args.decay_horizon)
         decay_cfg["decay-keys"] = fit_decay(lm, calib.input_ids, window=16)
+    if "decay-kl" in names:  # calibration windows of --decay-seqlen (prompt + 32 tokens)
+        calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=args.decay_seqlen + 32,
+                             samples=args.decay_samples)
+        t0 = time.perf_counter()
+        decay_cfg["decay-kl"] = KLCalibration(lm, calib.input_ids, horizon=32, observe=32,
+                                              share=args.decay_share)
+        print(json.dumps({"calibration_s": time.perf_counter() - t0}), flush=True)
     rows, ref_cache = [], {}
+    timing = (lambda *a: {}) if args.quality_only else speed
     for length in contexts:
         base = {"press": "none", "ratio": 0.0, "context": length,
                 "retrieval": retrieval(lm, None, length, depths),
-                **speed(lm, None, length, args.decode)}
+                **timing(lm, None, length, args.decode)}
         rows.append(base)
         print(json.dumps(base), flush=True)
         for name in names:
@@ -189,9 +230,12 @@ def main() -> None:
                 cfg = make_press(name, ratio, args, lm, decay_cfg)
                 row = {"press": name, "ratio": ratio, "context": length,
                        "retrieval": retrieval(lm, cfg, length, depths),
-                       **continuation(lm, cfg, length, args.continuation, ref_cache),
-                       **speed(lm, cfg, length, args.decode)}
-                row["prefill_speedup"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+                       **continuation(lm, cfg, length, args.continuation, ref_cache,
+                                      args.kl_samples),
+                       **timing(lm, cfg, length, args.decode)}
+                if "prefill_tokens_per_s" in row:
+                    row["prefill_speedup"] = (row["prefill_tokens_per_s"]
+                                              / base["prefill_tokens_per_s"])
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:

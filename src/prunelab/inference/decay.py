@@ -22,6 +22,29 @@ last queries saw against key statistics and age by how well each predicts the fu
 (with only the sixth feature it is SnapKV's score without smoothing). The softmax attention and
 RoPE of the model are untouched: only which entries stay in the cache changes. Without
 fitted weights the score is the recency prior ``-log(1 + age)``.
+
+**Blended (``blend``, fitted end-to-end by :func:`prunelab.inference.decay_kl.fit_decay_kl`).**
+A family that contains SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for
+Before Generation") and H2O as special cases and adds the learned decay prior (Universal
+Attention) and recency, with per-layer combination weights ``(lam_l, rho_l)``::
+
+    s_j = (1 - mix) log(snap_j + 1e-8) + mix log(acc_j + 1e-8)
+          + lam_l * (theta . x_j) - rho_l * log(1 + age_j)
+
+``snap_j`` is SnapKV's score exactly (the last ``observe`` prompt queries' attention,
+summed, max-pooled over ``kernel`` neighbours, averaged over the query heads of the KV
+group), ``theta . x_j`` the key-statistics decay prior (``weights``: ``layers x kv_heads x
+5``, a predicted log attention; optional) and the last ``window`` tokens are kept (no
+separate sink), so ``blend`` all zero (and ``share = recent = mix = 0``) evicts exactly as
+``SnapKV(window=window, kernel=kernel)``. ``share`` reserves that fraction of the budget
+for SnapKV's own top tokens (what the prompt's last queries ask for, a question's needle,
+is never traded for recency) and ``recent`` that fraction for the most recent tokens
+(H2O's recent window, Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"); both reserved sets
+are taken before the blended score ranks the rest. ``acc_j`` is H2O's score (the attention
+accumulated over every prompt query), so ``mix = 1, recent = 0.5, share = 0`` and zero
+blend evicts as ``H2O()``. The ``recent``, ``mix`` and ``(lam_l, rho_l)`` are chosen on
+calibration windows by the KL of the continuation's next-token distributions under real
+eviction (derivative-free search).
 """
 
 from __future__ import annotations
@@ -32,7 +55,7 @@ import torch
 
 from prunelab.errors import ConfigError
 from prunelab.inference.config import PRESSES, Press
-from prunelab.inference.scores import attention_rows, group_heads, smooth
+from prunelab.inference.scores import attention_rows, group_heads, n_removed, smooth
 from prunelab.registry import check_range
 
 FEATURES = 5
@@ -43,13 +66,27 @@ FEATURES = 5
 class DecayEviction(Press):
     """Evict the cached tokens with the lowest learned retention score (see module
     docstring); the sink (token 0) and the last ``window`` tokens are always kept.
-    ``weights``: ``layers x kv_heads x 5`` floats, flat (from :func:`fit_decay`)."""
+    ``weights``: ``layers x kv_heads x 5`` floats, flat (from :func:`fit_decay`).
+    ``blend``: ``layers x 2`` floats ``(lam, rho)`` per layer, flat (from
+    :func:`~prunelab.inference.decay_kl.fit_decay_kl`; needs ``observe > 0``): the blended
+    SnapKV + decay-prior score of the module docstring (then ``weights`` is the 5-feature
+    prior and only the last ``window`` tokens are protected). ``share`` (blend only): the
+    fraction of the budget given first to SnapKV's own ranking (its top tokens are kept
+    whatever the blend says), ``recent`` the fraction given to the most recent tokens
+    (the window included; H2O's recent window), the rest by the blended score. ``mix``:
+    the base score is ``(1 - mix) log snap + mix log acc``, ``acc`` H2O's attention
+    accumulated over all prompt queries (``mix > 0`` needs every query's attention row
+    in the prefill, as H2O)."""
 
     ratio: float = 0.5
     window: int = 8
     weights: tuple[float, ...] | None = None
     observe: int = 0
     kernel: int = 5
+    blend: tuple[float, ...] | None = None
+    share: float = 0.0
+    recent: float = 0.0
+    mix: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,19 +95,31 @@ class DecayEviction(Press):
         check_range("kernel", self.kernel, 1, None, integer=True)
         if self.kernel % 2 == 0:
             raise ConfigError(f"kernel must be odd, got {self.kernel}")
+        check_range("share", self.share, 0.0, 1.0)
+        check_range("recent", self.recent, 0.0, 1.0)
+        check_range("mix", self.mix, 0.0, 1.0)
+        if self.blend is not None:
+            if not self.observe:
+                raise ConfigError("blend needs observe > 0 (the observation window)")
+            if len(self.blend) % 2:
+                raise ConfigError(f"blend: length must be a multiple of 2 (lam, rho per "
+                                  f"layer), got {len(self.blend)}")
+            for w in self.blend:
+                check_range("blend", w)
         if self.weights is not None:
             f = self.features
             if len(self.weights) % f:
                 raise ConfigError(f"weights: length must be a multiple of {f} "
-                                  f"({'observe > 0' if self.observe else 'observe 0'}), "
+                                  f"({'observe > 0' if f == 6 else 'keys only'}), "
                                   f"got {len(self.weights)}")
             for w in self.weights:
                 check_range("weights", w)
 
     @property
     def features(self) -> int:
-        """Features per KV head: 5, or 6 with the observation-window attention."""
-        return FEATURES + (1 if self.observe else 0)
+        """Features per KV head: 5, or 6 with the observation-window attention as a
+        fitted feature (``observe > 0`` without ``blend``)."""
+        return FEATURES + (1 if self.observe and self.blend is None else 0)
 
 
 def key_features(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -102,6 +151,8 @@ def decay_scores(config: DecayEviction, cache, layers: list[int],
                  observed: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """Retention scores ``{layer: [B, G, T]}`` of the cached tokens (``observed``: the
     observation-window attention per layer, needed when ``config.observe > 0``)."""
+    if config.blend is not None:
+        return blend_scores(config, cache, layers, observed)
     out = {}
     weights = None
     if config.weights is not None:
@@ -119,6 +170,61 @@ def decay_scores(config: DecayEviction, cache, layers: list[int],
         else:
             out[i] = (x * weights[i].to(x.device)[None, :, None, :]).sum(-1)
     return out
+
+
+def snap_scores(rows: torch.Tensor, groups: int, kernel: int) -> torch.Tensor:
+    """SnapKV's token score ``[B, G, T]`` from attention rows ``[B, H, r, T]``: summed over
+    the rows, max-pooled over ``kernel`` neighbours, averaged per KV group (the same
+    operations as the ``snapkv`` press, so the ranking is identical)."""
+    return group_heads(smooth(rows.sum(2), kernel, "max"), groups)
+
+
+def blend_scores(config: DecayEviction, cache, layers: list[int],
+                 observed: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    """Blended scores ``{layer: [B, G, T]}`` (float64) of the module docstring; layers
+    past the end of ``blend`` use ``lam = rho = 0`` (SnapKV)."""
+    blend = torch.tensor(config.blend, dtype=torch.float64).view(-1, 2)
+    out = {}
+    for i in layers:
+        if observed is None or i not in observed:
+            raise ConfigError(f"decay: no observation-window attention for layer {i}")
+        layer = cache.layers[i]
+        o = observed[i].double()
+        snap = o[..., 0] if o.dim() == 4 else o
+        s = torch.log(snap + 1e-8)
+        if config.mix:  # H2O's accumulated attention, [..., 1]
+            s = (1.0 - config.mix) * s + config.mix * torch.log(o[..., 1] + 1e-8)
+        lam, rho = blend[i].tolist() if i < blend.shape[0] else (0.0, 0.0)
+        if lam or rho:
+            x = key_features(layer.keys, layer.values).double()
+            if lam and config.weights is not None:
+                w = torch.tensor(config.weights, dtype=torch.float64)
+                w = w.view(-1, layer.keys.shape[1], FEATURES)
+                if i < w.shape[0]:
+                    s = s + lam * (x * w[i].to(x.device)[None, :, None, :]).sum(-1)
+            s = s - rho * x[..., 4]
+        out[i] = _reserve(s, snap, config)
+    return out
+
+
+def _reserve(s: torch.Tensor, snap: torch.Tensor, config: DecayEviction) -> torch.Tensor:
+    """``s`` with SnapKV's top ``share x budget`` tokens and the ``recent x budget`` most
+    recent tokens (the protected last ``window`` included) lifted above every other token,
+    so the budget keeps them first (reserved slots never exceed ``budget - window``)."""
+    t, w = s.shape[-1], config.window
+    keep = max(t - n_removed(t, config.ratio), 1)
+    room = max(keep - w, 0)
+    n = min(int(config.share * keep), room)
+    r = min(max(int(config.recent * keep) - w, 0), room - n)
+    lift = torch.zeros_like(s)
+    if r > 0:
+        lift[..., max(t - w - r, 0):t - w] = 1e30
+    if n > 0:
+        free = snap.double().clone()
+        free[..., max(t - w - r, 0):] = float("-inf")
+        top = torch.sort(free, dim=-1, descending=True, stable=True).indices[..., :n]
+        lift.scatter_(-1, top, 1e30)  # ties toward earlier tokens, as SnapKV's keep_top
+    return s + lift
 
 
 def fit_least_squares(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:

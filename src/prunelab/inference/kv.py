@@ -37,9 +37,15 @@ def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scalin
         probs = attention_rows(query, key, scaling, query.shape[2], softcap)
         return group_heads(probs.sum(2), groups)
     if isinstance(config, DecayEviction) and config.observe:  # observation-window feature
-        from prunelab.inference.decay import observation_scores
+        from prunelab.inference.decay import observation_scores, snap_scores
 
+        if config.blend is not None and config.mix:  # SnapKV's and H2O's scores
+            probs = attention_rows(query, key, scaling, query.shape[2], softcap)
+            snap = snap_scores(probs[:, :, -config.observe:], groups, config.kernel)
+            return torch.stack([snap, group_heads(probs.sum(2), groups)], -1)
         probs = attention_rows(query, key, scaling, config.observe, softcap)
+        if config.blend is not None:
+            return snap_scores(probs, groups, config.kernel)
         return observation_scores(probs, groups, config.kernel)
     return None
 
@@ -63,7 +69,7 @@ def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | N
         return idx.expand(batch, groups, keep).contiguous()
     if isinstance(config, (SnapKV, DecayEviction)):
         fixed[max(length - config.window, 0):] = True
-        if isinstance(config, DecayEviction):
+        if isinstance(config, DecayEviction) and config.blend is None:
             fixed[0] = True
     elif isinstance(config, H2O):
         recent = min(int(keep * config.recent), keep)
