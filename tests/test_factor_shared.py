@@ -431,7 +431,7 @@ def test_sparse_shared_dict_on_a_model_budget_flops_and_reload(tmp_path):
 def test_sequential_grams_see_earlier_stages():
     """q/k/v come first: the same with and without ``sequential``; gate/up read the MLP
     input, which changed once attention was compressed."""
-    seq = _run(_lm("llama"), SharedDict(ratio=0.5, iters=2))
+    seq = _run(_lm("llama"), SharedDict(ratio=0.5, iters=2, sequential=True))
     dense = _run(_lm("llama"), SharedDict(ratio=0.5, iters=2, sequential=False))
     for role in ("q", "k", "v"):
         assert seq["groups"][role] == dense["groups"][role]

@@ -28,6 +28,17 @@ def damped(h: torch.Tensor, damping: float) -> torch.Tensor:
     return h + lam * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
 
 
+def shrunk(grams, amount: float) -> list[torch.Tensor]:
+    """``(1 - amount) H_l + amount mean(H)`` per layer: each layer's Gram shrunk towards the
+    group's mean (``amount = 1``: one shared metric, whose optimum is Basis Sharing's SVD;
+    ``0``: the grams unchanged). A fixed-sample regulariser: a layer's own Gram from few
+    calibration tokens overfits them more than the group's pooled one."""
+    if amount == 0 or len(grams) < 2:
+        return list(grams)
+    mean = sum(grams) / len(grams)
+    return [(1 - amount) * h + amount * mean for h in grams]
+
+
 def objective(weights, grams, d: torch.Tensor, cs) -> float:
     """``sum_l tr((W_l - C_l D) H_l (W_l - C_l D)^T)`` (= ``sum_l ||X_l (W_l^T -
     D^T C_l^T)||_F^2`` for undamped ``H_l``)."""
@@ -155,12 +166,63 @@ def alternate(weights, grams, d, cs, iters: int, tol: float = 0.0, atoms=None):
     return d, cs, history
 
 
+def basis_sharing_dictionary(weights, grams, rank: int) -> torch.Tensor:
+    """Basis Sharing's ``D`` alone, from the ``in x in`` eigenproblem
+    ``S^T (sum_l W_l^T W_l) S`` instead of the SVD of ``S^T [W_1^T | ...]`` (the same left
+    singular vectors; cheaper when ``sum out_l`` exceeds ``in``)."""
+    s = linalg.cholesky(sum(grams))
+    g = s.t() @ sum(w.t() @ w for w in weights) @ s
+    _, vecs = linalg.eigh((g + g.t()) / 2)
+    k = min(rank, g.shape[0], sum(w.shape[0] for w in weights))
+    return linalg.solve_triangular(s.t(), vecs.flip(1)[:, :k], upper=True).t()
+
+
 def pair_error(weights, grams, rank: int, iters: int = 0) -> float:
     """Whitened error of sharing a rank-``rank`` dictionary (each layer's own Gram): the
     Basis Sharing start, a least-squares coefficient step, then ``iters`` iterations."""
+    if iters == 0:  # the coefficient step replaces Basis Sharing's C: only D is needed
+        d = basis_sharing_dictionary(weights, grams, rank)
+        cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams, strict=True)]
+        return objective(weights, grams, d, cs)
     d, cs = basis_sharing(weights, grams, rank)
     cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams, strict=True)]
     return alternate(weights, grams, d, cs, iters)[2][-1]
+
+
+def pair_proxies(weights, grams, rank: int) -> torch.Tensor:
+    """Cheap pair scores, ``n x n`` (diagonal 0): the Basis Sharing error of every pair
+    when both layers' Grams are replaced by the mean Gram ``Hbar`` of all ``n`` layers.
+    With ``Hbar = S S^T`` and ``G_l = S^T W_l^T W_l S`` (``in x in``, cached once per
+    layer), the pair's whitened truncation error is ``tr(G_a + G_b) - (sum of the top
+    ``rank`` eigenvalues of G_a + G_b)`` (Eckart-Young on ``S^T [W_a^T | W_b^T]``): one
+    ``in x in`` symmetric eigenvalue problem per pair instead of a Cholesky, an SVD of
+    ``in x (out_a + out_b)`` and a least-squares step. Used to discard hopeless pairs
+    before the exact scores (:func:`candidate_pairs`)."""
+    s = linalg.cholesky(sum(grams) / len(grams))
+    gs = []
+    for w in weights:
+        m = w @ s  # out x in: rows of (S^T W^T)^T
+        gs.append(m.t() @ m)
+    n = len(weights)
+    out = torch.zeros(n, n, dtype=torch.float64)
+    for a, b in itertools.combinations(range(n), 2):
+        g = gs[a] + gs[b]
+        vals = linalg.eigvalsh((g + g.t()) / 2)
+        k = min(rank, vals.shape[0])
+        out[a, b] = out[b, a] = float(g.trace() - vals[vals.shape[0] - k:].sum())
+    return out
+
+
+def candidate_pairs(proxy: torch.Tensor, per_layer: int) -> list[tuple[int, int]]:
+    """The pairs worth an exact score: every layer's ``per_layer`` lowest-``proxy``
+    partners, and the adjacent pairs ``(0, 1), (1, 2), ...`` (so a perfect matching no
+    worse than adjacent pairing always exists among them)."""
+    n = proxy.shape[0]
+    keep = {(i, i + 1) for i in range(n - 1)}
+    for a in range(n):
+        order = [int(b) for b in torch.argsort(proxy[a]) if int(b) != a]
+        keep.update(tuple(sorted((a, b))) for b in order[:per_layer])
+    return sorted(keep)
 
 
 # ------------------------------------------------------------------ matching
