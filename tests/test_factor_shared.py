@@ -319,7 +319,8 @@ def _lm_with_same_q():
 
 def test_alternating_history_in_the_report_is_monotone_and_below_basis_sharing():
     lm = _lm("qwen3")
-    values = _run(lm, SharedDict(ratio=0.4, iters=10, pairing="adjacent", sequential=False))
+    values = _run(lm, SharedDict(ratio=0.4, iters=10, pairing="adjacent", sequential=False,
+                                 shrink=0.0))
     bs = _run(_lm("qwen3"), BasisSharing(ratio=0.4))
     for role, hist in values["objective_history"].items():
         assert all(b <= a for a, b in zip(hist, hist[1:], strict=False)), role

@@ -41,15 +41,19 @@ def _problem(n_layers=6, out=6, d_in=8, tokens=40, seed=0, same_gram=False):
 
 
 # ------------------------------------------------------------------ pair proxies
-def test_pair_proxy_is_the_basis_sharing_error_when_the_grams_agree():
-    """With one Gram for every layer the mean Gram is that Gram, so the proxy is exactly
-    Basis Sharing's own-Gram error of the pair (Eckart-Young)."""
+def test_pair_proxy_bounds_the_basis_sharing_error_and_is_exact_for_equal_layers():
+    """With one Gram for every layer the mean Gram is that Gram: the proxy (one layer's
+    own basis shared) is an upper bound of Basis Sharing's own-Gram error of the pair
+    (Eckart-Young), and equal to it when the two layers are the same."""
     ws, hs = _problem(5, same_gram=True)
+    ws[4] = ws[1].clone()
     proxy = sm.pair_proxies(ws, hs, 3)
     for a, b in itertools.combinations(range(5), 2):
         d, cs = sm.basis_sharing([ws[a], ws[b]], [hs[a], hs[b]], 3)
         want = sm.objective([ws[a], ws[b]], [hs[a], hs[b]], d, cs)
-        assert float(proxy[a, b]) == pytest.approx(want, rel=1e-9)
+        assert float(proxy[a, b]) >= want * (1 - 1e-9)
+        if (a, b) == (1, 4):
+            assert float(proxy[a, b]) == pytest.approx(want, rel=1e-9)
         assert proxy[a, b] == proxy[b, a]
     assert float(proxy.diagonal().abs().max()) == 0
 

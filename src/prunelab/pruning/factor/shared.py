@@ -370,17 +370,17 @@ class SharedDict(_SharedConfig):
         "compressed inputs instead of the dense outputs)"))
     pairing: str = field(default="optimized", metadata=_help(
         "optimized (minimum-weight matching of pair errors) or adjacent (0-1, 2-3, ...)"))
-    iters: int = field(default=20, metadata=_help(
+    iters: int = field(default=8, metadata=_help(
         "alternating-minimisation iterations per pair (0 = Basis Sharing + a "
         "least-squares coefficient step)"))
     tol: float = field(default=1e-6, metadata=_help(
         "stop a pair's iterations when one gains less than this (relative)"))
     pair_iters: int = field(default=0, metadata=_help(
         "alternating iterations when scoring each candidate pair"))
-    shrink: float = field(default=0.0, metadata=_help(
+    shrink: float = field(default=0.5, metadata=_help(
         "per-layer Grams shrunk towards their group's mean, (1 - s) H_l + s mean(H): 0 = each "
         "layer's own geometry, 1 = Basis Sharing's shared metric"))
-    candidates: int = field(default=4, metadata=_help(
+    candidates: int = field(default=3, metadata=_help(
         "optimized pairing: exact scores only for each layer's N best partners by a cheap "
         "mean-Gram proxy, plus adjacent pairs (0 = score every pair exactly)"))
     expand: float = field(default=1.0, metadata=_help(

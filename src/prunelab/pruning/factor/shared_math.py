@@ -190,26 +190,31 @@ def pair_error(weights, grams, rank: int, iters: int = 0) -> float:
 
 
 def pair_proxies(weights, grams, rank: int) -> torch.Tensor:
-    """Cheap pair scores, ``n x n`` (diagonal 0): the Basis Sharing error of every pair
-    when both layers' Grams are replaced by the mean Gram ``Hbar`` of all ``n`` layers.
-    With ``Hbar = S S^T`` and ``G_l = S^T W_l^T W_l S`` (``in x in``, cached once per
-    layer), the pair's whitened truncation error is ``tr(G_a + G_b) - (sum of the top
-    ``rank`` eigenvalues of G_a + G_b)`` (Eckart-Young on ``S^T [W_a^T | W_b^T]``): one
-    ``in x in`` symmetric eigenvalue problem per pair instead of a Cholesky, an SVD of
-    ``in x (out_a + out_b)`` and a least-squares step. Used to discard hopeless pairs
-    before the exact scores (:func:`candidate_pairs`)."""
+    """Cheap pair scores, ``n x n`` (diagonal 0): an upper bound on the Basis Sharing error
+    of every pair when both layers' Grams are replaced by the mean Gram ``Hbar = S S^T``
+    of all ``n`` layers. With ``G_l = S^T W_l^T W_l S`` (``in x in``) and ``U_l`` its top
+    ``rank`` eigenvectors (one eigendecomposition per layer, cached), sharing ``U_a``
+    costs ``tail_a + tr(G_b) - tr(U_a^T G_b U_a)`` (``tail_a``: ``G_a``'s dropped
+    eigenvalues); the proxy is the better of ``U_a`` and ``U_b``, two ``in x in x rank``
+    products per pair instead of a Cholesky, an eigenproblem and a least-squares step.
+    Exact when the two layers' ``G`` agree. Used to discard hopeless pairs before the
+    exact scores (:func:`candidate_pairs`)."""
     s = linalg.cholesky(sum(grams) / len(grams))
-    gs = []
+    gs, us, tails = [], [], []
     for w in weights:
-        m = w @ s  # out x in: rows of (S^T W^T)^T
-        gs.append(m.t() @ m)
+        m = w @ s
+        g = m.t() @ m
+        vals, vecs = linalg.eigh((g + g.t()) / 2)
+        k = min(rank, vals.shape[0])
+        gs.append(g)
+        us.append(vecs[:, vals.shape[0] - k:])
+        tails.append(float(vals[:vals.shape[0] - k].sum()))
     n = len(weights)
     out = torch.zeros(n, n, dtype=torch.float64)
     for a, b in itertools.combinations(range(n), 2):
-        g = gs[a] + gs[b]
-        vals = linalg.eigvalsh((g + g.t()) / 2)
-        k = min(rank, vals.shape[0])
-        out[a, b] = out[b, a] = float(g.trace() - vals[vals.shape[0] - k:].sum())
+        use_a = tails[a] + float(gs[b].trace()) - float(((gs[b] @ us[a]) * us[a]).sum())
+        use_b = tails[b] + float(gs[a].trace()) - float(((gs[a] @ us[b]) * us[b]).sum())
+        out[a, b] = out[b, a] = min(use_a, use_b)
     return out
 
 

@@ -110,7 +110,7 @@ class SliceGPT(FactorConfig):
     select_grid: str = field(default="0.01,0.3,3", metadata=_help(
         "sensitivity, select kl: Fisher dampings tried (times its mean diagonal; large = "
         "closer to PCA); PCA is always a candidate"))
-    select_windows: int = field(default=16, metadata=_help(
+    select_windows: int = field(default=8, metadata=_help(
         "sensitivity, select kl: calibration windows the KL is measured on (0 = all)"))
     widths: str = field(default="uniform", metadata=_help(
         "per-layer: uniform (one d'), spectrum (per-block widths by energy share per "
