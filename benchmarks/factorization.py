@@ -36,12 +36,15 @@ FACTOR = {
     "global-raw": ("slicegpt", {"rotation": "global", "basis": "pca",
                                 "global_weights": "raw"}),
     "sensitivity": ("slicegpt", {"rotation": "per-layer", "basis": "sensitivity"}),
+    "sensitivity-proxy": ("slicegpt", {"rotation": "per-layer", "basis": "sensitivity",
+                                       "select": "proxy"}),
     "global-sensitivity": ("slicegpt", {"rotation": "global", "basis": "sensitivity"}),
     "slicegpt-widths": ("slicegpt", {"rotation": "per-layer", "basis": "pca",
                                      "widths": "spectrum"}),
     "svd-llm": ("svd-llm", {}),
     "basis-sharing": ("basis-sharing", {}),
     "shared-dict": ("shared-dict", {}),
+    "shared-dict-own": ("shared-dict", {"shrink": 0.0}),
 }
 ALL = [*FACTOR, "width", "depth"]
 

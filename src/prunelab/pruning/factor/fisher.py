@@ -91,7 +91,7 @@ def activation_covariance(lm, input_ids: torch.Tensor, modules: Sequence[nn.Modu
                 for h in handles:
                     h.remove()
             for i, x in enumerate(_require_all(seen)):
-                sums[i] = _outer(x) if sums[i] is None else sums[i] + _outer(x)
+                sums[i] = _outer(x) if sums[i] is None else sums[i].add_(_outer(x))
     return [s / input_ids.numel() for s in sums]
 
 
@@ -108,7 +108,9 @@ def output_fisher(lm, input_ids: torch.Tensor, modules: Sequence[nn.Module], *,
     ``g`` the gradient with respect to that input of ``sum_t log p(y_t | x_<=t)`` with
     ``y_t`` drawn from the model's own next-token distribution (``samples`` = ``S``
     independent draws per window, from a generator seeded with ``seed``), ``N`` the number
-    of tokens. One forward and ``S`` backward passes per batch serve every module. Only the
+    of tokens. One forward and ``S`` backward passes per window serve every module
+    (``batch_size`` is accepted for symmetry and not used: peak memory is one window's
+    graph). Only the
     gradients with respect to the captured inputs are computed (``torch.autograd.grad``);
     parameters get none and their ``requires_grad`` flags are restored."""
     if lm.adapter.head() is None:
@@ -122,10 +124,13 @@ def output_fisher(lm, input_ids: torch.Tensor, modules: Sequence[nn.Module], *,
     sums = [None] * len(modules)
     embed = lm.adapter.embeddings()
     with _frozen_params(model):
-        for ids in _batches(input_ids, batch_size, "output Fisher"):
+        # one window per backward: the graph, the logits and the sampling probabilities
+        # of a single window are alive at a time, whatever batch_size is (the sums are
+        # d x d per boundary: memory does not grow with the number of windows)
+        for ids in _batches(input_ids, 1, "output Fisher"):
             for i, part in enumerate(_fisher_batch(model, embed, modules, ids.to(device),
                                                    samples, gen)):
-                sums[i] = part if sums[i] is None else sums[i] + part
+                sums[i] = part if sums[i] is None else sums[i].add_(part)
     return [s / (input_ids.numel() * samples) for s in sums]
 
 

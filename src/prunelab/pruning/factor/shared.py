@@ -20,13 +20,24 @@ layers becomes ``C_l D`` with one dictionary ``D`` (``k x in``) per group, store
   current ``D``). A step is kept only when it does not increase the objective, so the
   recorded objective is monotone.
 
-Grams: with ``sequential`` (the default of ``shared-dict``) the projection types are
-processed by the tensor they read, in execution order (q/k/v, o, gate/up, down), and each
-stage's Grams are collected on the model with the earlier stages already compressed
-(``propagate="modified"``), so later pairings and factors see earlier compressions; within
-a stage (e.g. q, k and v, which read one tensor) the types are independent. Without it
-(the default of ``basis-sharing``, as in the paper) one pass on the dense model collects
-every Gram.
+Grams: with ``sequential`` the projection types are processed by the tensor they read, in
+execution order (q/k/v, o, gate/up, down), and each stage's Grams are collected on the
+model with the earlier stages already compressed (``propagate="modified"``). That fits
+the dense weights to the compressed stream's inputs rather than reproducing the dense
+outputs, and measured worse on SmolLM2-135M for both methods (docs/factorization.md), so
+both default to one pass on the dense model collecting every Gram, as in the paper.
+
+Shrinkage (``shared-dict --shrink s``): each layer's Gram is replaced by
+``(1 - s) H_l + s mean_G(H)`` before pairing and fitting. ``s = 1`` is Basis Sharing's
+shared metric (its SVD is then optimal and the alternation cannot move), ``s = 0`` each
+layer's own geometry; own Grams from few calibration tokens fit those tokens better and
+generalise worse (lower calibration KL, not lower test perplexity).
+
+Pair scoring (``--candidates N``): a cheap proxy for every pair (Basis Sharing's error
+with the mean Gram of all layers, one ``in x in`` eigenvalue problem per pair from cached
+``S^T W_l^T W_l S``) keeps each layer's ``N`` best partners and the adjacent pairs; only
+those are scored exactly (``D`` from an ``in x in`` eigenproblem, then the least-squares
+coefficients), the others are never chosen over a scored pairing.
 
 (c) Structured coefficient sparsity (``shared-dict --expand E > 1``): the group's budget
 ``k (in + sum out_l)`` buys a larger dictionary of ``k' = floor(E k)`` atoms, and each layer
@@ -60,13 +71,16 @@ from prunelab.pruning.factor.shared_math import (
     adjacent_pairs,
     alternate,
     basis_sharing,
+    candidate_pairs,
     choose_atoms,
     damped,
     masked_coefficients,
     min_weight_pairing,
     objective,
     pair_error,
+    pair_proxies,
     pairing_cost,
+    shrunk,
 )
 from prunelab.registry import check_range
 
@@ -191,6 +205,18 @@ def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs,
         install(lm.model, layer.path, mod.to(device=ref.device, dtype=ref.dtype))
 
 
+def _expanded(cs, atoms, rank: int):
+    """Coefficients as ``out x rank`` (compact ones scattered back to their atoms)."""
+    if atoms is None:
+        return cs
+    full = []
+    for c, a in zip(cs, atoms, strict=True):
+        f = c.new_zeros(c.shape[0], rank)
+        f[:, a] = c
+        full.append(f)
+    return full
+
+
 # ------------------------------------------------------------------ methods
 def _help(text: str) -> dict:
     return {"help": text}
@@ -279,11 +305,12 @@ class _SharedConfig(FactorConfig):
             x.weight = weight_out_in(x.module).detach().to(torch.float64)
         k = self._rank(role, ratio, ls)
         groups = self._groups(role, ls, hs, k, report)
-        histories, used = [], []
+        histories, used, own = [], [], 0.0
         for g in groups:
             ws, gh = [ls[i].weight for i in g], [hs[i] for i in g]
             d, cs, hist, atoms = self._factor(ws, gh, k)
             histories.append(hist)
+            own += objective(ws, gh, d, _expanded(cs, atoms, d.shape[0]))
             used.append([d.shape[0], [c.shape[1] for c in cs]])
             _install_group(lm, role, [ls[i] for i in g], d, cs, atoms)
         for x in ls:  # replaced in the model: let the dense weights go
@@ -294,7 +321,7 @@ class _SharedConfig(FactorConfig):
         n = max(len(h) for h in histories)
         report["objective_history"][role] = [
             sum(h[min(t, len(h) - 1)] for h in histories) for t in range(n)]
-        report["error"][role] = report["objective_history"][role][-1]
+        report["error"][role] = own  # each layer's own Gram (history: the fitted metric)
 
     def _rank(self, role: str, ratio: float, ls: list[_Layer]) -> int:
         if self.rank is not None:
@@ -337,18 +364,25 @@ class SharedDict(_SharedConfig):
     """The optimized shared dictionary: pairs chosen by minimum-weight matching of the
     pair errors, then alternating minimisation with each layer's own Gram."""
 
-    sequential: bool = field(default=True, metadata=_help(
+    sequential: bool = field(default=False, metadata=_help(
         "collect each input group's Grams (q/k/v, o, gate/up, down) after the earlier "
-        "groups were compressed, so later pairings and factors see earlier compressions"))
+        "groups were compressed (measured worse: it fits the dense weights to the "
+        "compressed inputs instead of the dense outputs)"))
     pairing: str = field(default="optimized", metadata=_help(
         "optimized (minimum-weight matching of pair errors) or adjacent (0-1, 2-3, ...)"))
-    iters: int = field(default=20, metadata=_help(
+    iters: int = field(default=8, metadata=_help(
         "alternating-minimisation iterations per pair (0 = Basis Sharing + a "
         "least-squares coefficient step)"))
     tol: float = field(default=1e-6, metadata=_help(
         "stop a pair's iterations when one gains less than this (relative)"))
     pair_iters: int = field(default=0, metadata=_help(
         "alternating iterations when scoring each candidate pair"))
+    shrink: float = field(default=0.5, metadata=_help(
+        "per-layer Grams shrunk towards their group's mean, (1 - s) H_l + s mean(H): 0 = each "
+        "layer's own geometry, 1 = Basis Sharing's shared metric"))
+    candidates: int = field(default=3, metadata=_help(
+        "optimized pairing: exact scores only for each layer's N best partners by a cheap "
+        "mean-Gram proxy, plus adjacent pairs (0 = score every pair exactly)"))
     expand: float = field(default=1.0, metadata=_help(
         "dictionary atoms as a multiple of the budget's rank; above 1 each layer keeps "
         "only its most useful atoms (whole columns of its coefficients) within the budget"))
@@ -363,24 +397,36 @@ class SharedDict(_SharedConfig):
         check_range("pair_iters", self.pair_iters, 0, None, integer=True)
         check_range("tol", self.tol, 0.0, 1.0)
         check_range("expand", self.expand, 1.0, 8.0)
+        check_range("shrink", self.shrink, 0.0, 1.0)
+        check_range("candidates", self.candidates, 0, None, integer=True)
 
     def _groups(self, role, ls, hs, k, report) -> list[tuple[int, ...]]:
         n = len(ls)
         if self.pairing == "adjacent":
             return adjacent_pairs(n)
-        cost = torch.zeros(n, n, dtype=torch.float64)
-        for a, b in itertools.combinations(range(n), 2):
-            cost[a, b] = cost[b, a] = pair_error([ls[a].weight, ls[b].weight],
-                                                 [hs[a], hs[b]], k, self.pair_iters)
+        ws = [x.weight for x in ls]
+        pairs = list(itertools.combinations(range(n), 2))
+        if self.candidates and n > 2:
+            proxy = pair_proxies(ws, hs, k)
+            pairs = candidate_pairs(proxy, self.candidates)
+        exact = {p: pair_error([ws[p[0]], ws[p[1]]], shrunk([hs[p[0]], hs[p[1]]],
+                                                            self.shrink), k, self.pair_iters)
+                 for p in pairs}
+        # pairs without an exact score are never better than the worst scored one x 1e6
+        cost = torch.full((n, n), 1e6 * max(max(exact.values()), 1e-300), dtype=torch.float64)
+        for (a, b), e in exact.items():
+            cost[a, b] = cost[b, a] = e
         single = None if n % 2 == 0 else [
             pair_error([x.weight], [h], k) for x, h in zip(ls, hs, strict=True)]
         chosen = min_weight_pairing(cost, single)
         report.setdefault("pairing_error", {})[role] = {
             "chosen": pairing_cost(cost, chosen, single),
-            "adjacent": pairing_cost(cost, adjacent_pairs(n), single)}
+            "adjacent": pairing_cost(cost, adjacent_pairs(n), single),
+            "scored_pairs": len(exact)}
         return chosen
 
     def _factor(self, ws, hs, k):
+        hs = shrunk(hs, self.shrink)
         if self.expand > 1:
             return self._sparse(ws, hs, k)
         d, cs = basis_sharing(ws, hs, k)

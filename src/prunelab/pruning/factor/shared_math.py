@@ -28,6 +28,17 @@ def damped(h: torch.Tensor, damping: float) -> torch.Tensor:
     return h + lam * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
 
 
+def shrunk(grams, amount: float) -> list[torch.Tensor]:
+    """``(1 - amount) H_l + amount mean(H)`` per layer: each layer's Gram shrunk towards the
+    group's mean (``amount = 1``: one shared metric, whose optimum is Basis Sharing's SVD;
+    ``0``: the grams unchanged). A fixed-sample regulariser: a layer's own Gram from few
+    calibration tokens overfits them more than the group's pooled one."""
+    if amount == 0 or len(grams) < 2:
+        return list(grams)
+    mean = sum(grams) / len(grams)
+    return [(1 - amount) * h + amount * mean for h in grams]
+
+
 def objective(weights, grams, d: torch.Tensor, cs) -> float:
     """``sum_l tr((W_l - C_l D) H_l (W_l - C_l D)^T)`` (= ``sum_l ||X_l (W_l^T -
     D^T C_l^T)||_F^2`` for undamped ``H_l``)."""
@@ -155,12 +166,68 @@ def alternate(weights, grams, d, cs, iters: int, tol: float = 0.0, atoms=None):
     return d, cs, history
 
 
+def basis_sharing_dictionary(weights, grams, rank: int) -> torch.Tensor:
+    """Basis Sharing's ``D`` alone, from the ``in x in`` eigenproblem
+    ``S^T (sum_l W_l^T W_l) S`` instead of the SVD of ``S^T [W_1^T | ...]`` (the same left
+    singular vectors; cheaper when ``sum out_l`` exceeds ``in``)."""
+    s = linalg.cholesky(sum(grams))
+    g = s.t() @ sum(w.t() @ w for w in weights) @ s
+    _, vecs = linalg.eigh((g + g.t()) / 2)
+    k = min(rank, g.shape[0], sum(w.shape[0] for w in weights))
+    return linalg.solve_triangular(s.t(), vecs.flip(1)[:, :k], upper=True).t()
+
+
 def pair_error(weights, grams, rank: int, iters: int = 0) -> float:
     """Whitened error of sharing a rank-``rank`` dictionary (each layer's own Gram): the
     Basis Sharing start, a least-squares coefficient step, then ``iters`` iterations."""
+    if iters == 0:  # the coefficient step replaces Basis Sharing's C: only D is needed
+        d = basis_sharing_dictionary(weights, grams, rank)
+        cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams, strict=True)]
+        return objective(weights, grams, d, cs)
     d, cs = basis_sharing(weights, grams, rank)
     cs = [coefficient_step(w, h, d) for w, h in zip(weights, grams, strict=True)]
     return alternate(weights, grams, d, cs, iters)[2][-1]
+
+
+def pair_proxies(weights, grams, rank: int) -> torch.Tensor:
+    """Cheap pair scores, ``n x n`` (diagonal 0): an upper bound on the Basis Sharing error
+    of every pair when both layers' Grams are replaced by the mean Gram ``Hbar = S S^T``
+    of all ``n`` layers. With ``G_l = S^T W_l^T W_l S`` (``in x in``) and ``U_l`` its top
+    ``rank`` eigenvectors (one eigendecomposition per layer, cached), sharing ``U_a``
+    costs ``tail_a + tr(G_b) - tr(U_a^T G_b U_a)`` (``tail_a``: ``G_a``'s dropped
+    eigenvalues); the proxy is the better of ``U_a`` and ``U_b``, two ``in x in x rank``
+    products per pair instead of a Cholesky, an eigenproblem and a least-squares step.
+    Exact when the two layers' ``G`` agree. Used to discard hopeless pairs before the
+    exact scores (:func:`candidate_pairs`)."""
+    s = linalg.cholesky(sum(grams) / len(grams))
+    gs, us, tails = [], [], []
+    for w in weights:
+        m = w @ s
+        g = m.t() @ m
+        vals, vecs = linalg.eigh((g + g.t()) / 2)
+        k = min(rank, vals.shape[0])
+        gs.append(g)
+        us.append(vecs[:, vals.shape[0] - k:])
+        tails.append(float(vals[:vals.shape[0] - k].sum()))
+    n = len(weights)
+    out = torch.zeros(n, n, dtype=torch.float64)
+    for a, b in itertools.combinations(range(n), 2):
+        use_a = tails[a] + float(gs[b].trace()) - float(((gs[b] @ us[a]) * us[a]).sum())
+        use_b = tails[b] + float(gs[a].trace()) - float(((gs[a] @ us[b]) * us[b]).sum())
+        out[a, b] = out[b, a] = min(use_a, use_b)
+    return out
+
+
+def candidate_pairs(proxy: torch.Tensor, per_layer: int) -> list[tuple[int, int]]:
+    """The pairs worth an exact score: every layer's ``per_layer`` lowest-``proxy``
+    partners, and the adjacent pairs ``(0, 1), (1, 2), ...`` (so a perfect matching no
+    worse than adjacent pairing always exists among them)."""
+    n = proxy.shape[0]
+    keep = {(i, i + 1) for i in range(n - 1)}
+    for a in range(n):
+        order = [int(b) for b in torch.argsort(proxy[a]) if int(b) != a]
+        keep.update(tuple(sorted((a, b))) for b in order[:per_layer])
+    return sorted(keep)
 
 
 # ------------------------------------------------------------------ matching

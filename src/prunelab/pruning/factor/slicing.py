@@ -103,6 +103,15 @@ class SliceGPT(FactorConfig):
         "sensitivity: Grassmann refinement steps per boundary (0: the spectral candidate, "
         "or PCA when that is better on the proxy)"))
     seed: int = field(default=0, metadata=_help("sensitivity: label sampling seed"))
+    select: str = field(default="kl", metadata=_help(
+        "sensitivity: kl (slice with PCA and with the Fisher basis at each damping of "
+        "--select-grid, keep the lowest measured calibration KL) or proxy (one basis per "
+        "boundary by the second-order proxy)"))
+    select_grid: str = field(default="0.01,0.3,3", metadata=_help(
+        "sensitivity, select kl: Fisher dampings tried (times its mean diagonal; large = "
+        "closer to PCA); PCA is always a candidate"))
+    select_windows: int = field(default=8, metadata=_help(
+        "sensitivity, select kl: calibration windows the KL is measured on (0 = all)"))
     widths: str = field(default="uniform", metadata=_help(
         "per-layer: uniform (one d'), spectrum (per-block widths by energy share per "
         "parameter, same budget) or energy (per block the fewest directions holding "
@@ -128,9 +137,19 @@ class SliceGPT(FactorConfig):
         check_range("multiple", self.multiple, 1, None, integer=True)
         check_range("damping", self.damping, 0.0, 1.0)
         check_range("fisher_samples", self.fisher_samples, 1, None, integer=True)
-        check_range("fisher_damping", self.fisher_damping, 0.0, 1.0)
+        check_range("fisher_damping", self.fisher_damping, 0.0, 1e3)
         check_range("refine_steps", self.refine_steps, 0, None, integer=True)
         check_range("seed", self.seed, 0, None, integer=True)
+        if self.select not in ("kl", "proxy"):
+            raise ConfigError(f"select must be kl or proxy, got {self.select!r}")
+        check_range("select_windows", self.select_windows, 0, None, integer=True)
+        try:
+            grid = [float(x) for x in self.select_grid.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"select_grid: not a list of numbers: {self.select_grid!r}") \
+                from None
+        for mu in grid:
+            check_range("select_grid", mu, 0.0, 1e3)
         if self.widths not in WIDTHS:
             raise ConfigError(f"widths must be one of {', '.join(WIDTHS)}, "
                               f"got {self.widths!r}")
@@ -155,6 +174,10 @@ class SliceGPT(FactorConfig):
         choose_width(self, lm)  # an unreachable target_params fails before any data
 
     def apply(self, lm, input_ids, *, batch_size: int) -> dict:
+        if self.basis == "sensitivity" and self.select == "kl":
+            from prunelab.pruning.factor.select import select_basis
+
+            return select_basis(lm, self, input_ids, batch_size=batch_size)
         return slice_stream(lm, self, input_ids, batch_size=batch_size)
 
 
@@ -240,13 +263,16 @@ def _fishers(cfg: SliceGPT, lm, input_ids, batch_size: int) -> list | None:
 
 
 # ---------------------------------------------------------------------- slicing
-def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int) -> dict:
-    """Slice ``lm``'s residual stream in place (see the module docstring); the report."""
+def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
+                 fishers: list | None = None) -> dict:
+    """Slice ``lm``'s residual stream in place (see the module docstring); the report.
+    ``fishers``: the boundaries' output Fisher matrices when already computed."""
     d = lm.adapter.hidden_size()
     width = choose_width(cfg, lm)
     budget = params_at(lm, width, cfg.rotation)
     fold_norms(lm)
-    fishers = _fishers(cfg, lm, input_ids, batch_size)
+    if fishers is None:
+        fishers = _fishers(cfg, lm, input_ids, batch_size)
     if cfg.rotation == "per-layer":
         widths = _block_widths(cfg, lm, input_ids, batch_size, width, budget)
         energies = _per_layer(cfg, lm, input_ids, batch_size, widths, fishers)
