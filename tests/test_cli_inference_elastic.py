@@ -96,3 +96,15 @@ def test_taper_allocations(tiny_dir):
     assert res.returncode == 0, res.stderr
     per_block = json.loads((sparse / "manifest.json").read_text())["report"]["per_block_sparsity"]
     assert per_block == pytest.approx([0.4, 0.4 + 0.2 / 3, 0.6 - 0.2 / 3, 0.6])
+
+
+@pytest.mark.slow
+def test_eval_under_the_kl_fitted_decay_press(tiny_dir):
+    """``--press decay --press-option fit=kl``: the blended press fitted end-to-end (on
+    windows cut to the tiny model's 128 positions) is the one evaluated."""
+    got, _ = _eval(tiny_dir, "decaykl", "--press", "decay", "--press-ratio", "0.5",
+                   "--press-option", "fit=kl")
+    cfg = got["press"]["config"]
+    assert got["press"]["name"] == "decay" and cfg["ratio"] == 0.5
+    assert len(cfg["blend"]) == 2 * 4  # (lam, rho) per block of the 4-block tiny llama
+    assert cfg["mix"] in (0.0, 0.5, 1.0) and torch.isfinite(torch.tensor(got["perplexity"]))

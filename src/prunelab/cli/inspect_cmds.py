@@ -260,14 +260,22 @@ def _press_context(lm, name, ratio, options, context):
 
 
 def _press_config(lm, name: str, ratio, options):
-    """``--press NAME --press-ratio R --press-option K=V``; the decay press is fitted on 8
-    calibration windows first (with ``observe > 0``: to the attention of the next 64
-    tokens)."""
+    """``--press NAME --press-ratio R --press-option K=V``; the decay press is fitted
+    first: by least squares on 8 calibration windows (``fit=ls``, the default; with
+    ``observe > 0`` to the attention of the next 64 tokens), or end-to-end by the
+    continuation KL (``fit=kl``: the blended press of
+    :mod:`prunelab.inference.decay_kl`, on 6 windows of 1024 + 32 tokens)."""
     from prunelab.inference import PRESSES, press_for
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
+    fit, options = _press_fit(name, options)
     opts = parse_settings(options, PRESSES.get(name))
     cfg = press_for(name, ratio, **opts)
+    if fit == "kl":
+        if opts:
+            raise ConfigError("--press-option fit=kl chooses the decay press' options "
+                              f"itself; drop {', '.join(sorted(opts))}")
+        return _fit_decay_kl(lm, cfg)
     if name == "decay" and getattr(cfg, "weights", None) is None:
         import dataclasses
 
@@ -279,6 +287,36 @@ def _press_config(lm, name: str, ratio, options):
                            observe=cfg.observe, horizon=64 if cfg.observe else 0)
         cfg = dataclasses.replace(cfg, weights=fitted.weights)
     return cfg
+
+
+def _press_fit(name: str, options) -> tuple[str, list]:
+    """``fit=ls|kl`` taken out of the ``--press-option`` items (decay only)."""
+    fit, rest = "ls", []
+    for item in options or ():
+        key, _, value = item.partition("=")
+        if key.strip() != "fit":
+            rest.append(item)
+            continue
+        if name != "decay":
+            raise ConfigError(f"--press-option fit applies to --press decay, not {name}")
+        if value.strip() not in ("ls", "kl"):
+            raise ConfigError(f"--press-option fit must be ls or kl, got {value.strip()!r}")
+        fit = value.strip()
+    return fit, rest
+
+
+def _fit_decay_kl(lm, cfg):
+    """The blended decay press at ``cfg.ratio``, fitted by the continuation KL on 6
+    ``wiki-vital:calib`` windows of 1024 + 32 tokens (fewer where the model's positions
+    end; a few minutes per ratio on a CPU for SmolLM2-135M)."""
+    from prunelab import api
+    from prunelab.inference.decay_kl import KLCalibration
+
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    seqlen = min(1024 + 32, limit) if isinstance(limit, int) and limit > 0 else 1024 + 32
+    calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=seqlen, samples=6, mode="calib")
+    kl = KLCalibration(lm, calib.input_ids, horizon=32, observe=32)
+    return kl.fit(cfg.ratio, blocks=2)
 
 
 def _press_dict(cfg) -> dict:
