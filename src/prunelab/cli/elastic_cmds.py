@@ -125,7 +125,8 @@ def generate_cmd(
         press_ratio: Optional[float] = typer.Option(None, help="fraction of the prompt "
                                                     "removed (entroprefill: the cap)"),
         press_options: Optional[list[str]] = typer.Option(
-            None, "--press-option", help="KEY=VALUE: any option of the press (repeatable)"),
+            None, "--press-option", help="KEY=VALUE: any option of the press "
+            "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL)"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt):
     """Greedy generation, optionally under an inference-time press (KV-cache eviction or

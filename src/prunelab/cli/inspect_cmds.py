@@ -129,7 +129,7 @@ def eval_cmd(model: str = ModelOpt,
                  None, help="fraction of the prompt removed (entroprefill: the cap)"),
              press_options: Optional[list[str]] = typer.Option(
                  None, "--press-option", help="KEY=VALUE: any option of the press "
-                 "(repeatable)"),
+                 "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL)"),
              press_context: float = typer.Option(
                  0.5, help="--press: share of each window that is the pressed prompt"),
              moe_mass: Optional[float] = typer.Option(
