@@ -151,6 +151,8 @@ CASES = {
     "eval unknown press option": EV + ["--press", "h2o", "--press-option", "bogus=1"],
     "eval press fit on another press": EV + ["--press", "h2o", "--press-option", "fit=kl"],
     "eval press fit unknown": EV + ["--press", "decay", "--press-option", "fit=sgd"],
+    "eval press fit twice": EV + ["--press", "decay", "--press-option", "fit=kl",
+                                  "--press-option", "fit=ls"],
     "eval press fit kl with options": EV + ["--press", "decay", "--press-option", "fit=kl",
                                             "--press-option", "observe=16"],
     "generate max new tokens 0": ["generate", "--model", M, "--prompt", "hi",

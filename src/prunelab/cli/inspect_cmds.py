@@ -291,12 +291,15 @@ def _press_config(lm, name: str, ratio, options):
 
 def _press_fit(name: str, options) -> tuple[str, list]:
     """``fit=ls|kl`` taken out of the ``--press-option`` items (decay only)."""
-    fit, rest = "ls", []
+    fit, rest, seen = "ls", [], False
     for item in options or ():
         key, _, value = item.partition("=")
         if key.strip() != "fit":
             rest.append(item)
             continue
+        if seen:
+            raise ConfigError("--press-option fit given twice")
+        seen = True
         if name != "decay":
             raise ConfigError(f"--press-option fit applies to --press decay, not {name}")
         if value.strip() not in ("ls", "kl"):
