@@ -17,6 +17,7 @@ from prunelab.pruning.factor.fisher import output_fisher
 from prunelab.pruning.factor.select import mean_kl
 from prunelab.pruning.factor.shared import SharedDict
 from prunelab.pruning.factor.slicing import SliceGPT, slice_stream
+from test_factor_shared import _problem as _shared_problem
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
@@ -28,16 +29,10 @@ def _lm(arch="llama"):
 
 
 def _problem(n_layers=6, out=6, d_in=8, tokens=40, seed=0, same_gram=False):
-    g = torch.Generator().manual_seed(seed)
-    ws = [torch.randn(out, d_in, generator=g, dtype=torch.float64) for _ in range(n_layers)]
-    hs = []
-    for _ in range(n_layers):
-        x = torch.randn(tokens, d_in, generator=g, dtype=torch.float64) \
-            * torch.linspace(0.2, 3, d_in, dtype=torch.float64)
-        hs.append(sm.damped(x.t() @ x, 1e-3))
-    if same_gram:
-        hs = [hs[0]] * n_layers
-    return ws, hs
+    """test_factor_shared's weights and damped Grams; ``same_gram``: every layer gets the
+    first layer's Gram."""
+    ws, hs = _shared_problem(n_layers, out, d_in, tokens, seed)
+    return ws, ([hs[0]] * n_layers if same_gram else hs)
 
 
 # ------------------------------------------------------------------ pair proxies
