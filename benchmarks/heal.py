@@ -11,6 +11,9 @@ Rows (``--rows``, comma-separated; default all):
 * ``ffn20-rep-lie``: heal with ``--prune rep-lie --unit ffn --ratio 0.2`` from the dense
   model (pruning while tuning, 4 events of 5 %), same budget as the row above;
 * ``depth6-bi``: remove 6 blocks by block influence (no recovery), then heal;
+* ``span6-fold-ce`` / ``span6-ghost-ce``: remove the best span of 6 blocks by span angular
+  with foldable (plain checkpoint) / ghost (remote code; the bridges stay frozen) recovery,
+  the best training-free 6-block pipelines of docs/depth.md, then heal with cross-entropy;
 * ``depth6-cascadeflow``: heal with ``--prune cascadeflow --remove 6`` from the dense model
   (one block per event), same budget.
 
@@ -45,7 +48,7 @@ from prunelab.heal.lora import zero_count
 from prunelab.models.loading import wrap
 
 ROWS = ("depth6-ce", "depth6-kd", "depth6-hidden", "wanda50", "ffn20-wanda-sp",
-        "ffn20-rep-lie", "depth6-bi", "depth6-cascadeflow")
+        "ffn20-rep-lie", "depth6-bi", "depth6-cascadeflow", "span6-fold-ce", "span6-ghost-ce")
 
 
 def prune_for(row: str):
@@ -58,6 +61,9 @@ def prune_for(row: str):
         return prunelab.Width(unit="ffn", score="wanda-sp", ratio=0.2)
     if row == "depth6-bi":
         return prunelab.Depth(remove=6, probe="block-influence", recovery="none")
+    if row in ("span6-fold-ce", "span6-ghost-ce"):
+        return prunelab.Depth(remove=6, probe="span-angular", select="span",
+                              recovery="foldable" if "fold" in row else "ghost")
     return None
 
 
@@ -136,6 +142,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--heldout", type=int, default=8, help="calib windows for early stopping")
     ap.add_argument("--eval-samples", type=int, default=32, help="wiki-vital:test windows")
+    ap.add_argument("--test-seqlen", type=int, default=None,
+                    help="test window length (default: --seqlen; 512 is docs/depth.md's)")
     ap.add_argument("--calib-samples", type=int, default=32, help="pruning calibration")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--verbose", action="store_true", help="progress of each heal")
@@ -155,7 +163,8 @@ def main() -> None:
     data = {"train": windows[:-args.heldout], "heldout": windows[-args.heldout:],
             "calib": prunelab.api.tokens_for(dense, "wiki-vital:calib", seqlen=args.seqlen,
                                              samples=args.calib_samples, mode="calib"),
-            "test": prunelab.api.tokens_for(dense, "wiki-vital:test", seqlen=args.seqlen,
+            "test": prunelab.api.tokens_for(dense, "wiki-vital:test",
+                                            seqlen=args.test_seqlen or args.seqlen,
                                             samples=args.eval_samples,
                                             mode="test").input_ids}
     data["dense_ppl"] = ppl(dense, data["test"], args.batch_size)

@@ -67,6 +67,21 @@ def test_heal_option_errors_are_one_line(tiny_dir):
         assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
 
 
+def test_eval_data_none_turns_early_stopping_off_unless_patience_is_asked_for(tiny_dir):
+    out = tiny_dir / "no-eval"
+    res = cli("--quiet", "heal", "--model", str(tiny_dir / "model"), "--steps", "2",
+              "--batch-size", "2", "--eval-data", "none", *_common(tiny_dir),
+              "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    rec = json.loads((out / "manifest.json").read_text())["healing"]
+    assert rec["steps"] == 2 and rec["config"]["patience"] == 0
+    res = cli("heal", "--model", str(tiny_dir / "model"), "--steps", "2", "--batch-size", "2",
+              "--eval-data", "none", "--patience", "2", *_common(tiny_dir),
+              "--out", str(tiny_dir / "no-eval-2"))
+    assert res.returncode == 2 and res.stderr.startswith("error: ")
+    assert "needs evaluation data" in res.stderr and res.stderr.count("\n") == 1
+
+
 def test_gradient_flow_probe_and_rep_lie_width_score(tiny_dir):
     out = tiny_dir / "flow"
     res = cli("--quiet", "probe", "--model", str(tiny_dir / "model"), "--probe",

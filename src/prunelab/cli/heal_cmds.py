@@ -37,7 +37,8 @@ def heal_cmd(
         teacher: Optional[str] = _opt("dense model spec (needed by --loss kd / hidden / mix)"),
         data: str = typer.Option("wiki-vital:calib", help="training data spec"),
         eval_data: Optional[str] = typer.Option(
-            "wiki-vital:test", help="held-out data spec for early stopping ('none': off)"),
+            "wiki-vital:test", help="held-out data spec for early stopping ('none': no "
+            "held-out evaluation and no early stopping)"),
         eval_samples: int = typer.Option(32, help="held-out windows"),
         train_samples: Optional[int] = _opt("training windows (default: all of --data)"),
         loss: Optional[str] = _opt("ce | kd | hidden | mix (default ce); encoders: mse | "
@@ -107,8 +108,11 @@ def heal_cmd(
 
     check_positive("--train-samples", train_samples)
     check_positive("--eval-samples", eval_samples)
+    held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
+    if held_out is None and patience is None:
+        given["patience"] = 0  # no held-out data: no early stopping unless asked for
     if peek_modality(model) is not None:
-        _heal_encoder(model, teacher, data, eval_data, out_dir, overwrite, load, given,
+        _heal_encoder(model, teacher, data, held_out, out_dir, overwrite, load, given,
                       {"train_samples": train_samples, "eval_samples": eval_samples,
                        "image_size": image_size, "state": state_dir})
         return
@@ -117,7 +121,6 @@ def heal_cmd(
     cfg = HealConfig(quiet=is_quiet(), **{k: v for k, v in given.items() if v is not None})
     state = state_dir if state_dir is not None else out_dir.with_name(out_dir.name +
                                                                       ".heal-state")
-    held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
     with writing(out_dir, "checkpoint", overwrite, on_interrupt=(
             f"the run's state is in {state}/; rerun the same command to resume")):
         lm, rec = api.heal(model, teacher, data, held_out, config=cfg, out_dir=state,
@@ -167,7 +170,7 @@ _TEXT_ONLY = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight",
               "resume)"}
 
 
-def _heal_encoder(model: str, teacher, data: str, eval_data, out_dir: Path, overwrite: bool,
+def _heal_encoder(model: str, teacher, data: str, held_out, out_dir: Path, overwrite: bool,
                   load: dict, given: dict, extra: dict) -> None:
     """``prunelab heal`` on a vision or speech encoder: feature distillation from
     ``--teacher`` (see :mod:`prunelab.heal.encoders`)."""
@@ -193,7 +196,6 @@ def _heal_encoder(model: str, teacher, data: str, eval_data, out_dir: Path, over
     from prunelab.registry import check_range
 
     check_range("--image-size", size, 14, 4096, integer=True)  # at least one 14-px patch
-    held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
     with writing(out_dir, "checkpoint", overwrite):
         lm = api.load(model, **load)
         lm, rec = heal_encoder_specs(lm, teacher, data, held_out, config=cfg,

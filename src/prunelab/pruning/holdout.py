@@ -37,7 +37,8 @@ def holdout_split(n_batches: int, fraction: float) -> tuple[list[int], list[int]
         return every, every
     if n_batches < 2:
         raise ConfigError(f"recovery_holdout {fraction} needs at least 2 calibration batches, "
-                          f"got {n_batches} (more --samples or a smaller --batch-size)")
+                          f"got {n_batches} (more --samples or --search-windows, or a smaller "
+                          "--batch-size)")
     k = min(max(1, round(fraction * n_batches)), n_batches - 1)
     score = sorted({int((i + 1) * n_batches / k) - 1 for i in range(k)})
     return [b for b in every if b not in score], score
