@@ -80,32 +80,54 @@ def make_config(row: str, remove: int, holdout: float | None = None,
 
 
 def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
-            holdout: float | None = None, search_windows: int | None = None) -> dict:
+            holdout: float | None = None, search_windows: int | None = None,
+            shared: dict | None = None) -> dict:
     """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``. A nested greedy row
-    answered from a larger run adds that run's prefix cost (``search_*``) to its own."""
+    answered from a larger run adds that run's prefix cost (``search_*``) to its own.
+
+    ``shared`` (beam rows without ``:loop``, whose search does not see the recovery): the
+    first beam row at a count runs the search and records its blocks and cost; the other
+    recoveries at that count remove the same blocks and add that search cost to their own
+    repair (``shared_search`` in the row)."""
+    import dataclasses
+
     import prunelab
     from prunelab.errors import PrunelabError
     from prunelab.pruning.surgery import prune_depth
 
     work = copy.deepcopy(lm)
     cfg = make_config(row, remove, holdout, search_windows)
+    method, _, *loop = row.split(":")
+    key = (remove, search_windows) if method == "beam" and not loop else None
+    reuse = shared.get(key) if (shared is not None and key is not None) else None
+    if reuse is not None:
+        cfg = dataclasses.replace(cfg, remove=None, select=None, probe="block-influence",
+                                  search_windows=None, blocks=tuple(reuse["blocks"]))
     t0 = time.perf_counter()
     try:
         rep = prune_depth(work, cfg, calib.input_ids, ctx=ctx, batch_size=batch_size)
     except PrunelabError as exc:
         return {"row": row, "remove": remove, "error": str(exc)}
     seconds = time.perf_counter() - t0
-    res = prunelab.evaluate(work, test, batch_size=batch_size)
     sel = rep["selection"]
     evals = rep["block_evaluations"]
+    if key is not None and shared is not None and reuse is None:
+        shared[key] = {"blocks": list(rep["removed_blocks"]), "seconds": seconds,
+                       "block_evaluations": sel.get("block_evaluations", evals)}
+    res = prunelab.evaluate(work, test, batch_size=batch_size)
     if sel.get("nested"):  # the search ran once, for a larger count: its prefix's cost
         seconds += sel["seconds"]
         evals += sel["block_evaluations"]
+    if reuse is not None:  # the beam search ran once, in the first row at this count
+        seconds += reuse["seconds"]
+        evals += reuse["block_evaluations"]
+        sel = dict(sel, search_windows=search_windows, shared_search=True)
     return {"row": row, "remove": remove, "test_perplexity": res["perplexity"],
             "seconds": seconds, "block_evaluations": evals,
             "search_block_evaluations": sel.get("block_evaluations"),
             "nested": sel.get("nested"), "holdout": sel.get("holdout_split"),
             "search_windows": sel.get("search_windows"),
+            "shared_search": sel.get("shared_search", False),
             "params": rep["size_after"]["params"],
             "params_removed": rep["size_before"]["params"] - rep["size_after"]["params"],
             "removed": rep.get("removed_sublayers") or rep["removed_blocks"],
@@ -182,10 +204,10 @@ def main() -> None:
         from prunelab.pruning.strategies.sleb import share_greedy_runs
 
         share_greedy_runs(ctx)
-    points = []
+    points, shared = [], {}
     for row, n in plan_rows(rows, [int(x) for x in args.removes.split(",")], args.nested):
         points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size, args.holdout,
-                              args.search_windows))
+                              args.search_windows, shared))
         print(json.dumps(points[-1]), flush=True)
         if args.json:
             write_json(args.json, dense, points, args)
@@ -196,6 +218,8 @@ def plan_rows(rows: list[str], removes: list[int], nested: bool) -> list[tuple[s
     """The order of the work: every count of the one-shot rows first (cheap), then each
     greedy row with its counts largest first (the smaller ones are its prefixes)."""
     greedy = [r for r in rows if nested and r.split(":")[0] in NESTED]
+    # beam:none first: the shared beam search's time is then its own (no repair inside)
+    rows = sorted(rows, key=lambda r: r != "beam:none")
     order = [(r, n) for n in removes for r in rows if r not in greedy]
     return order + [(r, n) for r in greedy for n in sorted(removes, reverse=True)]
 
