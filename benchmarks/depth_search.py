@@ -8,7 +8,9 @@ Rows (``METHOD:RECOVERY[:loop]``):
   influence seeds, width 3, 12 seeds, KL), ``sleb`` (greedy by calibration NLL),
   ``sublayer`` (SLEB's greedy over attention / MLP sub-blocks at equal parameters removed:
   ``remove = n`` block-equivalents, see :mod:`prunelab.pruning.search_budget`);
-* ``:loop`` (beam, sleb, sublayer): every candidate scored after its closed-form recovery.
+* ``:loop`` (beam, sleb, sublayer): every candidate scored after its closed-form recovery;
+* ``plan:RECOVERY``: the sub-blocks given by ``--plans`` for that count (e.g. a sublayer
+  row's ``removed``), re-applied with another recovery without searching again.
 
 **Nested greedy rows** (``--nested``, the default): greedy removal is nested (the run to 8
 blocks passes through the 4- and 6-block selections; see
@@ -42,20 +44,20 @@ import copy
 import json
 import time
 
-METHODS = ("block-influence", "span-angular", "beam", "sleb", "sublayer")
+METHODS = ("block-influence", "span-angular", "beam", "sleb", "sublayer", "plan")
 RECOVERIES = ("none", "foldable", "ghost")
 LOOPED = ("beam", "sleb", "sublayer")
 NESTED = ("sleb", "sublayer")  # greedy: a run to n passes through every k < n
 
 
 def all_rows() -> list[str]:
-    rows = [f"{m}:{r}" for m in METHODS for r in RECOVERIES]
+    rows = [f"{m}:{r}" for m in METHODS if m != "plan" for r in RECOVERIES]
     rows += [f"{m}:{r}:loop" for m in LOOPED for r in RECOVERIES if r != "none"]
     return rows
 
 
 def make_config(row: str, remove: int, holdout: float | None = None,
-                search_windows: int | None = None):
+                search_windows: int | None = None, plans: dict | None = None):
     """The Depth config of a row label (``holdout``: recovery_holdout of ``:loop`` rows;
     ``search_windows``: the search rows score candidates on that many windows)."""
     from prunelab.pruning import Beam, Depth, Sleb
@@ -76,12 +78,18 @@ def make_config(row: str, remove: int, holdout: float | None = None,
         return Depth(select=Sleb(score="nll"), **kw)
     if method == "sublayer":
         return Depth(select=Sleb(score="nll"), granularity="sublayer", **kw)
+    if method == "plan":
+        if loop:
+            raise SystemExit(f"error: {row}: a given plan has no search to loop over")
+        if plans is not None and remove not in plans:
+            raise SystemExit(f"error: {row}: --plans gives no plan for {remove} removed")
+        return Depth(sublayers=(plans or {}).get(remove, "0:mlp"), recovery=recovery)
     raise SystemExit(f"error: unknown row {row!r}")
 
 
 def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
             holdout: float | None = None, search_windows: int | None = None,
-            shared: dict | None = None) -> dict:
+            shared: dict | None = None, plans: dict | None = None) -> dict:
     """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``. A nested greedy row
     answered from a larger run adds that run's prefix cost (``search_*``) to its own.
 
@@ -96,7 +104,7 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
     from prunelab.pruning.surgery import prune_depth
 
     work = copy.deepcopy(lm)
-    cfg = make_config(row, remove, holdout, search_windows)
+    cfg = make_config(row, remove, holdout, search_windows, plans)
     method, _, *loop = row.split(":")
     key = (remove, search_windows) if method == "beam" and not loop else None
     reuse = shared.get(key) if (shared is not None and key is not None) else None
@@ -179,6 +187,9 @@ def main() -> None:
     ap.add_argument("--search-windows", type=int, default=None,
                     help="beam / sleb / sublayer rows: score candidates on the first N "
                     "calibration windows (default all; the recovery fits on all)")
+    ap.add_argument("--plans", default=None,
+                    help="plan rows: COUNT=BLOCK:PART,...;COUNT=... (e.g. "
+                    "'4=5:attention,16:mlp')")
     args = ap.parse_args()
 
     import prunelab
@@ -186,8 +197,10 @@ def main() -> None:
     from prunelab.probes import ProbeContext
 
     rows = [r for r in args.rows.split(",") if r]
+    plans = parse_plans(args.plans)
     for r in rows:
-        make_config(r, 1)  # refuse unknown rows before any work
+        for n in ([int(x) for x in args.removes.split(",")] if r.startswith("plan:") else [1]):
+            make_config(r, n, plans=plans)  # refuse unknown rows before any work
     prunelab.log.set_quiet(True)
     lm = prunelab.load(args.model, device=args.device)
     calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=args.seqlen, samples=args.calib)
@@ -207,11 +220,21 @@ def main() -> None:
     points, shared = [], {}
     for row, n in plan_rows(rows, [int(x) for x in args.removes.split(",")], args.nested):
         points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size, args.holdout,
-                              args.search_windows, shared))
+                              args.search_windows, shared, plans))
         print(json.dumps(points[-1]), flush=True)
         if args.json:
             write_json(args.json, dense, points, args)
     print_table(sorted(points, key=lambda p: p["remove"]), dense)
+
+
+def parse_plans(text: str | None) -> dict:
+    """``{count: "BLOCK:PART,..."}`` from ``--plans '4=5:attention,16:mlp;6=...'``."""
+    plans = {}
+    for item in (text or "").split(";"):
+        if item.strip():
+            count, _, spec = item.partition("=")
+            plans[int(count)] = spec.strip()
+    return plans
 
 
 def plan_rows(rows: list[str], removes: list[int], nested: bool) -> list[tuple[str, int]]:

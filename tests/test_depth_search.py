@@ -337,3 +337,51 @@ def test_sublayer_depth_checkpoints_reload_with_identical_logits(arch, recovery,
     man = json.loads((out / "manifest.json").read_text())
     assert METHODS.from_dict(man["operations"][-1]["config"]) == cfg
     assert man["operations"][-1]["removed_sublayers"] == rep["removed_sublayers"]
+
+
+# ---------------------------------------------------------------- explicit sub-blocks
+@pytest.mark.parametrize("recovery", ["none", "ghost"])
+def test_explicit_sublayers_reproduce_a_searched_plan(recovery):
+    """A sub-block plan given back as ``sublayers`` (as the report lists it) gives the same
+    model as the search that chose it (the recovery refitted on the same windows)."""
+    searched = _lm()
+    rep = run_depth(searched, Depth(remove=1, select=Sleb(), granularity="sublayer",
+                                    recovery=recovery), IDS, batch_size=2).to_dict()
+    given = _lm()
+    cfg = Depth(sublayers=rep["removed_sublayers"], recovery=recovery)
+    assert cfg.granularity == "sublayer"
+    from prunelab.pruning import METHODS
+    from prunelab.registry import to_dict
+    assert METHODS.from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg  # manifest form
+    again = run_depth(given, cfg, IDS, batch_size=2).to_dict()
+    assert again["removed_sublayers"] == rep["removed_sublayers"]
+    assert again["selection"]["strategy"] == "explicit"
+    assert again["accounting"]["params_removed"] == rep["accounting"]["params_removed"]
+    torch.testing.assert_close(_logits(given.model), _logits(searched.model), rtol=0, atol=0)
+
+
+def test_explicit_sublayers_of_whole_blocks_equal_removing_the_blocks():
+    by_parts = _lm()
+    rep = run_depth(by_parts, Depth(sublayers="1:attention,1:mlp,2:attn,2:mlp"), IDS,
+                    batch_size=2).to_dict()
+    assert rep["removed_blocks"] == [1, 2] and not rep["partial_blocks"]
+    assert not rep["needs_remote_code"]
+    by_blocks = _without_blocks(_lm(), [1, 2])
+    torch.testing.assert_close(_logits(by_parts.model), _logits(by_blocks.model),
+                               rtol=0, atol=0)
+
+
+def test_explicit_sublayers_are_validated_in_one_line():
+    for kwargs, message in (
+            ({"sublayers": "1:heads"}, "BLOCK:PART"),
+            ({"sublayers": "x:mlp"}, "BLOCK:PART"),
+            ({"sublayers": "1:mlp,1:mlp"}, "repeats"),
+            ({"sublayers": "1:mlp", "remove": 1}, "exactly one of"),
+            ({"sublayers": "1:mlp", "select": "sleb"}, "chosen explicitly"),
+            ({"sublayers": "1:mlp", "recovery": "ghost", "recovery_in_loop": True},
+             "chosen explicitly")):
+        with pytest.raises(ConfigError, match=message) as err:
+            Depth(**kwargs)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="invalid for 4 blocks"):
+        run_depth(_lm(), Depth(sublayers="7:mlp"), IDS, batch_size=2)

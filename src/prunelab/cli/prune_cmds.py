@@ -128,6 +128,10 @@ def prune_depth_cmd(
         token_aware: bool = typer.Option(False, "--token-aware", help="ghost/lra: separate "
                                          "map for the first position"),
         blocks: Optional[str] = typer.Option(None, help="explicit 0-based blocks, e.g. 3,5"),
+        sublayers: Optional[str] = typer.Option(
+            None, help="explicit 0-based sub-blocks BLOCK:PART (attention or mlp), e.g. "
+            "5:attention,16:mlp (as a report's removed_sublayers; implies --granularity "
+            "sublayer)"),
         window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
         blend_probe: Optional[str] = typer.Option(None, help="blend: the second probe "
                                                   "(default contraction)"),
@@ -181,6 +185,7 @@ def prune_depth_cmd(
                          from_probe=str(from_probe) if from_probe else None,
                          strategy=strategy, recovery=recovery, rank=rank,
                          token_aware=token_aware, blocks=parse_blocks(blocks), window=window,
+                         sublayers=sublayers or (),
                          blend_probe=blend_probe, beam_width=beam_width,
                          beam_seeds=beam_seeds, beam_score=beam_score,
                          sleb_score=sleb_score, protect_ends=protect_ends,

@@ -67,6 +67,8 @@ class Depth:
     window: int | None = _help("pair probes: |i - j| <= W", 1)
     seed: int = _help("random strategy and probe seed", 0)
     blocks: tuple = _help("explicit 0-based blocks, e.g. 3,5", default_factory=tuple)
+    sublayers: tuple = _help("explicit 0-based sub-blocks, e.g. 5:attention,16:mlp "
+                             "(implies granularity sublayer)", default_factory=tuple)
     bootstrap: int = _help("resamples of the windows re-deriving the removal set (0: off)",
                            200)
     max_instability: float = _help("warn when more than this share of the resamples gives "
@@ -88,10 +90,15 @@ class Depth:
 
     def __post_init__(self, strategy):
         object.__setattr__(self, "blocks", tuple(int(b) for b in self.blocks))
-        given = [self.remove is not None, self.target_params is not None, bool(self.blocks)]
+        object.__setattr__(self, "sublayers", parse_sublayers(self.sublayers))
+        given = [self.remove is not None, self.target_params is not None, bool(self.blocks),
+                 bool(self.sublayers)]
         if sum(given) != 1:
             raise ConfigError("give exactly one of remove (--remove), target_params "
-                              "(--target-params) and blocks (--blocks)")
+                              "(--target-params), blocks (--blocks) and sublayers "
+                              "(--sublayers)")
+        if self.sublayers:
+            object.__setattr__(self, "granularity", "sublayer")
         if self.remove is not None:
             check_range("remove", self.remove, 1, None, integer=True)
         if self.target_params is not None:
@@ -106,11 +113,15 @@ class Depth:
         object.__setattr__(self, "select",
                            None if choice is None else STRATEGIES.make(choice))
         object.__setattr__(self, "recovery", RECOVERIES.make(self.recovery))
-        if self.blocks and (self.select is not None or self.from_probe):
+        explicit = "blocks (--blocks)" if self.blocks else \
+            "sublayers (--sublayers)" if self.sublayers else None
+        if explicit and (self.select is not None or self.from_probe):
             what = "strategy (--strategy)" if self.select is not None else \
                 "from_probe (--from-probe)"
-            raise ConfigError(f"blocks (--blocks) are chosen explicitly: {what} does not "
-                              "apply")
+            raise ConfigError(f"{explicit} are chosen explicitly: {what} does not apply")
+        if explicit and self.recovery_in_loop:
+            raise ConfigError(f"{explicit} are chosen explicitly: --recovery-in-loop "
+                              "applies to a search")
         if self.probe not in PROBES:
             raise ConfigError(f"unknown probe {self.probe!r}; available: "
                               f"{', '.join(PROBES.names())}")
@@ -164,12 +175,39 @@ def depth_from_cli(*, strategy: str | None = None, recovery: str | None = None,
     return Depth(select=select, recovery=rec, **rest)
 
 
+PART_NAMES = {"attention": "attention", "attn": "attention", "mlp": "mlp", "ffn": "mlp"}
+
+
+def parse_sublayers(value) -> tuple:
+    """``((block, "attention" | "mlp"), ...)``, sorted, from pairs (``[5, "attention"]``, as
+    a depth report's ``removed_sublayers`` lists them) or from text ``"5:attention,16:mlp"``
+    (``attn`` / ``ffn`` accepted); a malformed or repeated entry is a ConfigError."""
+    if isinstance(value, str):
+        value = [p.strip() for p in value.split(",") if p.strip()]
+    out = []
+    for item in value:
+        pair = item.split(":") if isinstance(item, str) else list(item)
+        try:
+            block, part = int(str(pair[0]).strip()), PART_NAMES[str(pair[1]).strip().lower()]
+            if len(pair) != 2 or block < 0:
+                raise ValueError
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ConfigError("--sublayers takes 0-based BLOCK:PART entries, PART attention "
+                              f"or mlp, e.g. 5:attention,16:mlp; got {item!r}") from None
+        out.append((block, part))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"--sublayers repeats an entry: {sorted(out)}")
+    return tuple(sorted(out))
+
+
 def blocks_to_remove(lm, cfg: Depth) -> int:
     """``n`` from ``remove`` or from the parameter target (blocks of equal size assumed:
     the smallest n that reaches the target)."""
     n_blocks = lm.adapter.num_blocks
     if cfg.blocks:
         return len(cfg.blocks)
+    if cfg.sublayers:
+        return len({b for b, _ in cfg.sublayers})
     if cfg.remove is not None:
         n = cfg.remove
     else:

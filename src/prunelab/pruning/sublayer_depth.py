@@ -110,7 +110,13 @@ def run_sublayer_depth(lm, cfg, ctx, batch_size: int, evals0: float,
     from prunelab.pruning.depth import select
 
     n_orig = lm.adapter.num_blocks
-    parts, how = select(lm, cfg, ctx, n)
+    if cfg.sublayers:
+        bad = [list(p) for p in cfg.sublayers if p[0] >= n_orig]
+        if bad:
+            raise ConfigError(f"sublayers {bad} invalid for {n_orig} blocks")
+        parts, how = list(cfg.sublayers), {"strategy": "explicit", "granularity": "sublayer"}
+    else:
+        parts, how = select(lm, cfg, ctx, n)
     parts = [(int(b), str(p)) for b, p in parts]
     info(f"prunelab: removing sub-blocks {parts} (0-based) of {n_orig} blocks")
     ctx.ensure_cached()
