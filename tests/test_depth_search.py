@@ -385,3 +385,6 @@ def test_explicit_sublayers_are_validated_in_one_line():
         assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="invalid for 4 blocks"):
         run_depth(_lm(), Depth(sublayers="7:mlp"), IDS, batch_size=2)
+    every = ",".join(f"{b}:{p}" for b in range(4) for p in ("attention", "mlp"))
+    with pytest.raises(ConfigError, match="every branch of all 4 blocks"):
+        run_depth(_lm(), Depth(sublayers=every), IDS, batch_size=2)

@@ -114,6 +114,8 @@ def run_sublayer_depth(lm, cfg, ctx, batch_size: int, evals0: float,
         bad = [list(p) for p in cfg.sublayers if p[0] >= n_orig]
         if bad:
             raise ConfigError(f"sublayers {bad} invalid for {n_orig} blocks")
+        if len(cfg.sublayers) == 2 * n_orig:
+            raise ConfigError(f"sublayers remove every branch of all {n_orig} blocks")
         parts, how = list(cfg.sublayers), {"strategy": "explicit", "granularity": "sublayer"}
     else:
         parts, how = select(lm, cfg, ctx, n)
