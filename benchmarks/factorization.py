@@ -1,5 +1,6 @@
 """Factorization at matched parameter budgets: SliceGPT (per-layer), one global rotation,
-sensitivity-aware slicing, per-block widths (``slicegpt-widths``), SVD-LLM, Basis Sharing and
+sensitivity-aware slicing, per-block widths (``slicegpt-widths``: energy share;
+``slicegpt-kl-widths``: measured per-block KL curves), SVD-LLM, Basis Sharing and
 the optimized shared dictionary, against FFN width pruning with compensation and depth
 pruning with foldable recovery.
 
@@ -41,6 +42,8 @@ FACTOR = {
     "global-sensitivity": ("slicegpt", {"rotation": "global", "basis": "sensitivity"}),
     "slicegpt-widths": ("slicegpt", {"rotation": "per-layer", "basis": "pca",
                                      "widths": "spectrum"}),
+    "slicegpt-kl-widths": ("slicegpt", {"rotation": "per-layer", "basis": "pca",
+                                        "widths": "kl"}),
     "svd-llm": ("svd-llm", {}),
     "basis-sharing": ("basis-sharing", {}),
     "shared-dict": ("shared-dict", {}),

@@ -59,8 +59,9 @@ def prune_factor_cmd(
             None, help="slicegpt: kept hidden size rounded to a multiple of this (default 8)"),
         widths: Optional[str] = typer.Option(
             None, help="slicegpt per-layer: uniform, spectrum (a width per block by energy "
-            "share per parameter, same budget) or energy (per block the fewest directions "
-            "holding --energy)"),
+            "share per parameter, same budget), energy (per block the fewest directions "
+            "holding --energy) or kl (a width per block from measured output-KL curves, "
+            "same budget; --set width_levels=6 --set width_windows=2)"),
         energy: Optional[float] = typer.Option(
             None, help="slicegpt --widths energy: share of each block's stream energy kept"),
         allocation: Optional[str] = typer.Option(

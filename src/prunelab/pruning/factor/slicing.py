@@ -25,9 +25,10 @@ an ordinary checkpoint of the same family with ``hidden_size = d'``; Gemma 2/3 n
 branch outputs before the residual add, so their writers cannot be rotated and a map after
 each post-norm (remote code) does it.
 
-``widths="spectrum"`` / ``"energy"`` (per-layer only) give every block its own width
-(:mod:`.widths`): by the energy share per parameter under the same parameter budget as
-the uniform slice, or by a fixed energy share per block.
+``widths="spectrum"`` / ``"energy"`` / ``"kl"`` (per-layer only) give every block its own
+width: by the energy share per parameter under the same parameter budget as the uniform
+slice, or by a fixed energy share per block (:mod:`.widths`), or by measured per-block
+output-KL curves under that budget (:mod:`.width_kl`).
 
 ``basis="sensitivity"`` picks each kept subspace from the activation covariance and the
 Fisher of the model output at the same boundary (computed on the dense model) through
@@ -65,7 +66,7 @@ from prunelab.registry import check_range
 
 ROTATIONS = ("per-layer", "global")
 BASES = ("pca", "sensitivity")
-WIDTHS = ("uniform", "spectrum", "energy")
+WIDTHS = ("uniform", "spectrum", "energy", "kl")
 SHORTCUT_ATTR = "prunelab_shortcut"
 
 __all__ = ["SliceGPT", "stream_boundaries", "pca_basis", "width_for_ratio", "params_at"]
@@ -114,8 +115,13 @@ class SliceGPT(FactorConfig):
         "sensitivity, select kl: calibration windows the KL is measured on (0 = all)"))
     widths: str = field(default="uniform", metadata=_help(
         "per-layer: uniform (one d'), spectrum (per-block widths by energy share per "
-        "parameter, same budget) or energy (per block the fewest directions holding "
-        "--energy of its spectrum)"))
+        "parameter, same budget), energy (per block the fewest directions holding "
+        "--energy of its spectrum) or kl (per-block widths from measured output-KL curves, "
+        "same budget)"))
+    width_levels: int = field(default=6, metadata=_help(
+        "widths=kl: widths measured per block (from just under d down to 2 d' - d)"))
+    width_windows: int = field(default=2, metadata=_help(
+        "widths=kl: calibration windows the KL curves are measured on (0 = all)"))
     energy: float = field(default=0.95, metadata=_help(
         "widths=energy: share of each block's stream energy kept"))
     global_weights: str = field(default="trace", metadata=_help(
@@ -154,6 +160,8 @@ class SliceGPT(FactorConfig):
             raise ConfigError(f"widths must be one of {', '.join(WIDTHS)}, "
                               f"got {self.widths!r}")
         check_range("energy", self.energy, 0.0, 1.0)
+        check_range("width_levels", self.width_levels, 1, None, integer=True)
+        check_range("width_windows", self.width_windows, 0, None, integer=True)
         if self.energy == 0:
             raise ConfigError("energy must be > 0 (a share of each block's stream energy)")
         if self.widths != "uniform" and self.rotation != "per-layer":
@@ -273,8 +281,9 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
     fold_norms(lm)
     if fishers is None:
         fishers = _fishers(cfg, lm, input_ids, batch_size)
+    extra: dict = {}
     if cfg.rotation == "per-layer":
-        widths = _block_widths(cfg, lm, input_ids, batch_size, width, budget)
+        widths = _block_widths(cfg, lm, input_ids, batch_size, width, budget, extra=extra)
         energies = _per_layer(cfg, lm, input_ids, batch_size, widths, fishers)
     else:
         widths = [width] * (lm.adapter.num_blocks + 1)
@@ -296,17 +305,33 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
     info(f"slicegpt: hidden size {d} -> {width}; {note}")
     return {"d": d, "d_kept": width, "rotation": cfg.rotation, "basis": cfg.basis,
             "widths": cfg.widths, "block_widths": widths, "path": path, "path_note": note,
-            "kept_energy": energies, "min_kept_energy": min(energies)}
+            "kept_energy": energies, "min_kept_energy": min(energies), **extra}
 
 
-def _block_widths(cfg, lm, input_ids, batch_size: int, width: int, budget: int) -> list[int]:
-    """Per-block widths (``L + 1``: the blocks, then the final norm / head)."""
+def _block_widths(cfg, lm, input_ids, batch_size: int, width: int, budget: int, *,
+                  extra: dict | None = None) -> list[int]:
+    """Per-block widths (``L + 1``: the blocks, then the final norm / head); ``extra``
+    receives ``width_kl_curves`` with ``widths="kl"``."""
     from prunelab.pruning.factor import widths as W
 
     n = lm.adapter.num_blocks + 1
     if cfg.widths == "uniform":
         return [width] * n
-    spectra = W.block_spectra(boundary_grams(lm, input_ids, batch_size))
+    grams = boundary_grams(lm, input_ids, batch_size)
+    if cfg.widths == "kl":
+        from prunelab.pruning.factor.width_kl import allocate_by_kl
+
+        try:
+            widths, curves = allocate_by_kl(
+                lm, grams, input_ids, uniform=width, budget=budget, multiple=cfg.multiple,
+                levels=cfg.width_levels, windows=cfg.width_windows, damping=cfg.damping,
+                rotation=cfg.rotation, batch_size=batch_size)
+        except ValueError as e:
+            raise ConfigError(f"slicegpt widths=kl: {e}") from None
+        if extra is not None:
+            extra["width_kl_curves"] = curves
+        return widths
+    spectra = W.block_spectra(grams)
     if cfg.widths == "energy":
         return W.allocate_for_energy(spectra, cfg.energy, cfg.multiple)
     return W.allocate_for_budget(lm, spectra, budget, cfg.multiple, cfg.rotation)

@@ -44,6 +44,12 @@ def params_for_widths(lm, widths: list[int], rotation: str = "per-layer") -> int
     """Parameters the sliced model stores with block widths ``widths`` (``L + 1`` entries:
     the blocks, then the final norm / head), counted from the current shapes: untied head,
     shortcut maps (per-layer) and Gemma 2/3's post-norm maps included."""
+    return width_counter(lm, rotation)(widths)
+
+
+def width_counter(lm, rotation: str = "per-layer"):
+    """A function ``widths -> parameters`` (as :func:`params_for_widths`) that reads the
+    model's shapes once, for allocations that count many candidate widths."""
     from prunelab.models.size import model_size
     from prunelab.pruning.factor.folding import stream_branches
 
@@ -51,18 +57,22 @@ def params_for_widths(lm, widths: list[int], rotation: str = "per-layer") -> int
     d = ad.hidden_size()
     emb, head = ad.embeddings(), ad.head()
     tied = head.weight.data_ptr() == emb.weight.data_ptr()
-    branches = stream_branches(lm)
-    if len(widths) != ad.num_blocks + 1:
-        raise ValueError(f"{len(widths)} widths for {ad.num_blocks} blocks (+1 final)")
+    n_groups = ad.num_blocks + 1
+    shapes = []
+    for k, br in enumerate(stream_branches(lm)):
+        gin, gout = block_of(k, 0)
+        shapes.append((gin, gout, sum(r.weight.shape[0] for r in br.readers),
+                       None if br.post_norm is not None else
+                       br.writer.weight.shape[1] + (br.writer.bias is not None)))
+    vocab_in, vocab_out = emb.weight.shape[0], head.weight.shape[0]
 
     def stream(ws: list[int], maps: bool) -> int:
-        total = emb.weight.shape[0] * ws[0] + head.weight.shape[0] * ws[-1] + ws[-1]
-        for k, br in enumerate(branches):
-            gin, gout = block_of(k, len(branches))
+        total = vocab_in * ws[0] + vocab_out * ws[-1] + ws[-1]
+        for gin, gout, readers, writer in shapes:
             win, wout = ws[gin], ws[gout]
-            total += win + sum(r.weight.shape[0] for r in br.readers) * win
-            if br.post_norm is None:
-                total += (br.writer.weight.shape[1] + (br.writer.bias is not None)) * wout
+            total += win + readers * win
+            if writer is not None:
+                total += writer * wout
             elif maps:
                 total += d * wout
             if maps and rotation == "per-layer":
@@ -70,8 +80,13 @@ def params_for_widths(lm, widths: list[int], rotation: str = "per-layer") -> int
         return total
 
     now = model_size(lm.model)["params"]
-    fixed = now - stream([d] * len(widths), maps=False) + (head.weight.numel() if tied else 0)
-    return fixed + stream(list(widths), maps=True)
+    fixed = now - stream([d] * n_groups, maps=False) + (head.weight.numel() if tied else 0)
+
+    def count(widths: list[int]) -> int:
+        if len(widths) != n_groups:
+            raise ValueError(f"{len(widths)} widths for {n_groups - 1} blocks (+1 final)")
+        return fixed + stream(list(widths), maps=True)
+    return count
 
 
 def block_spectra(grams: list[torch.Tensor]) -> list[torch.Tensor]:
