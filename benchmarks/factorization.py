@@ -96,6 +96,9 @@ def one_point(args) -> dict:
              "test_perplexity": res["perplexity"], "test_kl": res["kl_to_reference"],
              "calib_kl": cal["kl_to_reference"], "seconds": seconds,
              "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    d = rep.to_dict()
+    if d.get("block_widths"):  # slicing: the kept width per block (and the head)
+        point["block_widths"] = d["block_widths"]
     if args.one.startswith("global") and args.speed:
         point.update(speed_pair(dense, lm, args.rounds))
     return point
