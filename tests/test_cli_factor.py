@@ -62,15 +62,22 @@ def test_global_slice_is_a_plain_checkpoint(tiny_dir):
     ("shared-dict", ("--ratio", "0.3", "--set", "iters=3")),
     ("slicegpt", ("--ratio", "0.25", "--multiple", "4")),
     ("slicegpt", ("--ratio", "0.25", "--multiple", "4", "--widths", "spectrum")),
+    ("slicegpt", ("--ratio", "0.25", "--multiple", "4", "--widths", "kl",
+                  "--set", "width_levels=2")),
 ])
 def test_factorized_checkpoints_need_remote_code_and_show_in_info(tiny_dir, method, options):
-    name = method + ("-widths" if "--widths" in options else "")
+    how = options[options.index("--widths") + 1] if "--widths" in options else ""
+    name = method + (f"-widths-{how}" if how else "")
     out, man, shown = _run(tiny_dir, name, "--method", method, *options)
     assert man["remote_code"]["trust_remote_code"] and man["remote_code"]["modules"]
-    if "--widths" in options:
+    if how:
         widths = man["operations"][-1]["block_widths"]
-        assert len(widths) == 5 and "per block" in shown
+        assert len(widths) == 5 and "hidden size" in shown
+        assert how == "kl" or "per block" in shown
         assert sum(widths) <= 5 * 24 + 8  # about the uniform budget (shortcuts differ)
+    if how == "kl":
+        curves = man["report"]["width_kl_curves"]
+        assert len(curves) == 5 and all(sorted(c) == ["16", "24"] for c in curves)
     assert "trust_remote_code=True" in shown
     assert man["report"]["flops_per_token_after"] < man["report"]["flops_per_token_before"]
     res = cli("info", "--model", str(out), "--trust-remote-code", "--json",
