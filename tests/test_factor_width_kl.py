@@ -155,3 +155,24 @@ def test_kl_width_options_are_checked_in_one_line():
         with pytest.raises(ConfigError) as err:
             SliceGPT(**kw)
         assert text in str(err.value) and "\n" not in str(err.value)
+
+
+def test_basis_selection_allocates_the_widths_once(monkeypatch):
+    """``basis=sensitivity`` with ``select=kl`` slices one copy per candidate basis: the
+    KL curves are measured once and every candidate (and the final slice) uses them."""
+    from prunelab.pruning.factor import width_kl
+
+    calls = []
+    real = width_kl.kl_curves
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(width_kl, "kl_curves", counting)
+    lm = _lm("llama")
+    rep = prunelab.prune(lm, SliceGPT(ratio=0.25, multiple=4, widths="kl", width_levels=2,
+                                      basis="sensitivity", select_grid="0.3"),
+                         CALIB, batch_size=2)
+    assert len(calls) == 1 and len(rep["selection"]) == 2
+    assert len(rep["width_kl_curves"]) == 5 and len(rep["block_widths"]) == 5
+    assert rep["params_after"] <= params_at(_lm("llama"), 24, "per-layer")

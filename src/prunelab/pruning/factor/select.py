@@ -63,11 +63,13 @@ def select_basis(lm, cfg, input_ids: torch.Tensor, *, batch_size: int) -> dict:
     kl_batch = max(1, min(batch_size, 2))
     candidates = [("pca", None)] + [("sensitivity", mu) for mu in parse_grid(cfg.select_grid)]
     scores = []
+    preset = None  # per-block widths are allocated once, from the dense model
     for basis, mu in candidates:
         trial = _variant(cfg, basis, mu)
         sliced = copy.deepcopy(lm)
-        slice_stream(sliced, trial, input_ids, batch_size=batch_size,
-                     fishers=fishers if basis == "sensitivity" else None)
+        rep = slice_stream(sliced, trial, input_ids, batch_size=batch_size,
+                           fishers=fishers if basis == "sensitivity" else None, preset=preset)
+        preset = preset or rep
         kl = mean_kl(lm.model, sliced.model, windows, batch_size=kl_batch)
         del sliced
         scores.append({"basis": basis, "fisher_damping": mu, "calib_kl": kl})
@@ -75,7 +77,7 @@ def select_basis(lm, cfg, input_ids: torch.Tensor, *, batch_size: int) -> dict:
     best = min(range(len(scores)), key=lambda i: (scores[i]["calib_kl"], i))
     basis, mu = candidates[best]
     report = slice_stream(lm, _variant(cfg, basis, mu), input_ids, batch_size=batch_size,
-                          fishers=fishers if basis == "sensitivity" else None)
+                          fishers=fishers if basis == "sensitivity" else None, preset=preset)
     report.update(basis=cfg.basis, basis_used=basis, fisher_damping_used=mu,
                   selection=scores, select_windows=int(windows.shape[0]))
     return report

@@ -272,9 +272,11 @@ def _fishers(cfg: SliceGPT, lm, input_ids, batch_size: int) -> list | None:
 
 # ---------------------------------------------------------------------- slicing
 def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
-                 fishers: list | None = None) -> dict:
+                 fishers: list | None = None, preset: dict | None = None) -> dict:
     """Slice ``lm``'s residual stream in place (see the module docstring); the report.
-    ``fishers``: the boundaries' output Fisher matrices when already computed."""
+    ``fishers``: the boundaries' output Fisher matrices when already computed; ``preset``:
+    a previous report of the same model and config whose per-block widths (and KL curves)
+    are reused (the allocations read the dense PCA spectra / curves, not the basis)."""
     d = lm.adapter.hidden_size()
     width = choose_width(cfg, lm)
     budget = params_at(lm, width, cfg.rotation)
@@ -282,7 +284,11 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
     if fishers is None:
         fishers = _fishers(cfg, lm, input_ids, batch_size)
     extra: dict = {}
-    if cfg.rotation == "per-layer":
+    if cfg.rotation == "per-layer" and preset is not None and cfg.widths != "uniform":
+        widths = list(preset["block_widths"])
+        extra.update({k: preset[k] for k in ("width_kl_curves",) if k in preset})
+        energies = _per_layer(cfg, lm, input_ids, batch_size, widths, fishers)
+    elif cfg.rotation == "per-layer":
         widths = _block_widths(cfg, lm, input_ids, batch_size, width, budget, extra=extra)
         energies = _per_layer(cfg, lm, input_ids, batch_size, widths, fishers)
     else:
