@@ -29,7 +29,8 @@ Run (do not run inside the test suite)::
         [--contexts 1024,2048,4096] [--ratios 0.25,0.5,0.75,0.9]
         [--presses streaming-llm,h2o,snapkv,decay,decay-keys,decay-kl,lazyllm,entroprefill]
         [--decay-observe 32 --decay-horizon 64] [--json out.json]
-        [--decay-seqlen 1024 --decay-samples 8 --decay-blocks 3] [--kl-samples 4]
+        [--decay-seqlen 1024 --decay-samples 8 --decay-blocks 3 --decay-needles 0]
+        [--kl-samples 4]
         [--quality-only]
     # smoke: --contexts 128 --ratios 0.5 --depths 0.5 --continuation 16 --decode 4
 """
@@ -49,6 +50,7 @@ from prunelab.eval.divergence import kl_from_logits, top1_agreement
 from prunelab.eval.perplexity import final_hidden
 from prunelab.inference import PRESSES, cache_bytes, fit_decay, press
 from prunelab.inference.decay_kl import KLCalibration
+from prunelab.inference.needles import with_needles
 
 PASSKEY = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -90,6 +92,7 @@ def make_press(name: str, ratio: float, args, lm, decay_cfg):
             t0 = time.perf_counter()
             decay_cfg["decay-kl", ratio] = kl.fit(ratio, blocks=args.decay_blocks)
             print(json.dumps({"fit": "decay-kl", "ratio": ratio, "share": kl.share,
+                              "needles": args.decay_needles,
                               "fit_s": time.perf_counter() - t0, **kl.history[ratio]}),
                   flush=True)
         return decay_cfg["decay-kl", ratio]
@@ -187,6 +190,10 @@ def main() -> None:
                     help="calibration windows of the end-to-end fit (decay-kl)")
     ap.add_argument("--decay-share", type=float, default=0.0,
                     help="budget fraction reserved for SnapKV's own top tokens (decay-kl)")
+    ap.add_argument("--decay-needles", type=int, default=0,
+                    help="needle windows added to the decay-kl fit (a key sentence in the "
+                    "prompt, its answer in the continuation; another phrasing than the "
+                    "pass-key task; see prunelab.inference.needles)")
     ap.add_argument("--decay-blocks", type=int, default=3,
                     help="layer blocks of the coordinate search (decay-kl)")
     ap.add_argument("--kl-samples", type=int, default=1,
@@ -214,7 +221,8 @@ def main() -> None:
         calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=args.decay_seqlen + 32,
                              samples=args.decay_samples)
         t0 = time.perf_counter()
-        decay_cfg["decay-kl"] = KLCalibration(lm, calib.input_ids, horizon=32, observe=32,
+        ids = with_needles(lm.tokenizer, calib.input_ids, args.decay_needles, horizon=32)
+        decay_cfg["decay-kl"] = KLCalibration(lm, ids, horizon=32, observe=32,
                                               share=args.decay_share)
         print(json.dumps({"calibration_s": time.perf_counter() - t0}), flush=True)
     rows, ref_cache = [], {}

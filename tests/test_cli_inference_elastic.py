@@ -108,3 +108,34 @@ def test_eval_under_the_kl_fitted_decay_press(tiny_dir):
     assert got["press"]["name"] == "decay" and cfg["ratio"] == 0.5
     assert len(cfg["blend"]) == 2 * 4  # (lam, rho) per block of the 4-block tiny llama
     assert cfg["mix"] in (0.0, 0.5, 1.0) and torch.isfinite(torch.tensor(got["perplexity"]))
+
+
+
+def test_press_needles_option_errors(tiny_dir):
+    """``needles=N`` joins the ``fit=kl`` decay fit only; bad uses are one-line errors
+    (the option parsing in-process, one end-to-end run for the exit status)."""
+    from prunelab.cli.inspect_cmds import _press_fit
+    from prunelab.errors import ConfigError
+
+    assert _press_fit("decay", ["fit=kl", "needles=3", "window=4"]) == ("kl", 3, ["window=4"])
+    assert _press_fit("decay", None) == ("ls", 0, [])
+    for name, opts, msg in (("snapkv", ["needles=1"], "applies to --press decay"),
+                            ("decay", ["fit=kl", "needles=x"], "integer >= 0"),
+                            ("decay", ["needles=-2"], "integer >= 0")):
+        with pytest.raises(ConfigError, match=msg):
+            _press_fit(name, opts)
+    res = cli("eval", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
+              "--press", "decay", "--press-ratio", "0.5", "--press-option", "needles=2")
+    assert res.returncode == 2 and "fit=kl only" in res.stderr, res.stderr
+    assert res.stderr.strip().startswith("error:") and "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+def test_press_needles_too_long_for_the_model(tiny_dir):
+    """The tiny model's 128 positions leave no room for a needle, a question and a key."""
+    res = cli("eval", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
+              "--press", "decay", "--press-ratio", "0.5", "--press-option", "fit=kl",
+              "--press-option", "needles=1")
+    assert res.returncode == 2 and "cannot hold the needle" in res.stderr, res.stderr

@@ -126,7 +126,8 @@ def generate_cmd(
                                                     "removed (entroprefill: the cap)"),
         press_options: Optional[list[str]] = typer.Option(
             None, "--press-option", help="KEY=VALUE: any option of the press "
-            "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL)"),
+            "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL), "
+            "needles=N (with fit=kl: N key-retrieval windows join the fit)"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt):
     """Greedy generation, optionally under an inference-time press (KV-cache eviction or

@@ -129,7 +129,8 @@ def eval_cmd(model: str = ModelOpt,
                  None, help="fraction of the prompt removed (entroprefill: the cap)"),
              press_options: Optional[list[str]] = typer.Option(
                  None, "--press-option", help="KEY=VALUE: any option of the press "
-                 "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL)"),
+                 "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL), "
+                 "needles=N (with fit=kl: N key-retrieval windows join the fit)"),
              press_context: float = typer.Option(
                  0.5, help="--press: share of each window that is the pressed prompt"),
              moe_mass: Optional[float] = typer.Option(
@@ -268,14 +269,16 @@ def _press_config(lm, name: str, ratio, options):
     from prunelab.inference import PRESSES, press_for
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
-    fit, options = _press_fit(name, options)
+    fit, needles, options = _press_fit(name, options)
     opts = parse_settings(options, PRESSES.get(name))
     cfg = press_for(name, ratio, **opts)
     if fit == "kl":
         if opts:
             raise ConfigError("--press-option fit=kl chooses the decay press' options "
                               f"itself; drop {', '.join(sorted(opts))}")
-        return _fit_decay_kl(lm, cfg)
+        return _fit_decay_kl(lm, cfg, needles)
+    if needles:
+        raise ConfigError("--press-option needles=N applies to fit=kl only")
     if name == "decay" and getattr(cfg, "weights", None) is None:
         import dataclasses
 
@@ -289,11 +292,24 @@ def _press_config(lm, name: str, ratio, options):
     return cfg
 
 
-def _press_fit(name: str, options) -> tuple[str, list]:
-    """``fit=ls|kl`` taken out of the ``--press-option`` items (decay only)."""
-    fit, rest, seen = "ls", [], False
+def _press_fit(name: str, options) -> tuple[str, int, list]:
+    """``fit=ls|kl`` and ``needles=N`` taken out of the ``--press-option`` items (decay
+    only)."""
+    fit, needles, rest, seen = "ls", 0, [], False
     for item in options or ():
         key, _, value = item.partition("=")
+        if key.strip() == "needles":
+            if name != "decay":
+                raise ConfigError(f"--press-option needles applies to --press decay, not "
+                                  f"{name}")
+            try:
+                needles = int(value.strip())
+            except ValueError:
+                needles = -1
+            if needles < 0:
+                raise ConfigError(f"--press-option needles must be an integer >= 0, got "
+                                  f"{value.strip()!r}")
+            continue
         if key.strip() != "fit":
             rest.append(item)
             continue
@@ -305,20 +321,24 @@ def _press_fit(name: str, options) -> tuple[str, list]:
         if value.strip() not in ("ls", "kl"):
             raise ConfigError(f"--press-option fit must be ls or kl, got {value.strip()!r}")
         fit = value.strip()
-    return fit, rest
+    return fit, needles, rest
 
 
-def _fit_decay_kl(lm, cfg):
+def _fit_decay_kl(lm, cfg, needles: int = 0):
     """The blended decay press at ``cfg.ratio``, fitted by the continuation KL on 6
     ``wiki-vital:calib`` windows of 1024 + 32 tokens (fewer where the model's positions
-    end; a few minutes per ratio on a CPU for SmolLM2-135M)."""
+    end; a few minutes per ratio on a CPU for SmolLM2-135M), plus ``needles`` needle
+    windows (:mod:`prunelab.inference.needles`: a key sentence in the prompt, its answer
+    in the continuation) so the fit weighs retrieval as well as text."""
     from prunelab import api
     from prunelab.inference.decay_kl import KLCalibration
+    from prunelab.inference.needles import with_needles
 
     limit = getattr(lm.model.config, "max_position_embeddings", None)
     seqlen = min(1024 + 32, limit) if isinstance(limit, int) and limit > 0 else 1024 + 32
     calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=seqlen, samples=6, mode="calib")
-    kl = KLCalibration(lm, calib.input_ids, horizon=32, observe=32)
+    ids = with_needles(lm.tokenizer, calib.input_ids, needles, horizon=32)
+    kl = KLCalibration(lm, ids, horizon=32, observe=32)
     return kl.fit(cfg.ratio, blocks=2)
 
 
