@@ -30,6 +30,7 @@ Run (do not run inside the test suite)::
         [--presses streaming-llm,h2o,snapkv,decay,decay-keys,decay-kl,lazyllm,entroprefill]
         [--decay-observe 32 --decay-horizon 64] [--json out.json]
         [--decay-seqlen 1024 --decay-samples 8 --decay-blocks 3 --decay-needles 0]
+        [--decay-shares 0,0.25,0.5,0.75]
         [--kl-samples 4]
         [--quality-only]
     # smoke: --contexts 128 --ratios 0.5 --depths 0.5 --continuation 16 --decode 4
@@ -90,7 +91,10 @@ def make_press(name: str, ratio: float, args, lm, decay_cfg):
         kl = decay_cfg["decay-kl"]
         if ("decay-kl", ratio) not in decay_cfg:  # one fit per ratio, for every context
             t0 = time.perf_counter()
-            decay_cfg["decay-kl", ratio] = kl.fit(ratio, blocks=args.decay_blocks)
+            shares = ([float(v) for v in args.decay_shares.split(",")]
+                      if args.decay_shares else None)
+            decay_cfg["decay-kl", ratio] = kl.fit(ratio, blocks=args.decay_blocks,
+                                                  shares=shares)
             print(json.dumps({"fit": "decay-kl", "ratio": ratio, "share": kl.share,
                               "needles": args.decay_needles,
                               "fit_s": time.perf_counter() - t0, **kl.history[ratio]}),
@@ -194,6 +198,9 @@ def main() -> None:
                     help="needle windows added to the decay-kl fit (a key sentence in the "
                     "prompt, its answer in the continuation; another phrasing than the "
                     "pass-key task; see prunelab.inference.needles)")
+    ap.add_argument("--decay-shares", default=None,
+                    help="comma-separated shares of the budget kept for SnapKV's top tokens, "
+                    "fitted with recent and mix (decay-kl; default: --decay-share, fixed)")
     ap.add_argument("--decay-blocks", type=int, default=3,
                     help="layer blocks of the coordinate search (decay-kl)")
     ap.add_argument("--kl-samples", type=int, default=1,

@@ -173,3 +173,26 @@ def test_mix_one_with_half_recent_evicts_exactly_as_h2o():
         m(ids, use_cache=True)
     for i in r.report["keep"]:
         assert torch.equal(s.report["keep"][i], r.report["keep"][i])
+
+
+def test_fitted_share_is_chosen_from_the_grid_and_consistent():
+    """``fit(shares=...)``: the share of the budget kept for SnapKV's top tokens joins the
+    grid; the returned press carries it, and its real objective is the recorded KL."""
+    lm = wrap(tiny_model("llama"))
+    kl = KLCalibration(lm, tiny_tokens(2, 28, seed=3), horizon=6, observe=4, kernel=3)
+    only = kl.fit(0.75, blocks=2, shares=(0.5,))
+    assert only.share == 0.5 and kl.history[0.75]["share"] == 0.5
+    assert kl.objective(only) == pytest.approx(kl.history[0.75]["kl_fitted"], rel=1e-6)
+    # a one-value grid at share 0.5 scores the same configurations as a calibration
+    # built with share 0.5
+    fixed = KLCalibration(lm, tiny_tokens(2, 28, seed=3), horizon=6, observe=4, kernel=3,
+                          share=0.5)
+    assert fixed.fit(0.75, blocks=2) == only
+    cfg = kl.fit(0.75, blocks=2, shares=(0.0, 0.25, 0.5, 0.75))
+    hist = kl.history[0.75]
+    assert cfg.share == hist["share"] in (0.0, 0.25, 0.5, 0.75)
+    assert hist["kl_fitted"] <= hist["kl_snapkv"]
+    assert kl.objective(cfg) == pytest.approx(hist["kl_fitted"], rel=1e-6)
+    for bad in ((), (1.5,), (-0.1, 0.0)):
+        with pytest.raises(ConfigError, match="share"):
+            kl.fit(0.75, shares=bad)

@@ -329,9 +329,10 @@ def _fit_decay_kl(lm, cfg, needles: int = 0):
     ``wiki-vital:calib`` windows of 1024 + 32 tokens (fewer where the model's positions
     end; a few minutes per ratio on a CPU for SmolLM2-135M), plus ``needles`` needle
     windows (:mod:`prunelab.inference.needles`: a key sentence in the prompt, its answer
-    in the continuation) so the fit weighs retrieval as well as text."""
+    in the continuation) so the fit weighs retrieval as well as text; with needles the
+    fit also chooses the share of the budget reserved for SnapKV's top tokens."""
     from prunelab import api
-    from prunelab.inference.decay_kl import KLCalibration
+    from prunelab.inference.decay_kl import SHARES, KLCalibration
     from prunelab.inference.needles import with_needles
 
     limit = getattr(lm.model.config, "max_position_embeddings", None)
@@ -339,7 +340,8 @@ def _fit_decay_kl(lm, cfg, needles: int = 0):
     calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=seqlen, samples=6, mode="calib")
     ids = with_needles(lm.tokenizer, calib.input_ids, needles, horizon=32)
     kl = KLCalibration(lm, ids, horizon=32, observe=32)
-    return kl.fit(cfg.ratio, blocks=2)
+    # with needles the share of the budget kept for SnapKV's own top tokens is fitted too
+    return kl.fit(cfg.ratio, blocks=2, shares=SHARES if needles else None)
 
 
 def _press_dict(cfg) -> dict:

@@ -50,6 +50,7 @@ LAMS = (0.0, 0.25, 0.5, 1.0, 2.0)
 RHOS = (0.0, 0.5, 1.0, 2.0, 4.0)
 RECENTS = (0.0, 0.25, 0.5)
 MIXES = (0.0, 0.5, 1.0)
+SHARES = (0.0, 0.25, 0.5, 0.75)  # the grid when the share is fitted (with needle windows)
 
 
 def coordinate_search(objective: Callable[[torch.Tensor], float], layers: Sequence[int],
@@ -178,13 +179,15 @@ class KLCalibration:
         return _Window(cache, observed, row[:, p:], ref, p)
 
     def config(self, ratio: float, params: torch.Tensor | None = None,
-               recent: float = 0.0, mix: float = 0.0) -> DecayEviction:
+               recent: float = 0.0, mix: float = 0.0,
+               share: float | None = None) -> DecayEviction:
         """The press at ``ratio`` with blend ``params`` ``[layers, 2]`` (zero, with
-        ``share = recent = mix = 0``: SnapKV)."""
+        ``share = recent = mix = 0``: SnapKV); ``share`` None: the calibration's own."""
         n = self.lm.adapter.num_blocks
         params = torch.zeros(n, 2) if params is None else params
+        share = self.share if share is None else share
         return DecayEviction(ratio=ratio, window=self.observe, observe=self.observe,
-                             kernel=self.kernel, weights=self.prior, share=self.share,
+                             kernel=self.kernel, weights=self.prior, share=share,
                              recent=recent, mix=mix,
                              blend=tuple(float(v) for v in params.flatten()))
 
@@ -207,30 +210,43 @@ class KLCalibration:
     def fit(self, ratio: float, lams: Sequence[float] = LAMS,
             rhos: Sequence[float] = RHOS, blocks: int = 3, rounds: int = 1,
             tol: float = 0.01, recents: Sequence[float] = RECENTS,
-            mixes: Sequence[float] = MIXES) -> DecayEviction:
+            mixes: Sequence[float] = MIXES,
+            shares: Sequence[float] | None = None) -> DecayEviction:
         """The blended press at ``ratio``: first ``recent`` and ``mix`` (one value each
-        for all layers, over ``recents x mixes``, blend zero), then the ``(lam, rho)`` per
-        layer that minimise the calibration KL (:func:`coordinate_search`);
-        ``history[ratio]`` records the KL of SnapKV (computed, share 0), with the chosen
-        ``mix`` / ``recent`` and zero blend, and of the result."""
+        for all layers, over ``recents x mixes``, blend zero; with ``shares``, over
+        ``shares x recents x mixes``: the share of the budget reserved for SnapKV's top
+        tokens is then fitted too, else it is the calibration's ``share``), then the
+        ``(lam, rho)`` per layer that minimise the calibration KL
+        (:func:`coordinate_search`); ``history[ratio]`` records the KL of SnapKV
+        (computed, share 0), with the chosen ``share`` / ``mix`` / ``recent`` and zero
+        blend, and of the result."""
         check_range("ratio", ratio, 0.0, 0.99)
+        if shares is not None:
+            shares = tuple(shares)
+            if not shares:
+                raise ConfigError("fit: shares must name at least one value")
+            for v in shares:
+                check_range("share", v, 0.0, 1.0)
         n = self.lm.adapter.num_blocks
-        snap = dataclasses.replace(self.config(ratio), share=0.0)
+        snap = self.config(ratio, share=0.0)
         history = {"kl_snapkv": self.objective(snap)}
-        (recent, mix), best = (0.0, 0.0), None
-        for r in recents:
-            for x in mixes:
-                val = self.objective(self.config(ratio, recent=r, mix=x))
-                if best is None or val < best * (1.0 - tol):
-                    (recent, mix), best = (r, x), val
+        (share, recent, mix), best = (self.share, 0.0, 0.0), None
+        for h in (shares if shares is not None else (self.share,)):
+            for r in recents:
+                for x in mixes:
+                    val = (history["kl_snapkv"] if h == r == x == 0.0
+                           else self.objective(self.config(ratio, recent=r, mix=x,
+                                                           share=h)))
+                    if best is None or val < best * (1.0 - tol):
+                        (share, recent, mix), best = (h, r, x), val
         history["kl_zero_blend"] = best  # at the chosen mix / recent (mix 1, recent 0.5: H2O)
         params, start, best = coordinate_search(
-            lambda p: self.objective(self.config(ratio, p, recent, mix)), self.layers, n,
-            lams, rhos, blocks, rounds, tol)
-        history.update(recent=recent, mix=mix, kl_fitted=best,
+            lambda p: self.objective(self.config(ratio, p, recent, mix, share)),
+            self.layers, n, lams, rhos, blocks, rounds, tol)
+        history.update(share=share, recent=recent, mix=mix, kl_fitted=best,
                        blend=params[self.layers].tolist())
         self.history[ratio] = history
-        return self.config(ratio, params, recent, mix)
+        return self.config(ratio, params, recent, mix, share)
 
 
 def fit_decay_kl(lm, input_ids: torch.Tensor, ratio: float = 0.5, horizon: int = 32,
