@@ -339,9 +339,17 @@ def _fit_decay_kl(lm, cfg, needles: int = 0):
     seqlen = min(1024 + 32, limit) if isinstance(limit, int) and limit > 0 else 1024 + 32
     calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=seqlen, samples=6, mode="calib")
     ids = with_needles(lm.tokenizer, calib.input_ids, needles, horizon=32)
+    log.info(f"fitting the decay press at ratio {cfg.ratio} by the continuation KL on "
+             f"{ids.shape[0]} windows of {ids.shape[1]} tokens"
+             + (f" ({needles} with a key to retrieve)" if needles else "")
+             + ": a few minutes on a CPU")
     kl = KLCalibration(lm, ids, horizon=32, observe=32)
     # with needles the share of the budget kept for SnapKV's own top tokens is fitted too
-    return kl.fit(cfg.ratio, blocks=2, shares=SHARES if needles else None)
+    fitted = kl.fit(cfg.ratio, blocks=2, shares=SHARES if needles else None)
+    h = kl.history[cfg.ratio]
+    log.info(f"fitted: share {fitted.share}, mix {fitted.mix}, recent {fitted.recent}; "
+             f"calibration KL {h['kl_fitted']:.4g} (SnapKV {h['kl_snapkv']:.4g})")
+    return fitted
 
 
 def _press_dict(cfg) -> dict:
