@@ -86,15 +86,26 @@ def passkey_prompt(lm, length: int, depth: float, key: int) -> torch.Tensor:
     return torch.cat([body[:, :at], needle, body[:, at:], question], dim=1)
 
 
+def parse_shares(text: str | None) -> list[float] | None:
+    """``--decay-shares`` as floats in [0, 1], checked before any model is loaded."""
+    if not text:
+        return None
+    try:
+        vals = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --decay-shares takes numbers in [0, 1], got {text!r}") from None
+    if not all(0.0 <= v <= 1.0 for v in vals):  # also refuses nan
+        raise SystemExit(f"error: --decay-shares takes numbers in [0, 1], got {text!r}")
+    return vals
+
+
 def make_press(name: str, ratio: float, args, lm, decay_cfg):
     if name == "decay-kl":  # fitted end-to-end at this ratio on the calibration windows
         kl = decay_cfg["decay-kl"]
         if ("decay-kl", ratio) not in decay_cfg:  # one fit per ratio, for every context
             t0 = time.perf_counter()
-            shares = ([float(v) for v in args.decay_shares.split(",")]
-                      if args.decay_shares else None)
             decay_cfg["decay-kl", ratio] = kl.fit(ratio, blocks=args.decay_blocks,
-                                                  shares=shares)
+                                                  shares=args.decay_shares)
             print(json.dumps({"fit": "decay-kl", "ratio": ratio, "share": kl.share,
                               "needles": args.decay_needles,
                               "fit_s": time.perf_counter() - t0, **kl.history[ratio]}),
@@ -209,6 +220,9 @@ def main() -> None:
                     help="skip the speed / memory measurement (KL, top-1, retrieval only)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    args.decay_shares = parse_shares(args.decay_shares)
+    if args.decay_needles < 0:
+        raise SystemExit(f"error: --decay-needles must be >= 0, got {args.decay_needles}")
     lm = prunelab.load(args.model, dtype=args.dtype, device=args.device)
     lm.model.config._attn_implementation = "sdpa"
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -121,7 +121,9 @@ def test_press_needles_option_errors(tiny_dir):
     assert _press_fit("decay", None) == ("ls", 0, [])
     for name, opts, msg in (("snapkv", ["needles=1"], "applies to --press decay"),
                             ("decay", ["fit=kl", "needles=x"], "integer >= 0"),
-                            ("decay", ["needles=-2"], "integer >= 0")):
+                            ("decay", ["needles=-2"], "integer >= 0"),
+                            ("decay", ["needles=nan"], "integer >= 0"),
+                            ("decay", ["needles=1", "needles=2"], "given twice")):
         with pytest.raises(ConfigError, match=msg):
             _press_fit(name, opts)
     res = cli("eval", "--model", str(tiny_dir / "model"), "--data",

@@ -295,10 +295,13 @@ def _press_config(lm, name: str, ratio, options):
 def _press_fit(name: str, options) -> tuple[str, int, list]:
     """``fit=ls|kl`` and ``needles=N`` taken out of the ``--press-option`` items (decay
     only)."""
-    fit, needles, rest, seen = "ls", 0, [], False
+    fit, needles, rest, seen, seen_needles = "ls", 0, [], False, False
     for item in options or ():
         key, _, value = item.partition("=")
         if key.strip() == "needles":
+            if seen_needles:
+                raise ConfigError("--press-option needles given twice")
+            seen_needles = True
             if name != "decay":
                 raise ConfigError(f"--press-option needles applies to --press decay, not "
                                   f"{name}")
