@@ -57,13 +57,18 @@ def all_rows() -> list[str]:
 
 
 def make_config(row: str, remove: int, holdout: float | None = None,
-                search_windows: int | None = None, plans: dict | None = None):
+                search_windows: int | None = None, plans: dict | None = None,
+                resume: str = ""):
     """The Depth config of a row label (``holdout``: recovery_holdout of ``:loop`` rows;
-    ``search_windows``: the search rows score candidates on that many windows)."""
+    ``search_windows``: the search rows score candidates on that many windows;
+    ``resume``: sleb / sublayer rows continue a search from these removals)."""
     from prunelab.pruning import Beam, Depth, Sleb
 
     method, recovery, *loop = row.split(":")
     kw = {"remove": remove, "recovery": recovery, "recovery_in_loop": bool(loop)}
+    if resume and (loop or method not in ("sleb", "sublayer")):
+        raise SystemExit(f"error: {row}: --resume applies to sleb / sublayer rows without "
+                         ":loop")
     if loop and method in ("beam", "sleb", "sublayer"):
         kw["recovery_holdout"] = holdout
     if method in ("beam", "sleb", "sublayer"):
@@ -75,9 +80,9 @@ def make_config(row: str, remove: int, holdout: float | None = None,
     if method == "beam":
         return Depth(probe="block-influence", select=Beam(), **kw)
     if method == "sleb":
-        return Depth(select=Sleb(score="nll"), **kw)
+        return Depth(select=Sleb(score="nll", resume=resume), **kw)
     if method == "sublayer":
-        return Depth(select=Sleb(score="nll"), granularity="sublayer", **kw)
+        return Depth(select=Sleb(score="nll", resume=resume), granularity="sublayer", **kw)
     if method == "plan":
         if loop:
             raise SystemExit(f"error: {row}: a given plan has no search to loop over")
@@ -89,7 +94,8 @@ def make_config(row: str, remove: int, holdout: float | None = None,
 
 def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
             holdout: float | None = None, search_windows: int | None = None,
-            shared: dict | None = None, plans: dict | None = None) -> dict:
+            shared: dict | None = None, plans: dict | None = None,
+            resume: str = "") -> dict:
     """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``. A nested greedy row
     answered from a larger run adds that run's prefix cost (``search_*``) to its own.
 
@@ -104,7 +110,7 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
     from prunelab.pruning.surgery import prune_depth
 
     work = copy.deepcopy(lm)
-    cfg = make_config(row, remove, holdout, search_windows, plans)
+    cfg = make_config(row, remove, holdout, search_windows, plans, resume)
     method, _, *loop = row.split(":")
     key = (remove, search_windows) if method == "beam" and not loop else None
     reuse = shared.get(key) if (shared is not None and key is not None) else None
@@ -134,6 +140,7 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
             "seconds": seconds, "block_evaluations": evals,
             "search_block_evaluations": sel.get("block_evaluations"),
             "nested": sel.get("nested"), "holdout": sel.get("holdout_split"),
+            "resumed_from": sel.get("resumed_from"),
             "search_windows": sel.get("search_windows"),
             "shared_search": sel.get("shared_search", False),
             "params": rep["size_after"]["params"],
@@ -190,6 +197,11 @@ def main() -> None:
     ap.add_argument("--plans", default=None,
                     help="plan rows: COUNT=BLOCK:PART,...;COUNT=... (e.g. "
                     "'4=5:attention,16:mlp')")
+    ap.add_argument("--resume", default="",
+                    help="sleb / sublayer rows without :loop: continue the search from these "
+                    "removals (blocks 5,16 or sub-blocks 5:attention,16:mlp; the steps of a "
+                    "smaller run: greedy runs are nested); one count in --removes; "
+                    "block evaluations and seconds are then those of the continuation")
     args = ap.parse_args()
 
     import prunelab
@@ -200,7 +212,9 @@ def main() -> None:
     plans = parse_plans(args.plans)
     for r in rows:
         for n in ([int(x) for x in args.removes.split(",")] if r.startswith("plan:") else [1]):
-            make_config(r, n, plans=plans)  # refuse unknown rows before any work
+            make_config(r, n, plans=plans, resume=args.resume)  # refuse bad rows early
+    if args.resume and "," in args.removes:
+        raise SystemExit("error: --resume continues one search: give one count in --removes")
     prunelab.log.set_quiet(True)
     lm = prunelab.load(args.model, device=args.device)
     calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=args.seqlen, samples=args.calib)
@@ -220,7 +234,7 @@ def main() -> None:
     points, shared = [], {}
     for row, n in plan_rows(rows, [int(x) for x in args.removes.split(",")], args.nested):
         points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size, args.holdout,
-                              args.search_windows, shared, plans))
+                              args.search_windows, shared, plans, args.resume))
         print(json.dumps(points[-1]), flush=True)
         if args.json:
             write_json(args.json, dense, points, args)

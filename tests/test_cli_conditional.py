@@ -115,6 +115,25 @@ def test_prune_depth_sleb_over_sublayers_with_recovery_in_the_loop(tiny_dir):
                                    rtol=0, atol=0)
 
 
+def test_prune_depth_sleb_resumes_a_search(tiny_dir):
+    out = tiny_dir / "sleb-resume"
+    res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+              "--batch-size", "2", "--remove", "2", "--strategy", "sleb", "--sleb-score",
+              "kl", "--sleb-resume", "1", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    rep = json.loads((out / "manifest.json").read_text())["report"]
+    assert 1 in rep["removed_blocks"] and len(rep["removed_blocks"]) == 2
+    assert rep["selection"]["resumed_from"] == [1]
+    assert len(rep["selection"]["steps"]) == 1
+    res = cli("prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+              "--remove", "2", "--strategy", "sleb", "--sleb-resume", "1",
+              "--recovery", "ghost", "--recovery-in-loop", "--out", str(tiny_dir / "x"))
+    assert res.returncode == 2 and res.stderr.startswith("error: --sleb-resume cannot")
+    assert "Traceback" not in res.stderr
+
+
 def test_prune_depth_reports_the_selection_stability(tiny_dir):
     out = tiny_dir / "stable"
     res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",

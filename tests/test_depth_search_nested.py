@@ -205,3 +205,52 @@ def test_beam_in_the_loop_scores_on_the_held_out_batches():
     best = min((scorer.candidate(Plan(), block_units(b)).value, b) for b in range(4))
     assert how["recovery_holdout"] == 0.25
     assert (how["beam"]["best_cost"], blocks) == (best[0], [best[1]])
+
+
+# ---------------------------------------------------------------- resuming a search
+@pytest.mark.parametrize("gran", ["block", "sublayer"])
+def test_resuming_from_a_prefix_continues_the_run_exactly(gran):
+    lm = _lm(seed=2)
+    kw = {"select": Sleb(score="kl"), "granularity": gran}
+    full, how_full = select(lm, Depth(remove=3, **kw), ProbeContext(lm, IDS, batch_size=1), 3)
+    steps = how_full["steps"]
+    k = 1 if gran == "block" else 2
+    if gran == "block":
+        start = ",".join(str(s["removed"]) for s in steps[:k])
+    else:
+        start = ",".join(f"{b}:{p}" for s in steps[:k] for b, p in s["removed"])
+    ctx = ProbeContext(lm, IDS, batch_size=1)
+    got, how = select(lm, Depth(remove=3, select=Sleb(score="kl", resume=start),
+                                granularity=gran), ctx, 3)
+    assert got == full
+    assert [s["removed"] for s in how["steps"]] == [s["removed"] for s in steps[k:]]
+    assert [s["score"] for s in how["steps"]] == [s["score"] for s in steps[k:]]
+    assert how["resumed_from"]
+    # it costs less than the whole run
+    assert how["block_evaluations"] < how_full["block_evaluations"]
+
+
+def test_resume_errors():
+    lm = _lm()
+    ctx = ProbeContext(lm, IDS, batch_size=1)
+    nb = lm.adapter.num_blocks
+    with pytest.raises(ConfigError, match="mixes"):
+        Sleb(resume="1,2:mlp")
+    with pytest.raises(ConfigError, match="BLOCK:PART"):
+        Sleb(resume="1:foo")
+    with pytest.raises(ConfigError, match="distinct"):
+        Sleb(resume="1,1")
+    with pytest.raises(ConfigError, match=f"the model has {nb}"):
+        select(lm, Depth(remove=2, select=Sleb(resume=str(nb))), ctx, 2)
+    with pytest.raises(ConfigError, match="granularity sublayer"):
+        select(lm, Depth(remove=2, select=Sleb(resume="1:mlp")), ctx, 2)
+    with pytest.raises(ConfigError, match="recovery-in-loop"):
+        select(lm, Depth(remove=2, select=Sleb(resume="1"), recovery="ghost",
+                         recovery_in_loop=True), ctx, 2)
+    with pytest.raises(ConfigError, match="already reaches"):
+        select(lm, Depth(remove=1, select=Sleb(resume="1")), ctx, 1)
+    # whole blocks resume a sub-block search: both branches gone
+    got, how = select(lm, Depth(remove=2, select=Sleb(score="kl", resume="1"),
+                                granularity="sublayer"), ctx, 2)
+    assert [1, "attention"] in got and [1, "mlp"] in got
+    assert how["resumed_from"] == [[1, "attention"], [1, "mlp"]]

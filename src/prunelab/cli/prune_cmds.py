@@ -141,6 +141,10 @@ def prune_depth_cmd(
         beam_score: Optional[str] = typer.Option(None, help="beam: kl or perplexity "
                                                  "(default kl)"),
         sleb_score: Optional[str] = typer.Option(None, help="sleb: nll or kl (default nll)"),
+        sleb_resume: Optional[str] = typer.Option(
+            None, help="sleb: continue a greedy search from these removed blocks (5,16) or "
+            "sub-blocks (5:attention,16:mlp), e.g. the steps of an interrupted or smaller "
+            "run (not with --recovery-in-loop)"),
         val_metric: Optional[str] = typer.Option(
             None, help="validation: task metric (embed-cos, knn-agree, lfw-acc, wer, "
             "perplexity; default auto: embed-cos for vision, perplexity for text)"),
@@ -188,7 +192,8 @@ def prune_depth_cmd(
                          sublayers=sublayers or (),
                          blend_probe=blend_probe, beam_width=beam_width,
                          beam_seeds=beam_seeds, beam_score=beam_score,
-                         sleb_score=sleb_score, protect_ends=protect_ends,
+                         sleb_score=sleb_score, sleb_resume=sleb_resume,
+                         protect_ends=protect_ends,
                          val_metric=val_metric, val_width=val_width, val_options=val_options,
                          granularity=granularity, recovery_in_loop=recovery_in_loop or None,
                          recovery_holdout=recovery_holdout, bootstrap=bootstrap,

@@ -42,15 +42,73 @@ class Sleb(Strategy):
                                                 "help": "sleb: nll or kl"})
     protect_ends: bool = field(default=False, metadata={
         "help": "sleb: never remove the first or the last block"})
+    resume: str = field(default="", metadata={
+        "cli": "sleb_resume",
+        "help": "sleb: continue a greedy search from these removed blocks (5,16) or "
+                "sub-blocks (5:attention,16:mlp), e.g. the steps of an interrupted or "
+                "smaller run; not with --recovery-in-loop"})
 
     uses_probe = False
 
     def __post_init__(self):
         if self.score not in SLEB_SCORES:
             raise ConfigError(f"sleb score must be nll or kl, got {self.score!r}")
+        parse_resume(self.resume)
 
     def choose(self, job: SelectJob) -> tuple[list, dict]:
-        return greedy_search(job, self.score, self.protect_ends)
+        return greedy_search(job, self.score, self.protect_ends, self.resume)
+
+
+def parse_resume(text: str) -> tuple:
+    """The entries of ``Sleb.resume``: block numbers (``"5,16"``) or ``(block, part)``
+    pairs (``"5:attention,16:mlp"``), not mixed; a malformed entry is a ConfigError."""
+    items = [p.strip() for p in str(text or "").split(",") if p.strip()]
+    if not items:
+        return ()
+    if all(":" not in p for p in items):
+        try:
+            blocks = tuple(int(p) for p in items)
+        except ValueError:
+            raise ConfigError(f"--sleb-resume takes 0-based blocks (5,16) or sub-blocks "
+                              f"(5:attention,16:mlp); got {text!r}") from None
+        if min(blocks) < 0 or len(set(blocks)) != len(blocks):
+            raise ConfigError(f"--sleb-resume: blocks must be distinct and >= 0: {text!r}")
+        return blocks
+    if any(":" not in p for p in items):
+        raise ConfigError(f"--sleb-resume mixes blocks and sub-blocks: {text!r}")
+    from prunelab.pruning.depth import parse_sublayers
+
+    try:
+        return parse_sublayers(items)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("--sublayers", "--sleb-resume")) from None
+
+
+def resume_plan(job: SelectJob, text: str):
+    """The :class:`Plan` a resumed search starts from (``Plan()`` when ``text`` is
+    empty), checked against the model and the search's granularity."""
+    from prunelab.pruning.removal_plan import Plan, block_units, unit_of
+
+    entries = parse_resume(text)
+    if not entries:
+        return Plan()
+    if job.cfg.recovery_in_loop:
+        raise ConfigError("--sleb-resume cannot resume a search with --recovery-in-loop "
+                          "(its repairs were fitted along the way); run it whole")
+    nb = job.ctx.num_blocks
+    sub = isinstance(entries[0], tuple)
+    if sub and job.cfg.granularity != "sublayer":
+        raise ConfigError("--sleb-resume gives sub-blocks: use --granularity sublayer")
+    if not sub and job.cfg.granularity == "sublayer":
+        # whole blocks resume a sub-block search too: both their branches are gone
+        entries = tuple((b, p) for b in entries for p in ("attention", "mlp"))
+        sub = True
+    blocks = [e[0] if sub else e for e in entries]
+    if max(blocks) >= nb:
+        raise ConfigError(f"--sleb-resume names block {max(blocks)}; the model has {nb}")
+    units = frozenset(unit_of(b, p) for b, p in entries) if sub else \
+        frozenset().union(*(block_units(b) for b in entries))
+    return Plan(units)
 
 
 def search_setup(job: SelectJob, score: str):
@@ -89,27 +147,35 @@ def search_result(job: SelectJob, plan, how: dict, evals0: float) -> tuple[list,
     return sorted({u // 2 for u in plan.removed}), how
 
 
-def greedy_search(job: SelectJob, score: str, protect_ends: bool) -> tuple[list, dict]:
+def greedy_search(job: SelectJob, score: str, protect_ends: bool,
+                  resume: str = "") -> tuple[list, dict]:
     """SLEB's loop over blocks or sub-blocks (see module docstring); ``how`` records each
     step's choice, its score, its score without its own cut repaired and the cumulative
     block evaluations and seconds. With :func:`share_greedy_runs` on the context, a
-    finished run reaching the budget answers it with its prefix."""
+    finished run reaching the budget answers it with its prefix. ``resume``: start from
+    these removals (``Sleb.resume``; greedy removal is nested, so resuming from a run's
+    prefix continues that run exactly; raw searches only)."""
     from prunelab.pruning.removal_plan import Plan, PlanStates, cut_block, cuts_of, unit_name
     from prunelab.pruning.search_budget import candidates
 
     if score == "nll" and job.ctx.encoder:
         raise ConfigError("sleb score nll needs a causal LM; use --sleb-score kl "
                           "(1 - cos for encoders)")
+    start = resume_plan(job, resume)
     memo = getattr(job.ctx, "greedy_runs", None)
-    key = _run_key(job.cfg, score, protect_ends)
+    key = (*_run_key(job.cfg, score, protect_ends), tuple(sorted(start.removed)))
     scorer, budget, evals0 = search_setup(job, score)
+    if start.removed and budget.done(start.removed):
+        raise ConfigError("--sleb-resume already reaches the budget: nothing to search")
     if memo is not None and key in memo:
         hit = _prefix(memo[key], budget)
         if hit is not None:
             return hit
-    states, plan, steps, snaps = PlanStates(scorer), Plan(), [], []
+    states, plan, steps, snaps = PlanStates(scorer), start, [], []
     in_loop = scorer.recovery is not None
     t0 = time.perf_counter()
+    if start.removed:
+        states.refresh(plan, min(start.removed) // 2)
     while not budget.done(plan.removed):
         cands = candidates(job.ctx.num_blocks, plan.removed, job.cfg.granularity,
                            protect_ends)
@@ -136,6 +202,9 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool) -> tuple[list,
                                          for c, f in plan.fixes.items()}))
     how = {"strategy": "sleb", "score": score, "protect_ends": protect_ends,
            **budget.describe(), "steps": steps}
+    if start.removed:
+        how["resumed_from"] = [list(unit_name(u)) for u in sorted(start.removed)] \
+            if job.cfg.granularity == "sublayer" else sorted({u // 2 for u in start.removed})
     if hasattr(scorer, "describe"):
         how["holdout_split"] = scorer.describe()
     chosen = search_result(job, plan, how, evals0)
