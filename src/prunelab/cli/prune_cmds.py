@@ -185,6 +185,9 @@ def prune_depth_cmd(
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
     from prunelab.pruning import depth_from_cli
 
+    if sleb_resume is not None and not sleb_resume.strip(" ,"):
+        raise ConfigError("--sleb-resume is empty: give blocks (5,16) or sub-blocks "
+                          "(5:attention,16:mlp)")
     cfg = depth_from_cli(remove=remove, target_params=target_params, probe=probe_name,
                          from_probe=str(from_probe) if from_probe else None,
                          strategy=strategy, recovery=recovery, rank=rank,
