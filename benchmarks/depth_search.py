@@ -202,6 +202,9 @@ def main() -> None:
                     "removals (blocks 5,16 or sub-blocks 5:attention,16:mlp; the steps of a "
                     "smaller run: greedy runs are nested); one count in --removes; "
                     "block evaluations and seconds are then those of the continuation")
+    ap.add_argument("--progress", action="store_true",
+                    help="show progress on stderr (loading, each search step); "
+                    "default quiet: rows print when they end")
     args = ap.parse_args()
 
     import prunelab
@@ -215,7 +218,7 @@ def main() -> None:
             make_config(r, n, plans=plans, resume=args.resume)  # refuse bad rows early
     if args.resume and "," in args.removes:
         raise SystemExit("error: --resume continues one search: give one count in --removes")
-    prunelab.log.set_quiet(True)
+    prunelab.log.set_quiet(not args.progress)
     lm = prunelab.load(args.model, device=args.device)
     calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=args.seqlen, samples=args.calib)
     test = api.tokens_for(lm, "wiki-vital:test", seqlen=args.test_seqlen, samples=args.test)
