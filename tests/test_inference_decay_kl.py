@@ -196,3 +196,26 @@ def test_fitted_share_is_chosen_from_the_grid_and_consistent():
     for bad in ((), (1.5,), (-0.1, 0.0)):
         with pytest.raises(ConfigError, match="share"):
             kl.fit(0.75, shares=bad)
+
+
+def test_fit_reports_progress_once_per_objective_within_its_bound(monkeypatch):
+    import prunelab.inference.decay_kl as dk
+
+    made = []
+
+    class Recording(dk.Ticker):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(dk, "Ticker", Recording)
+    lm = wrap(tiny_model("llama"))
+    kl = KLCalibration(lm, tiny_tokens(2, 20, seed=3), horizon=4, observe=4, kernel=3)
+    calls = []
+    real = kl.objective
+    monkeypatch.setattr(kl, "objective", lambda cfg: calls.append(1) or real(cfg))
+    kl.fit(0.5, blocks=2, shares=(0.0, 0.5))
+    (ticker,) = made
+    assert ticker.done == len(calls) > 0
+    assert ticker.total >= len(calls)
+    assert ticker.total == 1 + 2 * 3 * 3 + 5 * 5 + 2 * (5 + 5)

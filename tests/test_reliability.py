@@ -386,3 +386,24 @@ def test_warnings_show_even_when_quiet(capsys):
     err = capsys.readouterr().err
     assert "a status line" not in err
     assert err.count("prunelab: warning: something may not be what was asked") == 1
+
+
+def test_ticker_reports_counts_and_a_bound_and_is_silent_when_quiet(capsys):
+    from prunelab import log
+
+    t = log.Ticker(4, "fit", every=0.0)
+    t.tick()
+    t.tick()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("fit: 1 of at most 4 after ")
+    assert lines[1].startswith("fit: 2 of at most 4 after ") and lines[1].endswith(" s left")
+    log.set_quiet(True)
+    try:
+        t.tick()
+    finally:
+        log.set_quiet(False)
+    assert capsys.readouterr().err == "" and t.done == 3
+    slow = log.Ticker(4, "fit", every=3600.0)
+    slow.tick()
+    assert capsys.readouterr().err == ""  # at most one line per `every` seconds

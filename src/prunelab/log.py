@@ -80,3 +80,26 @@ def _plain_progress(items: Iterable[T], total: int | None, desc: str,
             info(f"{desc}: {done}/{total} after {now - start:.0f} s, about {eta:.0f} s "
                  f"left{extra}")
             last = now
+
+
+class Ticker:
+    """Progress for work that is not one loop (a search calling an objective): call
+    :meth:`tick` after each unit; a status line with an estimate of the time left at most
+    every ``every`` seconds on stderr (nothing when quiet). ``total`` may be an upper
+    bound: the estimate is then pessimistic, never the count."""
+
+    def __init__(self, total: int, desc: str, every: float = 15.0) -> None:
+        self.total, self.desc, self.every = max(int(total), 1), desc, every
+        self.done = 0
+        self.start = self.last = time.perf_counter()
+
+    def tick(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if _state["quiet"] or now - self.last < self.every:
+            return
+        self.last = now
+        left = max(self.total - self.done, 0)
+        eta = (now - self.start) / self.done * left
+        info(f"{self.desc}: {self.done} of at most {self.total} after {now - self.start:.0f} s, "
+             f"at most about {eta:.0f} s left")

@@ -345,7 +345,7 @@ def _fit_decay_kl(lm, cfg, needles: int = 0):
     log.info(f"fitting the decay press at ratio {cfg.ratio} by the continuation KL on "
              f"{ids.shape[0]} windows of {ids.shape[1]} tokens"
              + (f" ({needles} with a key to retrieve)" if needles else "")
-             + ": a few minutes on a CPU")
+             + ": 5-15 minutes on a CPU")
     kl = KLCalibration(lm, ids, horizon=32, observe=32)
     # with needles the share of the budget kept for SnapKV's own top tokens is fitted too
     fitted = kl.fit(cfg.ratio, blocks=2, shares=SHARES if needles else None)

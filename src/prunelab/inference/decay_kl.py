@@ -44,6 +44,7 @@ from prunelab.inference.decay import (
 )
 from prunelab.inference.kv import budget, evict, evictable_layers
 from prunelab.inference.scores import attention_rows, group_heads
+from prunelab.log import Ticker
 from prunelab.registry import check_range
 
 LAMS = (0.0, 0.25, 0.5, 1.0, 2.0)
@@ -228,20 +229,31 @@ class KLCalibration:
             for v in shares:
                 check_range("share", v, 0.0, 1.0)
         n = self.lm.adapter.num_blocks
+        grid = len(shares) if shares is not None else 1
+        groups = min(blocks, len(self.layers))
+        ticker = Ticker(1 + grid * len(recents) * len(mixes) + len(lams) * len(rhos)
+                        + rounds * groups * (len(lams) + len(rhos)),
+                        f"fit at ratio {ratio}: KL evaluations")
+
+        def objective(cfg: DecayEviction) -> float:
+            val = self.objective(cfg)
+            ticker.tick()
+            return val
+
         snap = self.config(ratio, share=0.0)
-        history = {"kl_snapkv": self.objective(snap)}
+        history = {"kl_snapkv": objective(snap)}
         (share, recent, mix), best = (self.share, 0.0, 0.0), None
         for h in (shares if shares is not None else (self.share,)):
             for r in recents:
                 for x in mixes:
                     val = (history["kl_snapkv"] if h == r == x == 0.0
-                           else self.objective(self.config(ratio, recent=r, mix=x,
+                           else objective(self.config(ratio, recent=r, mix=x,
                                                            share=h)))
                     if best is None or val < best * (1.0 - tol):
                         (share, recent, mix), best = (h, r, x), val
         history["kl_zero_blend"] = best  # at the chosen mix / recent (mix 1, recent 0.5: H2O)
         params, start, best = coordinate_search(
-            lambda p: self.objective(self.config(ratio, p, recent, mix, share)),
+            lambda p: objective(self.config(ratio, p, recent, mix, share)),
             self.layers, n, lams, rhos, blocks, rounds, tol)
         history.update(share=share, recent=recent, mix=mix, kl_fitted=best,
                        blend=params[self.layers].tolist())
