@@ -86,7 +86,7 @@ class Ticker:
     """Progress for work that is not one loop (a search calling an objective): call
     :meth:`tick` after each unit; a status line with an estimate of the time left at most
     every ``every`` seconds on stderr (nothing when quiet). ``total`` may be an upper
-    bound: the estimate is then pessimistic, never the count."""
+    bound: the estimate of the time left is then pessimistic."""
 
     def __init__(self, total: int, desc: str, every: float = 15.0) -> None:
         self.total, self.desc, self.every = max(int(total), 1), desc, every

@@ -247,8 +247,7 @@ class KLCalibration:
             for r in recents:
                 for x in mixes:
                     val = (history["kl_snapkv"] if h == r == x == 0.0
-                           else objective(self.config(ratio, recent=r, mix=x,
-                                                           share=h)))
+                           else objective(self.config(ratio, recent=r, mix=x, share=h)))
                     if best is None or val < best * (1.0 - tol):
                         (share, recent, mix), best = (h, r, x), val
         history["kl_zero_blend"] = best  # at the chosen mix / recent (mix 1, recent 0.5: H2O)
