@@ -2,72 +2,63 @@
 
 Public verbs: :func:`load`, :func:`info`, :func:`probe`, :func:`prune`, :func:`evaluate`,
 :func:`save`.
+
+The names below are exposed lazily (PEP 562): ``import prunelab`` and ``import prunelab.cli``
+load neither torch nor transformers; ``prunelab.Wanda`` imports its module on first use.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from prunelab.inference import (  # noqa: E402
-    H2O,
-    DecayEviction,
-    EntroPrefill,
-    LazyLLM,
-    SnapKV,
-    StreamingLLM,
-    press,
-)
-from prunelab.pruning import (  # noqa: E402  # noqa: E402
-    Beam,
-    Blend,
-    Boundary,
-    Depth,
-    Foldable,
-    Gates,
-    Ghost,
-    Iterative,
-    LastN,
-    Lra,
-    Magnitude,
-    NoAdjacent,
-    NoRecovery,
-    OneShot,
-    Owl,
-    Pals,
-    PrunePath,
-    QKWanda,
-    Ramp,
-    Random,
-    Rose,
-    Sleb,
-    Span,
-    SparseGPT,
-    SparsityConfig,
-    Uniform,
-    Wanda,
-    Width,
-)
-from prunelab.pruning.elastic import ElasticRanking, elastic  # noqa: E402
-from prunelab.pruning.width import (  # noqa: E402
-    AblationKL,
-    CoCurve,
-    Flap,
-    MagnitudeProfile,
-    Putri,
-    WandaSP,
-)
+import importlib
 
-# isort: split
-from prunelab.api import evaluate, info, load, probe, prune, save  # noqa: E402
-from prunelab.calib.runner import BlockRunner, StateStore  # noqa: E402
-from prunelab.errors import PrunelabError  # noqa: E402
-from prunelab.models.adapters import get_adapter  # noqa: E402
-from prunelab.models.loading import LoadedModel, wrap  # noqa: E402
+from prunelab._version import __version__
 
-__all__ = ["AblationKL", "Beam", "Blend", "BlockRunner", "Boundary", "CoCurve", "Depth",
-           "DecayEviction", "ElasticRanking", "EntroPrefill", "Flap", "Gates", "H2O",
-           "LazyLLM", "PrunePath", "Sleb", "SnapKV", "StreamingLLM", "press",
-           "Foldable", "Ghost", "Iterative", "LastN", "LoadedModel", "Lra", "Magnitude",
-           "MagnitudeProfile", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals",
-           "PrunelabError", "Putri", "QKWanda", "Ramp", "Random", "Rose", "Span", "SparseGPT",
-           "SparsityConfig", "StateStore", "Uniform", "Wanda", "WandaSP", "Width", "evaluate",
-           "get_adapter", "info", "load", "probe", "prune", "elastic", "save", "wrap",
-           "__version__"]
+# public name -> the module that defines it (imported on first access)
+_LAZY: dict[str, str] = {
+    **dict.fromkeys((
+        'DecayEviction', 'EntroPrefill', 'H2O', 'LazyLLM', 'SnapKV', 'StreamingLLM',
+        'press',
+    ), "prunelab.inference"),
+    **dict.fromkeys((
+        'Beam', 'Blend', 'Boundary', 'Depth', 'Foldable', 'Gates', 'Ghost', 'Iterative',
+        'LastN', 'Lra', 'Magnitude', 'NoAdjacent', 'NoRecovery', 'OneShot', 'Owl',
+        'Pals', 'PrunePath', 'QKWanda', 'Ramp', 'Random', 'Rose', 'Sleb', 'Span',
+        'SparseGPT', 'SparsityConfig', 'Uniform', 'Wanda', 'Width',
+    ), "prunelab.pruning"),
+    **dict.fromkeys((
+        'ElasticRanking', 'elastic',
+    ), "prunelab.pruning.elastic"),
+    **dict.fromkeys((
+        'AblationKL', 'CoCurve', 'Flap', 'MagnitudeProfile', 'Putri', 'WandaSP',
+    ), "prunelab.pruning.width"),
+    **dict.fromkeys((
+        'evaluate', 'info', 'load', 'probe', 'prune', 'save',
+    ), "prunelab.api"),
+    **dict.fromkeys((
+        'BlockRunner', 'StateStore',
+    ), "prunelab.calib.runner"),
+    **dict.fromkeys((
+        'PrunelabError',
+    ), "prunelab.errors"),
+    **dict.fromkeys((
+        'get_adapter',
+    ), "prunelab.models.adapters"),
+    **dict.fromkeys((
+        'LoadedModel', 'wrap',
+    ), "prunelab.models.loading"),
+}
+
+__all__ = sorted([*_LAZY, "__version__"])
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prunelab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

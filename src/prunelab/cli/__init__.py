@@ -33,12 +33,23 @@ def run(argv: list[str] | None = None) -> None:
     sys.exit(cli_main(argv))
 
 
-def cli_main(argv: list[str] | None = None) -> int:
-    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
-    import transformers
+def _quiet_transformers() -> None:
+    """Errors only from transformers, no hub progress bars: set through the environment when
+    transformers is not loaded yet (so that ``--help`` never imports it), else directly."""
+    import os
 
+    if "transformers" not in sys.modules:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        return
+    transformers = sys.modules["transformers"]
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+def cli_main(argv: list[str] | None = None) -> int:
+    """Run the CLI on ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    _quiet_transformers()
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("--verbose", "-v") for a in args[: _first_command(args)])
     state.update(verbose=verbose, on_interrupt=None)

@@ -75,7 +75,7 @@ def prune_tokens_cmd(
 
 
 def _save_token_pruned(lm, cfg, res: dict, out_dir: Path, overwrite: bool) -> None:
-    import prunelab
+    from prunelab._version import __version__
     from prunelab.pruning.tokens import install_token_pruning
 
     paths = install_token_pruning(lm, cfg)

@@ -123,9 +123,9 @@ def make_fingerprint(lm, input_ids: torch.Tensor, data_info: dict | None = None,
     ``model``: a precomputed :func:`model_part` (hashing weights costs ~1 s per GB).
     ``parts``: further parts (e.g. ``test_data=data_part(test_ids, info)``).
     """
-    import prunelab
+    from prunelab._version import __version__
 
-    fp = {"format": FORMAT, "prunelab": prunelab.__version__,
+    fp = {"format": FORMAT, "prunelab": __version__,
           "model": model if model is not None else model_part(lm),
           "dtype": dtype_name(lm), "data": data_part(input_ids, data_info),
           "options": json.loads(json.dumps(options or {}, default=list))}

@@ -189,12 +189,12 @@ def _transformers_base(cls: type) -> type:
 
 
 def modeling_source(model: nn.Module, model_type: str) -> str:
-    import prunelab
+    from prunelab._version import __version__
 
     custom_source, custom_classes = _custom_sources(model)
     return _TEMPLATE.format(
         custom_source=custom_source, custom_classes=custom_classes,
-        version=prunelab.__version__, base_model=_transformers_base(type(model)).__name__,
+        version=__version__, base_model=_transformers_base(type(model)).__name__,
         base_config=_transformers_base(type(model.config)).__name__,
         attr=bridges.BRIDGE_ATTR, model_type=model_type,
         bridge_source=inspect.getsource(bridges.LinearBridge),

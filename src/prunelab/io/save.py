@@ -39,9 +39,9 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    import prunelab
+    from prunelab._version import __version__
 
-    return {"prunelab": prunelab.__version__, "torch": torch.__version__,
+    return {"prunelab": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
 

@@ -225,7 +225,7 @@ def render_report(*, title: str = "prunelab report", summary: Mapping[str, Any] 
                   commands: str | Sequence[str] | None = None,
                   recipe: str | Path | Mapping | None = None) -> str:
     """The page as a string (see :func:`write_report` for the arguments)."""
-    import prunelab
+    from prunelab._version import __version__
 
     body: list[tuple[str, str, str]] = []  # (anchor, heading, html)
     if summary:
@@ -248,7 +248,7 @@ def render_report(*, title: str = "prunelab report", summary: Mapping[str, Any] 
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>{esc(title)}</title><style>{CSS}</style></head><body><main>"
-            f"<h1>{esc(title)}</h1><p class=\"meta\">prunelab {esc(prunelab.__version__)}, "
+            f"<h1>{esc(title)}</h1><p class=\"meta\">prunelab {esc(__version__)}, "
             f"{stamp}; block indices are 0-based.</p><nav>{nav}</nav>{content}"
             "</main></body></html>\n")
 
