@@ -10,7 +10,7 @@ from prunelab.calib.stats import SumSquares
 from prunelab.errors import UnsupportedOperationError
 from prunelab.probes import ProbeResult, register
 from prunelab.pruning import METHODS, SparsityConfig
-from prunelab.pruning.recoveries import RECOVERIES, Recovery
+from prunelab.pruning.depth.recoveries import RECOVERIES, Recovery
 from prunelab.pruning.width.scoring.base import WIDTH_SCORES, ColumnScore
 
 

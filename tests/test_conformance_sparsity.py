@@ -16,7 +16,7 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
 from prunelab.pruning import METHODS, sparsity_methods
-from prunelab.pruning.sparsity.execute import selected_linears
+from prunelab.pruning.linears import selected_linears
 
 from tiny_models import ARCHS, char_tokenizer, tiny_model, tiny_tokens
 

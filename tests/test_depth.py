@@ -26,10 +26,10 @@ from prunelab.pruning import (
     Lra,
     depth_from_cli,
 )
-from prunelab.pruning import selection as sel
-from prunelab.pruning.bridges import LinearBridge, fit_bridge
-from prunelab.pruning.lstsq import NormalEquations
-from prunelab.pruning.sweep import parse_range, sweep_depth
+from prunelab.pruning.depth import selection as sel
+from prunelab.models.bridges import LinearBridge, fit_bridge
+from prunelab.lstsq import NormalEquations
+from prunelab.workflow.sweep import parse_range, sweep_depth
 from prunelab.registry import to_dict
 
 from tiny_models import char_tokenizer, tiny_config, tiny_model, tiny_tokens
@@ -204,7 +204,7 @@ def test_a_strategy_and_a_recovery_registered_from_outside(tmp_path):
     from dataclasses import dataclass
 
     from prunelab.pruning import Recovery, Strategy
-    from prunelab.pruning.recoveries.base import cut_error
+    from prunelab.pruning.depth.recoveries.base import cut_error
 
     @STRATEGIES.register("first-n")
     @dataclass(frozen=True)
@@ -360,7 +360,7 @@ def test_sweep_is_resumable(tmp_path, monkeypatch):
 
     import sys
 
-    monkeypatch.setattr(sys.modules["prunelab.pruning.sweep"], "_run_point", boom)
+    monkeypatch.setattr(sys.modules["prunelab.workflow.sweep"], "_run_point", boom)
     again = sweep_depth(lm, ["block-influence", "last-n"], [1, 2], ["none", "ghost"], IDS,
                         test_ids, tmp_path, batch_size=2)
     assert again == points

@@ -21,9 +21,9 @@ from prunelab.probes.ablation import (
     run_sublayer_ablation,
 )
 from prunelab.pruning import RECOVERIES, Beam, Depth, depth_from_cli
-from prunelab.pruning.depth import select
-from prunelab.pruning.recoveries import Recovery
-from prunelab.pruning.removal_plan import (
+from prunelab.pruning.depth.config import select
+from prunelab.pruning.depth.recoveries import Recovery
+from prunelab.pruning.depth.removal_plan import (
     Plan,
     PlanScorer,
     PlanStates,
@@ -31,10 +31,10 @@ from prunelab.pruning.removal_plan import (
     cuts_of,
     unit_of,
 )
-from prunelab.pruning.search_budget import candidates
-from prunelab.pruning.strategies import Sleb
-from prunelab.pruning.sublayer import PARTS, remove_sublayers
-from prunelab.pruning.surgery import run_depth
+from prunelab.pruning.depth.search_budget import candidates
+from prunelab.pruning.depth.strategies import Sleb
+from prunelab.models.sublayer import PARTS, remove_sublayers
+from prunelab.pruning.depth.surgery import run_depth
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 

@@ -13,13 +13,13 @@ from prunelab.eval.divergence import token_nll
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext
 from prunelab.pruning import RECOVERIES, Depth
-from prunelab.pruning.depth import select
-from prunelab.pruning.holdout import holdout_split
-from prunelab.pruning.recoveries.ghost import Ghost
-from prunelab.pruning.removal_plan import Plan, PlanScorer, PlanStates, cut_block, cuts_of
-from prunelab.pruning.search_budget import candidates
-from prunelab.pruning.strategies import Sleb
-from prunelab.pruning.strategies.sleb import share_greedy_runs
+from prunelab.pruning.depth.config import select
+from prunelab.pruning.depth.holdout import holdout_split
+from prunelab.pruning.depth.recoveries.ghost import Ghost
+from prunelab.pruning.depth.removal_plan import Plan, PlanScorer, PlanStates, cut_block, cuts_of
+from prunelab.pruning.depth.search_budget import candidates
+from prunelab.pruning.depth.strategies import Sleb
+from prunelab.pruning.depth.strategies.sleb import share_greedy_runs
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
@@ -174,7 +174,7 @@ def test_sublayer_steps_rerun_only_the_blocks_from_the_candidate_on():
     blocks ``b..3``: step 1 costs sum_b 2 (4 - b) = 20, then the refresh from the chosen
     block; in step 2 a partial block counts as one evaluation and a block that lost both
     branches as none. Cumulative counts per step are recorded."""
-    from prunelab.pruning.search_budget import unit_params
+    from prunelab.pruning.depth.search_budget import unit_params
 
     lm = _lm(seed=2)
     ctx = ProbeContext(lm, IDS, batch_size=2)
@@ -194,8 +194,8 @@ def test_sublayer_steps_rerun_only_the_blocks_from_the_candidate_on():
 
 def test_beam_in_the_loop_scores_on_the_held_out_batches():
     from prunelab.pruning import Beam
-    from prunelab.pruning.holdout import HoldoutScorer
-    from prunelab.pruning.removal_plan import block_units
+    from prunelab.pruning.depth.holdout import HoldoutScorer
+    from prunelab.pruning.depth.removal_plan import block_units
 
     lm = _lm(seed=1)
     ctx = ProbeContext(lm, IDS, batch_size=1)

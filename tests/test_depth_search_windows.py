@@ -11,10 +11,10 @@ from prunelab.errors import ConfigError
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext
 from prunelab.pruning import Depth
-from prunelab.pruning.depth import select
-from prunelab.pruning.strategies import Beam, Sleb
-from prunelab.pruning.strategies.sleb import share_greedy_runs
-from prunelab.pruning.surgery import run_depth
+from prunelab.pruning.depth.config import select
+from prunelab.pruning.depth.strategies import Beam, Sleb
+from prunelab.pruning.depth.strategies.sleb import share_greedy_runs
+from prunelab.pruning.depth.surgery import run_depth
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 

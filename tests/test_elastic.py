@@ -15,7 +15,7 @@ from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits
 from prunelab.models.loading import wrap
 from prunelab.pruning.base import METHODS
-from prunelab.pruning.elastic import (
+from prunelab.pruning.width.elastic import (
     ElasticRanking,
     cut,
     elastic,
@@ -27,8 +27,8 @@ from prunelab.pruning.elastic import (
     soft_keep,
     threshold,
 )
-from prunelab.pruning.elastic.fit import ranking_dict
-from prunelab.pruning.elastic.ranking import initial_scores, removed_count
+from prunelab.pruning.width.elastic.fit import ranking_dict
+from prunelab.pruning.width.elastic.ranking import initial_scores, removed_count
 from prunelab.pruning.width import Width
 from prunelab.pruning.width.scoring import ElasticScore
 from prunelab.registry import to_dict

@@ -85,7 +85,7 @@ def test_sparsity_on_bert_keeps_embeddings():
 
 
 def test_sweep_refuses_encoders_clearly():
-    from prunelab.pruning.sweep import sweep_depth
+    from prunelab.workflow.sweep import sweep_depth
 
     with pytest.raises(ConfigError, match="encoder"):
         sweep_depth(wrap(tiny_model("bert")), ["block-influence"], [1], ["none"], IDS, IDS,

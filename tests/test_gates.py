@@ -20,7 +20,7 @@ from prunelab.models.loading import wrap
 from prunelab.probes.base import make_config, probe_spec
 from prunelab.probes.context import ProbeContext
 from prunelab.pruning import METHODS
-from prunelab.pruning.gate_fit import (
+from prunelab.pruning.gates.fit import (
     bootstrap_rounds,
     cover_budget,
     ema_smooth,
@@ -28,7 +28,7 @@ from prunelab.pruning.gate_fit import (
     log_target,
     ranking_loss,
 )
-from prunelab.pruning.gates import (
+from prunelab.pruning.gates.config import (
     Gates,
     Measurement,
     apply_plan,

@@ -34,7 +34,7 @@ from prunelab.probes.heads import (
 from prunelab.probes.summary import write_summary
 from prunelab.pruning.width import Width
 from prunelab.pruning.width.execute import prune_width
-from prunelab.report.plots import head_array, plot_result
+from prunelab.probes.plots import head_array, plot_result
 
 from tiny_models import tiny_config, tiny_model, tiny_tokens
 

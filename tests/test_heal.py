@@ -14,10 +14,10 @@ import torch
 import prunelab
 from prunelab.errors import ConfigError, PrunelabError, ResumeMismatchError
 from prunelab.heal import HealConfig, eval_nll, heal, kept_positions
-from prunelab.heal.lora import zero_count
-from prunelab.heal.losses import kd_loss
+from prunelab.train.lora import zero_count
+from prunelab.train.losses import kd_loss
 from prunelab.models.loading import wrap
-from prunelab.pruning.bridges import LinearBridge, attach_bridge
+from prunelab.models.bridges import LinearBridge, attach_bridge
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
@@ -182,7 +182,7 @@ def test_hidden_loss_matches_inputs_of_kept_blocks_to_their_original_positions()
     student.adapter.delete_blocks([1])
     manifest = {"operations": [{"operation": "prune-depth", "removed_blocks": [1]}]}
     ids = tiny_tokens(2, 12, seed=4)
-    from prunelab.heal.loop import HealRun
+    from prunelab.train.loop import HealRun
 
     run = HealRun(student, teacher, ids, None, HealConfig(loss="hidden", **FAST), None,
                   manifest["operations"])

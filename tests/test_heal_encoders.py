@@ -1,4 +1,4 @@
-"""Healing of pruned encoders by feature distillation (prunelab.heal.encoders and
+"""Healing of pruned encoders by feature distillation (prunelab.train.encoders and
 `prunelab heal` on vision / speech models) on tiny DINOv2 / ViT / Whisper models."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import transformers as tf
 
 import prunelab
 from prunelab.errors import ConfigError
-from prunelab.heal.encoders import EncoderHealConfig, final_loss, heal_encoder
+from prunelab.train.encoders import EncoderHealConfig, final_loss, heal_encoder
 from prunelab.models.loading import wrap
 from test_vision import SIZE, hidden, pixels, tiny_vision
 from test_whisper import tiny_whisper
@@ -222,7 +222,7 @@ def test_cli_needs_a_teacher_and_image_size_is_vision_only(vision_dirs, tmp_path
 
 
 def test_peek_modality(vision_dirs, tmp_path):
-    from prunelab.heal.encoder_entry import peek_modality
+    from prunelab.api.heal_encoders import peek_modality
 
     from tiny_models import save_tiny_checkpoint
 

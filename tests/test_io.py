@@ -10,7 +10,7 @@ import transformers as tf
 
 import prunelab
 from prunelab.errors import OutputExistsError, UnsupportedOperationError
-from prunelab.io.save import write_json
+from prunelab.io.files import write_json
 from prunelab.models.loading import wrap
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens

@@ -205,9 +205,9 @@ def test_plots_do_not_import_the_probes():
     src = Path(prunelab.__file__).parent
     code = ("import sys, types; pkg = types.ModuleType('prunelab'); "
             f"pkg.__path__ = [{str(src)!r}]; sys.modules['prunelab'] = pkg; "
-            "import prunelab.report.plots; "
+            "import prunelab.probes.plots; "
             "assert not any(m.startswith('prunelab.probes') for m in sys.modules), "
             "sorted(m for m in sys.modules if m.startswith('prunelab'))")
-    for snippet in (code, "import prunelab.probes.base", "import prunelab.report.plots"):
+    for snippet in (code, "import prunelab.probes.base", "import prunelab.probes.plots"):
         run = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr

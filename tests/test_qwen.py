@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from prunelab.calib.memory import release_free_memory
+from prunelab.models.memory import release_free_memory
 from prunelab.errors import ModelNotFoundError
 from prunelab.models import embedded
 from prunelab.models.embedded import EMBEDDED, resolve_embedded

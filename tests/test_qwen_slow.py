@@ -17,7 +17,8 @@ import transformers as tf
 
 import prunelab
 from prunelab.data import make_batches
-from prunelab.models.embedded import EMBEDDED, package_file
+from prunelab.models.embedded import EMBEDDED
+from prunelab.paths import package_file
 
 pytestmark = pytest.mark.slow
 NAME = "qwen2.5-coder-0.5b"

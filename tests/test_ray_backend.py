@@ -112,7 +112,7 @@ def test_ray_matches_serial_and_rerun_skips(tmp_path, local_ray):
 
 def test_sweep_depth_on_ray_equals_serial(tmp_path, local_ray):
     from prunelab import api
-    from prunelab.pruning.sweep import sweep_depth
+    from prunelab.workflow.sweep import sweep_depth
 
     from tiny_models import save_tiny_checkpoint
 

@@ -11,7 +11,8 @@ import transformers as tf
 import prunelab
 from prunelab.calib.runner import BlockRunner, StateStore
 from prunelab.data import make_batches
-from prunelab.models.embedded import EMBEDDED, package_file
+from prunelab.models.embedded import EMBEDDED
+from prunelab.paths import package_file
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +112,7 @@ def test_smollm2_probes_block_influence_and_adjacent_interchange(smol, tmp_path)
 def test_smollm2_depth_recovery_beats_none(smol):
     """Remove 6 of 30 blocks chosen by block influence: foldable and ghost recovery give a
     lower test perplexity than no recovery."""
-    from prunelab.pruning.sweep import sweep_depth
+    from prunelab.workflow.sweep import sweep_depth
 
     calib = make_batches(smol.tokenizer, "wiki-vital:calib", seqlen=256, samples=12, seed=0)
     test = make_batches(smol.tokenizer, "wiki-vital:test", seqlen=256, samples=6)

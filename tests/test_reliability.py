@@ -31,7 +31,7 @@ from prunelab.probes.reliability import (
 from prunelab.probes.reliability_report import interval_class
 from prunelab.probes.summary import lowest_n, write_summary
 from prunelab.pruning import Depth
-from prunelab.report.plots import plot_result
+from prunelab.probes.plots import plot_result
 
 from tiny_models import tiny_model, tiny_tokens
 

@@ -27,9 +27,9 @@ from prunelab.errors import (
     PickleRefusedError,
 )
 from prunelab.io import lock as lockmod
-from prunelab.io import save as savemod
+from prunelab.checkpoint import save as savemod
 from prunelab.io.lock import clean_leftovers, move_noreplace, output_lock, publish_once
-from prunelab.io.save import check_output_path, write_json
+from prunelab.io.files import check_output_path, write_json
 from prunelab.models import loading
 from prunelab.models.loading import wrap
 

@@ -11,8 +11,8 @@ import torch
 
 import prunelab
 from prunelab.heal import HealConfig, heal, lora_gradient_estimate, unit_importance
-from prunelab.heal.lora import Trainables, lora_factors
-from prunelab.heal.rep_lie import RepLieTracker, merged_weight, rep_lie_importances
+from prunelab.train.lora import Trainables, lora_factors
+from prunelab.pruning.width.rep_lie import RepLieTracker, merged_weight, rep_lie_importances
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
 from prunelab.pruning.width.execute import run_width

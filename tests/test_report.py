@@ -14,13 +14,13 @@ import pytest
 from matplotlib.colors import LogNorm, Normalize
 
 from prunelab.cli import cli_main
-from prunelab.io.save import write_json
+from prunelab.io.files import write_json
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeResult
 from prunelab.probes.session import run_probes
 from prunelab.report.html import write_report
-from prunelab.report.plots import pair_norm, plot_result, plot_swap_pair
-from prunelab.report.swap_plots import diagonal_offsets, plot_swap_diagonals
+from prunelab.probes.plots import pair_norm, plot_result, plot_swap_pair
+from prunelab.probes.swap_plots import diagonal_offsets, plot_swap_diagonals
 
 from tiny_models import tiny_model, tiny_tokens
 
@@ -167,7 +167,7 @@ def test_cli_report_of_a_probe_run(probe_dir, capsys):
 
 
 def test_cli_report_of_a_sweep_and_points(tmp_path, capsys):
-    from prunelab.pruning.sweep import write_sweep_reports
+    from prunelab.workflow.sweep import write_sweep_reports
 
     points = [{"probe": "block-influence", "strategy": "lowest", "recovery": "none",
                "removed_count": n, "removed_blocks": list(range(n)),

@@ -20,13 +20,13 @@ from prunelab.io.fingerprint import (
 )
 from prunelab.models.loading import wrap
 from prunelab.probes import run_probes
-from prunelab.pruning.sweep import sweep_depth
+from prunelab.workflow.sweep import sweep_depth
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 
 IDS = tiny_tokens(4, 12)
 INFO = {"spec": "text:a.txt", "mode": "calib", "samples": 4, "seqlen": 12, "seed": 0}
-SWEEP = sys.modules["prunelab.pruning.sweep"]
+SWEEP = sys.modules["prunelab.workflow.sweep"]
 
 
 def one_line(exc: pytest.ExceptionInfo) -> str:

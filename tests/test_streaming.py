@@ -110,7 +110,7 @@ def test_eval_and_probe_streamed_equal_resident(ckpt):
 
 
 def test_failed_save_leaves_no_partial_folder(ckpt, tmp_path, monkeypatch):
-    from prunelab.io import stream_save
+    from prunelab.checkpoint import stream_save
 
     lm = prunelab.load(str(ckpt / "model"), stream=True)
     prunelab.prune(lm, prunelab.Magnitude(sparsity=0.5), CALIB, batch_size=2)

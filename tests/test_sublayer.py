@@ -14,7 +14,7 @@ import prunelab
 from prunelab.errors import UnsupportedOperationError
 from prunelab.models.custom import custom_modules, flops_per_token
 from prunelab.models.loading import wrap
-from prunelab.pruning.sublayer import (
+from prunelab.models.sublayer import (
     branch_paths,
     remove_sublayers,
     removed_sublayers,

@@ -14,7 +14,7 @@ from prunelab.probes.summary import (
     rank_correlations,
     write_summary,
 )
-from prunelab.report.plots import plot_result, plot_swap_pair
+from prunelab.probes.plots import plot_result, plot_swap_pair
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

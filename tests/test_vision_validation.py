@@ -14,8 +14,8 @@ from prunelab.errors import ConfigError
 from prunelab.eval.task_metric import make_task_metric
 from prunelab.models.loading import wrap
 from prunelab.pruning import Depth
-from prunelab.pruning.strategies import Validation
-from prunelab.pruning.strategies.validation import blocks_removed
+from prunelab.pruning.depth.strategies import Validation
+from prunelab.pruning.depth.strategies.validation import blocks_removed
 from test_vision import SIZE, tiny_vision
 
 # the metric scores the very windows the recovery is fitted on

@@ -307,7 +307,7 @@ def speech_folder(tmp_path):
 def test_encoder_probe_and_depth_on_log_mel_features(speech_folder):
     import prunelab
     from prunelab.models.loading import wrap
-    from prunelab.pruning.depth import Depth
+    from prunelab.pruning.depth.config import Depth
 
     model = tiny_whisper(layers=3)
     lm = wrap(model, spec="tiny-whisper")
@@ -356,7 +356,8 @@ def test_wer_metric_needs_a_speech_model():
 
 # ------------------------------------------------------------------ real checkpoints (slow)
 def _have(name: str) -> bool:
-    from prunelab.models.embedded import EMBEDDED, package_file
+    from prunelab.models.embedded import EMBEDDED
+    from prunelab.paths import package_file
 
     return all(package_file(*p) is not None for p in EMBEDDED[name].packages)
 

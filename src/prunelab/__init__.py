@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from prunelab._version import __version__
+from prunelab._version import __version__  # noqa: F401 - public
 
 # public name -> the module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
@@ -27,7 +27,7 @@ _LAZY: dict[str, str] = {
     ), "prunelab.pruning"),
     **dict.fromkeys((
         'ElasticRanking', 'elastic',
-    ), "prunelab.pruning.elastic"),
+    ), "prunelab.pruning.width.elastic"),
     **dict.fromkeys((
         'AblationKL', 'CoCurve', 'Flap', 'MagnitudeProfile', 'Putri', 'WandaSP',
     ), "prunelab.pruning.width"),

@@ -93,3 +93,13 @@ def lstsq(a: torch.Tensor, b: torch.Tensor, *args, **kwargs):
 def pinv(a: torch.Tensor, *args, **kwargs):
     with _threads_for(a):
         return torch.linalg.pinv(a, *args, **kwargs)
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Spearman rank correlation (average ranks for ties); 0 when undefined."""
+    from scipy.stats import spearmanr
+
+    if x.numel() < 2:
+        return 0.0
+    rho = spearmanr(x.double().numpy(), y.double().numpy()).statistic
+    return 0.0 if rho != rho else float(rho)

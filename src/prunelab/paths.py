@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
 from pathlib import Path
 
@@ -14,3 +16,27 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "prunelab"
+
+
+def package_file(dist: str, module: str, relpath: str) -> Path | None:
+    """Path of ``relpath`` inside an installed package, found without importing it."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            cand = Path(loc) / relpath
+            if cand.is_file():
+                return cand
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    target = f"{module}/{relpath}"
+    for f in files:
+        if str(f).replace("\\", "/").endswith(target):
+            cand = Path(f.locate())
+            if cand.is_file():
+                return cand
+    return None

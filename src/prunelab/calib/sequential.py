@@ -24,7 +24,7 @@ Also here: :class:`SharedInputs`, which finds the linears of a group that read t
 same tensor (q/k/v; gate/up) so their statistics are computed once; the runner's
 ``collect`` uses it too. Hooks and replaced forwards are always removed (``try/finally``).
 Free heap pages go back to the system after every group
-(:func:`~prunelab.calib.memory.release_free_memory`): the peak stays near the live memory.
+(:func:`~prunelab.models.memory.release_free_memory`): the peak stays near the live memory.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from prunelab.calib.memory import release_free_memory
 from prunelab.calib.stats import Accumulator
 from prunelab.models.linear import weight_out_in
+from prunelab.models.memory import release_free_memory
 
 _MISSING = object()
 PLACEHOLDER = object()  # where a container returned its linear's placeholder

@@ -8,7 +8,8 @@
   memory is written to a staging shard (:meth:`Streamer.writing`). Methods that need the
   whole model at once (gradients through it, whole-model passes) are refused in one line
   (:func:`check_streamable`).
-* Probes: only those in :data:`STREAMABLE_PROBES` (forward passes through the stack).
+* Probes: only those in :data:`prunelab.probes.base.STREAMABLE_PROBES` (forward passes
+  through the stack).
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from prunelab.calib.runner import BlockRunner
 from prunelab.errors import UnsupportedOperationError
 from prunelab.eval.divergence import kl_from_logits, nll_sum, top1_agreement
 from prunelab.models.streaming import streamer_of
-
-#: Probes that need only block-by-block forward passes through the stack.
-STREAMABLE_PROBES = ("block-influence", "span-angular", "cka")
 
 
 @torch.no_grad()
@@ -85,74 +83,14 @@ def score_windows_streamed(lm, input_ids: torch.Tensor, batch_size: int = 4,
 
 
 def check_streamable(lm, config) -> None:
-    """One-line :class:`UnsupportedOperationError` for a method that needs the whole
-    model in memory (gradients through it, or passes outside the block runner)."""
-    from prunelab.pruning.sparsity.config import SparsityConfig
-
-    name = type(config).__name__.lower()
-    if isinstance(config, SparsityConfig):
-        own = type(config).model_statistics is not SparsityConfig.model_statistics
-        if own and getattr(config, "hessian_alpha", 1.0) > 0:
-            raise UnsupportedOperationError(
-                f"--stream: {name} needs gradients through the whole model "
-                "(model statistics): run it without --stream")
-        return
-    from prunelab.pruning.depth import Depth
-    from prunelab.pruning.width.config import Width
-
-    if isinstance(config, Width):
-        score = config.score_name
-        if score not in STREAMABLE_WIDTH_SCORES:
-            raise UnsupportedOperationError(
-                f"--stream: width score {score} needs the whole model (ablations or "
-                f"gradients); streamable: {', '.join(STREAMABLE_WIDTH_SCORES)}")
-        return
-    if isinstance(config, Depth):
-        _check_depth(config)
-        return
-    raise UnsupportedOperationError(
-        f"--stream supports prune sparsity, width and depth, not {type(config).__name__}")
-
-
-#: Width scores computed from weights and one statistics pass through the runner.
-STREAMABLE_WIDTH_SCORES = ("wanda-sp", "flap", "magnitude-profile")
-#: Depth recoveries fitted block by block (or none).
-STREAMABLE_RECOVERIES = ("none", "foldable")
-
-
-def _check_depth(config) -> None:
-    from prunelab.pruning.recoveries import RECOVERIES
-    from prunelab.pruning.strategies import STRATEGIES
-
-    rec = RECOVERIES.name_of(config.recovery) if config.recovery is not None else "none"
-    if rec not in STREAMABLE_RECOVERIES:
+    """One-line :class:`UnsupportedOperationError` for a method that needs the whole model
+    in memory. Each method declares it (``config.check_streamable()``: its own errors); a
+    config without that hook is not streamable."""
+    check = getattr(config, "check_streamable", None)
+    if check is None:
         raise UnsupportedOperationError(
-            f"--stream: depth recovery {rec} is not streamable; use "
-            f"{' or '.join(STREAMABLE_RECOVERIES)}, or run without --stream")
-    if not config.from_probe and not config.blocks and \
-            config.probe not in STREAMABLE_PROBES:
-        raise UnsupportedOperationError(
-            f"--stream: probe {config.probe} needs the whole model; streamable probes: "
-            + ", ".join(STREAMABLE_PROBES))
-    strategy = STRATEGIES.name_of(config.select) if config.select is not None else None
-    if strategy not in (None, "one-shot", "no-adjacent", "span", "last-n"):
-        raise UnsupportedOperationError(
-            f"--stream: depth strategy {strategy} evaluates candidate models; use one-shot, "
-            "no-adjacent, span or last-n, or run without --stream")
-    if getattr(config, "granularity", "block") != "block":
-        raise UnsupportedOperationError("--stream: depth supports --granularity block only")
-
-
-def check_streamable_probes(items) -> None:
-    """One-line error naming the probes of ``items`` that need the whole model."""
-    from prunelab.probes.base import PROBES
-
-    names = [p if isinstance(p, str) else PROBES.name_of(p) for p in items]
-    bad = [n for n in names if n not in STREAMABLE_PROBES]
-    if bad:
-        raise UnsupportedOperationError(
-            f"--stream: probe(s) {', '.join(bad)} need the whole model in memory; "
-            f"streamable probes: {', '.join(STREAMABLE_PROBES)}")
+            f"--stream supports prune sparsity, width and depth, not {type(config).__name__}")
+    check()
 
 
 @contextlib.contextmanager

@@ -87,8 +87,8 @@ def writing(path: Path | None, kind: str | None, overwrite: bool,
         state["on_interrupt"] = "nothing was written"
         yield
         return
+    from prunelab.io.files import check_output_path
     from prunelab.io.lock import output_lock
-    from prunelab.io.save import check_output_path
 
     if kind is None:
         check_output_path(path)

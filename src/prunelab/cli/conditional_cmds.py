@@ -55,7 +55,7 @@ def prune_gates_cmd(
         offload: bool = OffloadOpt):
     """CausalGate: gates fitted to the KL of zeroing each attention / MLP branch; the
     lowest are removed for real until --budget of the sublayer compute is skipped."""
-    from prunelab.pruning.gates import Gates
+    from prunelab.pruning.gates.config import Gates
 
     flat = {"budget": ("--budget", budget), "ema": ("--ema", ema),
             "rounds": ("--rounds", rounds), "rank_weight": ("--rank-weight", rank_weight),
@@ -70,7 +70,7 @@ def prune_gates_cmd(
 
 
 def _show_gates(lm, rep, model: str, out_dir: Path) -> None:
-    from prunelab.io.remote import load_hint
+    from prunelab.checkpoint.remote import load_hint
 
     t = Table(title=f"CausalGate sublayer removal of {model} (0-based blocks)",
               show_header=False)
@@ -134,7 +134,7 @@ def prune_moe_cmd(
 
 
 def _show_moe(lm, rep, model: str, out_dir: Path, cfg) -> None:
-    from prunelab.io.remote import load_hint
+    from prunelab.checkpoint.remote import load_hint
 
     t = Table(title=f"PrunePath experts of {model}", show_header=False)
     rows = [("experts per FFN", str(cfg.experts)),

@@ -53,8 +53,8 @@ def prune_elastic_cmd(
     """Learn one ranking of every KV group and FFN channel across a range of budgets (the
     weights frozen); the checkpoint stays dense and `prunelab export --keep F` cuts any
     size from it without calibration."""
-    from prunelab.pruning.elastic import ElasticRanking
-    from prunelab.pruning.elastic.method import parse_budgets
+    from prunelab.pruning.width.elastic import ElasticRanking
+    from prunelab.pruning.width.elastic.method import parse_budgets
 
     low, high = parse_budgets(budgets)
     flat = {"budget_min": ("--budgets", low), "budget_max": ("--budgets", high),
@@ -99,7 +99,7 @@ def export_cmd(
     """Cut a size from an elastic checkpoint (`prunelab prune elastic`), in seconds, with
     no calibration."""
     from prunelab.errors import ConfigError
-    from prunelab.pruning.elastic.method import export
+    from prunelab.workflow.export import export
 
     if allocation not in ("global", "uniform"):
         raise ConfigError(f"--allocation must be global or uniform, got {allocation!r}")

@@ -1,7 +1,7 @@
 """``prunelab heal``: a short structure-preserving fine-tune of a pruned checkpoint (LoRA or
 full; ce / kd / hidden / mix), optionally pruning while tuning (REP-LIE, CascadeFlow); on a
 vision or speech encoder, feature distillation from the dense model
-(:mod:`prunelab.heal.encoders`)."""
+(:mod:`prunelab.train.encoders`)."""
 
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def heal_cmd(
     """Heal a pruned model: a short fine-tune that keeps its sparsity, shapes and bridges,
     merged and saved (no peft needed to load it); held-out early stopping; resumable."""
     from prunelab import api, log
+    from prunelab.api.heal_encoders import peek_modality
     from prunelab.heal import HealConfig
-    from prunelab.heal.encoder_entry import peek_modality
     from prunelab.log import is_quiet
 
     load = {"dtype": dtype, "device": device, "trust_remote_code": trust_remote_code,
@@ -173,11 +173,11 @@ _TEXT_ONLY = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight",
 def _heal_encoder(model: str, teacher, data: str, held_out, out_dir: Path, overwrite: bool,
                   load: dict, given: dict, extra: dict) -> None:
     """``prunelab heal`` on a vision or speech encoder: feature distillation from
-    ``--teacher`` (see :mod:`prunelab.heal.encoders`)."""
+    ``--teacher`` (see :mod:`prunelab.train.encoders`)."""
     from prunelab import api, log
-    from prunelab.heal.encoder_entry import heal_encoder_specs
-    from prunelab.heal.encoders import EncoderHealConfig
+    from prunelab.api.heal_encoders import heal_encoder_specs
     from prunelab.log import is_quiet
+    from prunelab.train.encoders import EncoderHealConfig
 
     bad = [flag for k, flag in _TEXT_ONLY.items()
            if (given.get(k) if k in given else extra.get(k)) is not None]

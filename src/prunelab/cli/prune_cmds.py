@@ -408,7 +408,7 @@ def _show_depth(lm, rep, model: str, out_dir: Path, recovery: str) -> None:
         t.add_row(k, v)
     out.print(t)
     if rep["needs_remote_code"]:
-        from prunelab.io.remote import load_hint
+        from prunelab.checkpoint.remote import load_hint
 
         why = ("blocks that kept one branch" if rep.get("partial_blocks")
                else f"{recovery} adds linear bridges")
@@ -454,7 +454,7 @@ def _show_width(lm, rep, model: str, out_dir: Path, unit: str, score: str, alloc
               f"{len(rep['compensation']['least_squares'])} least-squares refits, "
               f"{len(rep['compensation']['bias'])} bias updates; {rep['seconds']:.1f} s")
     if rep["needs_remote_code"]:
-        from prunelab.io.remote import load_hint
+        from prunelab.checkpoint.remote import load_hint
 
         out.print(f"note: per-block widths ({'; '.join(rep['vanilla_problems'])}): load "
                   f"{out_dir} with {load_hint(lm.model)}")
@@ -497,8 +497,8 @@ def sweep_depth_cmd(
         cpus_per_point: float = CpusOpt, gpus_per_point: float = GpusOpt):
     """Test perplexity and KL to dense against blocks removed, per probe x recovery."""
     from prunelab import api
-    from prunelab.pruning.sweep import parse_range, sweep_depth
     from prunelab.report.folder import record_command
+    from prunelab.workflow.sweep import parse_range, sweep_depth
 
     removes = parse_range(remove)
     if ray is None and (cpus_per_point != 1.0 or gpus_per_point != 0.0):

@@ -47,7 +47,7 @@ def prune_tokens_cmd(
         dtype: str = DtypeOpt, device: str = DeviceOpt):
     """Prune patch tokens by CLS attention (vision encoders) and report embedding fidelity,
     LFW accuracy, tokens per block and images/s against the dense forward."""
-    from prunelab.io.save import check_output_path, write_json
+    from prunelab.io.files import check_output_path, write_json
     from prunelab.pruning.tokens import TokenPruning, evaluate_token_pruning
 
     cfg = TokenPruning(keep=keep, layers=_ints(layers), fuse=fuse)
@@ -75,13 +75,13 @@ def prune_tokens_cmd(
 
 
 def _save_token_pruned(lm, cfg, res: dict, out_dir: Path, overwrite: bool) -> None:
-    from prunelab._version import __version__
+    from prunelab import api
     from prunelab.pruning.tokens import install_token_pruning
 
     paths = install_token_pruning(lm, cfg)
     metrics = {k: res[k] for k in ("cls_cosine", "mean_cosine", "knn_agreement",
                                    "lfw_accuracy", "speedup") if k in res}
-    prunelab.save(lm, out_dir, overwrite=overwrite, operation="prune-tokens",
+    api.save(lm, out_dir, overwrite=overwrite, operation="prune-tokens",
                   config={"keep": cfg.keep, "layers": list(cfg.layers), "fuse": cfg.fuse,
                           "modules": paths}, data=res.get("data"), metrics=metrics)
     out.print(f"wrote {out_dir} (load with AutoModel.from_pretrained(path, "

@@ -84,7 +84,7 @@ def recipe_cmd(
         typer.echo(text, nl=False)
         return
     with writing(out_file, "file", overwrite):
-        from prunelab.io.save import check_output_path
+        from prunelab.io.files import check_output_path
 
         check_output_path(out_file, kind="file", overwrite=overwrite)
         out_file.write_text(text)

@@ -9,10 +9,10 @@ from prunelab.data.batches import (
     TokenBatches,
     make_batches,
     special_frame,
-    tensor_sha256,
     tokenize_source,
 )
 from prunelab.data.sources import SPEC_HELP, TextSource, describe_sources, load_text_source
+from prunelab.io.fingerprint import tensor_sha256
 
 __all__ = [
     "DEFAULT_CALIB_SAMPLES",

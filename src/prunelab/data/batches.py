@@ -39,11 +39,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from prunelab.data.sources import TextSource, load_text_source
 from prunelab.errors import ConfigError, DataError
+from prunelab.io.fingerprint import tensor_sha256
 
 __all__ = [
     "DEFAULT_CALIB_SAMPLES",
@@ -101,12 +101,6 @@ class TokenBatches:
             "special_prefix": list(self.prefix),
             "special_suffix": list(self.suffix),
         }
-
-
-def tensor_sha256(ids: torch.Tensor) -> str:
-    """Hex sha256 of a tensor's values as contiguous little-endian int64 bytes."""
-    arr = np.ascontiguousarray(ids.detach().cpu().numpy(), dtype="<i8")
-    return hashlib.sha256(arr.tobytes()).hexdigest()
 
 
 def _check_int(option: str, value: Any, minimum: int) -> None:

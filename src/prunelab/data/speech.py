@@ -106,7 +106,7 @@ def load_wav(path: str | Path) -> np.ndarray:
 
 # ------------------------------------------------------------------ embedded real clips
 def _pyannote_dir() -> Path | None:
-    from prunelab.models.embedded import package_file
+    from prunelab.paths import package_file
 
     wav = package_file("pyannote-audio", "pyannote.audio", "sample/sample.wav")
     return wav.parent if wav is not None else None
@@ -267,7 +267,7 @@ def feature_batches(lm, data: str, samples: int | None = None, seed: int = 0,
     import torch
 
     from prunelab.data import TokenBatches
-    from prunelab.eval.speech import feature_extractor
+    from prunelab.data.speech import feature_extractor
 
     if data.startswith("wiki-vital"):
         data = "speech" if mode == "test" else "speech:synth-calib"
@@ -281,3 +281,20 @@ def feature_batches(lm, data: str, samples: int | None = None, seed: int = 0,
     return TokenBatches(input_ids=feats, spec=data, seqlen=int(feats.shape[-1]),
                         samples=int(feats.shape[0]), seed=seed, mode=mode or "calib",
                         total_windows=int(feats.shape[0]), sha256=digest)
+
+
+def feature_extractor(lm):
+    """The model's ``WhisperFeatureExtractor`` (from its checkpoint folder, else the
+    default one with the model's mel bins)."""
+    import transformers as tf
+
+    cached = getattr(lm, "_speech_features", None)
+    if cached is not None:
+        return cached
+    src = Path(str(lm.source))
+    if any((src / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        fe = tf.WhisperFeatureExtractor.from_pretrained(src)
+    else:
+        fe = tf.WhisperFeatureExtractor(feature_size=int(lm.model.config.num_mel_bins))
+    lm._speech_features = fe
+    return fe

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from prunelab.data.speech import RATE, SpeechSet, load_speech
+from prunelab.data.speech import RATE, SpeechSet, feature_extractor, load_speech
 from prunelab.errors import ConfigError
 from prunelab.eval.task_metric import TaskMetric, register_task_metric
 
@@ -53,23 +52,6 @@ def word_error_rate(references: list[str], hypotheses: list[str]) -> float:
     if not pairs:
         raise ConfigError("word error rate needs at least one non-empty reference transcript")
     return float(jiwer.wer([r for r, _ in pairs], [h for _, h in pairs]))
-
-
-def feature_extractor(lm):
-    """The model's ``WhisperFeatureExtractor`` (from its checkpoint folder, else the
-    default one with the model's mel bins)."""
-    import transformers as tf
-
-    cached = getattr(lm, "_speech_features", None)
-    if cached is not None:
-        return cached
-    src = Path(str(lm.source))
-    if any((src / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
-        fe = tf.WhisperFeatureExtractor.from_pretrained(src)
-    else:
-        fe = tf.WhisperFeatureExtractor(feature_size=int(lm.model.config.num_mel_bins))
-    lm._speech_features = fe
-    return fe
 
 
 def _pieces(audio: np.ndarray) -> list[np.ndarray]:

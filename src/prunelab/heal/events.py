@@ -3,15 +3,15 @@
 
 Event ``e`` (1-based) happens after step ``e * prune_every``. Before it the LoRA delta is
 merged into the weights (masked) and afterwards a fresh LoRA is built on the new shapes
-(:meth:`prunelab.heal.loop.HealRun.after_event`).
+(:meth:`prunelab.train.loop.HealRun.after_event`).
 
-* ``rep-lie`` (:mod:`prunelab.heal.rep_lie`): every block keeps, after event ``e``,
+* ``rep-lie`` (:mod:`prunelab.pruning.width.rep_lie`): every block keeps, after event ``e``,
   ``round(W0 * (1 - min(e * prune_fraction, ratio)))`` FFN channels (a multiple of
   ``round_to``) or KV groups, the same count in every block (a plain config holds the
   result); the units removed are chosen by :meth:`RepLieTracker.choose` and sliced
   physically through the adapter (``slice_ffn`` / ``slice_kv_groups``), as ``prune width``
   does.
-* ``cascadeflow`` (:mod:`prunelab.heal.cascadeflow`): each event deletes the block with
+* ``cascadeflow`` (:mod:`prunelab.probes.cascadeflow`): each event deletes the block with
   the lowest mean accumulated gradient norm (``adapter.delete_blocks``), ``remove`` events.
 
 Each event is logged (block numbers 0-based: current numbering and original position) so a
@@ -21,10 +21,12 @@ resumed run replays it on the freshly loaded student.
 from __future__ import annotations
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.heal.cascadeflow import FlowAccumulator
-from prunelab.heal.rep_lie import RepLieTracker
 from prunelab.log import info
+from prunelab.probes.cascadeflow import FlowAccumulator
 from prunelab.pruning.width import scores as S
+from prunelab.pruning.width.rep_lie import RepLieTracker
+from prunelab.train.config import PRUNE_MODES
+from prunelab.train.loop import PRUNE_EVENTS
 
 
 def make_pruner(run):
@@ -197,3 +199,7 @@ class FlowEvents(_Events):
 
     def load_state_dict(self, d: dict) -> None:
         self.acc.load_state_dict(d)
+
+
+for _mode in PRUNE_MODES:  # the training loop builds its controller from this table
+    PRUNE_EVENTS[_mode] = make_pruner

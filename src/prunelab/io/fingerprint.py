@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from prunelab.errors import ResumeMismatchError
@@ -101,7 +102,7 @@ def model_part(lm) -> dict[str, Any]:
 
 def data_part(input_ids: torch.Tensor, info: dict | None = None) -> dict[str, Any]:
     """The ``data`` part: sha256 of the windows ``[N, T]`` plus their description."""
-    from prunelab.data.batches import tensor_sha256
+    from prunelab.io.fingerprint import tensor_sha256
 
     info = info or {}
     part = {"sha256": tensor_sha256(input_ids)}
@@ -196,3 +197,9 @@ def same_source(a: Any, b: dict) -> bool:
     """Whether two fingerprints share prunelab version, model, dtype and data (options
     aside): results that may be compared side by side."""
     return not [p for p, _ in differences(a, b) if p not in ("options",)]
+
+
+def tensor_sha256(ids: torch.Tensor) -> str:
+    """Hex sha256 of a tensor's values as contiguous little-endian int64 bytes."""
+    arr = np.ascontiguousarray(ids.detach().cpu().numpy(), dtype="<i8")
+    return hashlib.sha256(arr.tobytes()).hexdigest()

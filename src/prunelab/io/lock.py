@@ -12,7 +12,7 @@ it holds the lock, that the file it locked is still the one at the path (same in
 retries otherwise -- the usual protocol that keeps "unlink on release" free of races.
 
 Within one process the lock is re-entrant: the CLI holds it for a whole command while
-:func:`prunelab.io.save.save` and :func:`~prunelab.io.save.write_json` take it again
+:func:`prunelab.checkpoint.save.save` and :func:`~prunelab.io.files.write_json` take it again
 for their own write (temp output, checks, final move). A killed holder may leave the
 lock file behind; that is harmless (the kernel released its lock).
 

@@ -1,6 +1,6 @@
 """Write safetensors shards one tensor at a time.
 
-``safetensors.torch.save_file`` (and :func:`prunelab.io.stream_save.write_safetensors`)
+``safetensors.torch.save_file`` (and :func:`prunelab.checkpoint.stream_save.write_safetensors`)
 need every tensor of a file in memory at once. When the names, shapes and dtypes are known
 before the values (a GGUF file's tensor table, for example), the header of each shard can
 be written first and the tensors appended in order as they are produced, so only one

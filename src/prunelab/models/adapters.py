@@ -171,7 +171,7 @@ class Adapter:
 
     def has_branch(self, index: int, part: str) -> bool:
         """False when block ``index``'s ``part`` ("attention" / "mlp") branch was removed
-        (:mod:`prunelab.pruning.sublayer`): its projections are gone."""
+        (:mod:`prunelab.models.sublayer`): its projections are gone."""
         proj = self.attn_projections(index) if part == "attention" else \
             self.mlp_projections(index)
         return all(m is not None for m in proj.values())

@@ -13,7 +13,7 @@ A custom module subclasses :class:`PrunelabModule` and is registered with
 * be self-contained source: its class body may use only ``torch``, ``nn``, ``math`` and
   :class:`PrunelabModule` (the checkpoint's modeling file copies the class source).
 
-:func:`custom_modules` finds them in a model; :mod:`prunelab.io.remote` records each as
+:func:`custom_modules` finds them in a model; :mod:`prunelab.checkpoint.remote` records each as
 ``{"module": path, "kind": kind, "spec": spec}`` in ``config.json`` and the generated
 modeling file rebuilds them: every recorded path is replaced (or created, with empty
 containers for missing parents) by ``cls.prunelab_build(spec)``, then every module's

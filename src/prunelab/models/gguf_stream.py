@@ -183,9 +183,9 @@ def convert_gguf_streamed(path: Path, target: Path,
     that lacks declared weights is a one-line CorruptCheckpointError."""
     import transformers
 
-    from prunelab.calib.memory import release_free_memory
     from prunelab.errors import CorruptCheckpointError
     from prunelab.models import loading as L
+    from prunelab.models.memory import release_free_memory
 
     try:
         plan = plan_gguf(path)

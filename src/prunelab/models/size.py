@@ -27,3 +27,11 @@ def model_size(model: nn.Module) -> dict:
         seen.add(key)
         nbytes += b.numel() * b.element_size()
     return {"params": params, "bytes": nbytes}
+
+
+def size_summary(model) -> dict:
+    """Stored parameters and FLOPs per token of ``model``."""
+    from prunelab.models.custom import flops_per_token
+    from prunelab.models.size import model_size
+
+    return {"params": model_size(model)["params"], "flops_per_token": flops_per_token(model)}

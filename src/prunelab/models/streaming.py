@@ -10,7 +10,7 @@ meta tensors when another block is needed: at most one block is resident at a ti
 
 While a prune runs (:meth:`Streamer.writing`), a block that leaves memory is first written
 to a staging shard, and from then on it is read from there (later passes see the pruned
-block). :func:`prunelab.io.stream_save.save_streamed` assembles the checkpoint shard by
+block). :func:`prunelab.checkpoint.stream_save.save_streamed` assembles the checkpoint shard by
 shard from the staged and source shards. The idea follows llm-compressor's layer-wise
 loading from disk (its PR #2748).
 

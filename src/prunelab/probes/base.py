@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prunelab.errors import ConfigError
+from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.registry import Registry, check_range, strict_kwargs, to_dict  # noqa: F401
 
 PROBES = Registry("probe")
@@ -244,6 +244,22 @@ class ProbeResult:
 
     def plot(self, path: str | Path | None = None):
         """A matplotlib figure (bars per layer, or a heatmap for pair probes)."""
-        from prunelab.report.plots import plot_result
+        from prunelab.probes.plots import plot_result
 
         return plot_result(self, path)
+
+
+#: Probes that need only block-by-block forward passes through the stack.
+STREAMABLE_PROBES = ("block-influence", "span-angular", "cka")
+
+
+def check_streamable_probes(items) -> None:
+    """One-line error naming the probes of ``items`` that need the whole model."""
+    from prunelab.probes.base import PROBES
+
+    names = [p if isinstance(p, str) else PROBES.name_of(p) for p in items]
+    bad = [n for n in names if n not in STREAMABLE_PROBES]
+    if bad:
+        raise UnsupportedOperationError(
+            f"--stream: probe(s) {', '.join(bad)} need the whole model in memory; "
+            f"streamable probes: {', '.join(STREAMABLE_PROBES)}")

@@ -1,5 +1,5 @@
 """``gradient-flow`` (CascadeFlow, this repository's seed method; see
-:mod:`prunelab.heal.cascadeflow`): a short LoRA fine-tune (next-token cross-entropy on
+:mod:`prunelab.probes.cascadeflow`): a short LoRA fine-tune (next-token cross-entropy on
 the calibration windows) accumulating, per block, the gradient norm of its trainable
 parameters (``measure="params"``) or of the residual stream at its output
 (``measure="residual"``). ``value`` is the mean accumulated norm: low = the training
@@ -41,7 +41,7 @@ class GradientFlow:
 
 @register("gradient-flow", GradientFlow, forward=False)
 def run_gradient_flow(cfg: GradientFlow, ctx) -> ProbeResult:
-    from prunelab.heal.cascadeflow import fan_in_profile, gradient_flow
+    from prunelab.probes.cascadeflow import fan_in_profile, gradient_flow
 
     if ctx.encoder:
         raise UnsupportedOperationError(f"{ctx.lm.spec} is an encoder: gradient-flow trains "

@@ -97,10 +97,10 @@ def head_summary_lines(results: dict[str, ProbeResult]) -> list[str]:
 
 def ablation_kl_result(lm, input_ids: torch.Tensor, batch_size: int = 4) -> ProbeResult:
     """The width score ``ablation-kl`` per query head (each head masked alone on
-    ``input_ids``; :func:`prunelab.pruning.width.ablation.ablation_kl`) as a head result
+    ``input_ids``; :func:`prunelab.calib.ablation.ablation_kl`) as a head result
     named ``ablation-kl``, for :func:`head_correlations`."""
+    from prunelab.calib.ablation import Unit, ablation_kl
     from prunelab.probes.heads import head_columns
-    from prunelab.pruning.width.ablation import Unit, ablation_kl
 
     ad = lm.adapter
     units, where = [], []

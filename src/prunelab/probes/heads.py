@@ -201,7 +201,7 @@ def ablation_effect(lm, ids: torch.Tensor, groups: dict[str, list[tuple[int, int
     """For each named list of ``(block, head)``: the mean ``KL(p_dense || p_ablated)`` at
     ``positions`` with those heads zeroed together, and the next-token accuracy there
     (dense and ablated). One dense block-by-block pass, then one per group."""
-    from prunelab.pruning.width.ablation import Ablator, Unit  # lazy: pruning imports probes
+    from prunelab.calib.ablation import Ablator, Unit  # lazy: pruning imports probes
 
     ad = lm.adapter
     targets = ids[:, positions + 1]

@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.io.files import write_json
 from prunelab.io.fingerprint import check_match, make_fingerprint, model_part, same_source
-from prunelab.io.save import write_json
 from prunelab.log import info
 from prunelab.probes.base import (
     PROBES,
@@ -221,7 +221,7 @@ def _protocol(name: str, ctx) -> str:
 
 
 def _write_result(result: ProbeResult, out: Path) -> None:
-    from prunelab.report.plots import plot_result
+    from prunelab.probes.plots import plot_result
 
     write_json(out / f"{result.probe}.json", result.to_dict(), overwrite=True)
     tmp = out / f".{result.probe}.csv.tmp"
@@ -232,9 +232,9 @@ def _write_result(result: ProbeResult, out: Path) -> None:
 
 def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int,
                    fingerprint: dict | None = None) -> None:
+    from prunelab.probes.plots import plot_swap_pair
     from prunelab.probes.summary import write_summary
-    from prunelab.report.plots import plot_swap_pair
-    from prunelab.report.swap_plots import plot_swap_diagonals
+    from prunelab.probes.swap_plots import plot_swap_diagonals
 
     if "replacement" in results and "interchange" in results:
         plot_swap_pair(results["replacement"], results["interchange"],

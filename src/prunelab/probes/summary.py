@@ -295,7 +295,7 @@ def write_summary(results: dict[str, ProbeResult], max_remove: int = 5, model: s
 
     lines += head_summary_lines(results)  # attention-head probes, if any
     if "gradient-flow" in results:  # CascadeFlow's fan-in profile against the post-hoc probes
-        from prunelab.heal.cascadeflow import fan_in_markdown
+        from prunelab.probes.cascadeflow import fan_in_markdown
 
         lines += fan_in_markdown(results).rstrip("\n").split("\n") + [""]
 

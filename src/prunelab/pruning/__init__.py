@@ -21,12 +21,8 @@ from prunelab.pruning.base import (
     pruner_for,
     register_pruner,
 )
-from prunelab.pruning.depth import Depth, depth_from_cli
-from prunelab.pruning.elastic import ElasticRanking  # noqa: F401 - registers "elastic"
-from prunelab.pruning.factor import FactorConfig, factor_methods
-from prunelab.pruning.gates import Gates, GatesPruner  # registers "gates"
-from prunelab.pruning.moe import PrunePath  # registers "prunepath"
-from prunelab.pruning.recoveries import (
+from prunelab.pruning.depth.config import Depth, depth_from_cli
+from prunelab.pruning.depth.recoveries import (
     RECOVERIES,
     Boundary,
     Foldable,
@@ -35,18 +31,7 @@ from prunelab.pruning.recoveries import (
     NoRecovery,
     Recovery,
 )
-from prunelab.pruning.sparsity import pruner as _sparsity_pruner  # noqa: F401 - registers
-from prunelab.pruning.sparsity.config import (
-    ALLOCATIONS,
-    Owl,
-    Pals,
-    Ramp,
-    SparsityConfig,
-    Uniform,
-    sparsity_methods,
-)
-from prunelab.pruning.sparsity.methods import Magnitude, QKWanda, Rose, SparseGPT, Wanda
-from prunelab.pruning.strategies import (
+from prunelab.pruning.depth.strategies import (
     STRATEGIES,
     Beam,
     Blend,
@@ -59,7 +44,21 @@ from prunelab.pruning.strategies import (
     Span,
     Strategy,
 )
-from prunelab.pruning.surgery import DepthPruner, DepthReport  # registers Depth's pruner
+from prunelab.pruning.depth.surgery import DepthPruner, DepthReport  # registers Depth's pruner
+from prunelab.pruning.factor import FactorConfig, factor_methods
+from prunelab.pruning.gates.config import Gates, GatesPruner  # registers "gates"
+from prunelab.pruning.moe import PrunePath  # registers "prunepath"
+from prunelab.pruning.sparsity import pruner as _sparsity_pruner  # noqa: F401 - registers
+from prunelab.pruning.sparsity.config import (
+    ALLOCATIONS,
+    Owl,
+    Pals,
+    Ramp,
+    SparsityConfig,
+    Uniform,
+    sparsity_methods,
+)
+from prunelab.pruning.sparsity.methods import Magnitude, QKWanda, Rose, SparseGPT, Wanda
 from prunelab.pruning.width import (
     WIDTH_ALLOCATIONS,
     WIDTH_SCORES,
@@ -68,6 +67,7 @@ from prunelab.pruning.width import (
     WidthScore,
     width_from_cli,
 )
+from prunelab.pruning.width.elastic import ElasticRanking  # noqa: F401 - registers "elastic"
 from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
 
 __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",

@@ -156,8 +156,8 @@ def _ranking_rows(result: ProbeResult) -> list[dict]:
 
 def _probe_section(results: Mapping[str, ProbeResult], probe_summary: str | None) -> str:
     from prunelab.probes import summary as ps
-    from prunelab.report.plots import plot_result, plot_swap_pair
-    from prunelab.report.swap_plots import plot_swap_diagonals
+    from prunelab.probes.plots import plot_result, plot_swap_pair
+    from prunelab.probes.swap_plots import plot_swap_diagonals
 
     parts = []
     rep, inter = results.get("replacement"), results.get("interchange")

@@ -21,7 +21,7 @@ from typing import Any
 
 from prunelab import log
 from prunelab.errors import ConfigError
-from prunelab.io.save import write_json
+from prunelab.io.files import write_json
 
 _KEY = re.compile(r"^[A-Za-z0-9._=+-]{1,120}$")
 

@@ -98,7 +98,7 @@ def plot_leaderboard(rows: list[dict], dense: dict | None, out: Path) -> list[Pa
     speed_vs_params.png (prefill / decode tokens/s) when the rows have those metrics."""
     from matplotlib.figure import Figure
 
-    from prunelab.report.plots import save_figure
+    from prunelab.probes.plots import save_figure
 
     header, values = table(rows, dense)
     col = {h: i for i, h in enumerate(header)}
@@ -145,7 +145,7 @@ def plot_curves(rows: list[dict], kind: str, out: Path) -> Path | None:
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
-    from prunelab.report.plots import save_figure
+    from prunelab.probes.plots import save_figure
 
     key, xlabel = CURVE_AXES[kind]
     lines: dict[str, list[tuple[float, float]]] = {}
@@ -187,7 +187,7 @@ def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
     """Write ``leaderboard.md``, ``leaderboard.csv``, the plots (``curves``: the budget
     kind of a comparison at several budgets, adds ``budget_curves.png``) and (when
     available) ``report.html`` into ``out``; returns the paths written."""
-    from prunelab.io.save import write_json
+    from prunelab.io.files import write_json
 
     out = Path(out)
     (out / "leaderboard.md").write_text(f"# {title}\n\n" + markdown(rows, dense))

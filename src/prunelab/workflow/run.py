@@ -22,7 +22,7 @@ from typing import Any
 
 from prunelab import log
 from prunelab.errors import ConfigError, OutputExistsError
-from prunelab.io.save import write_json
+from prunelab.io.files import write_json
 from prunelab.workflow.executor import Point, finished, point_dir, record
 from prunelab.workflow.recipe import Recipe, chain_recipe, load_recipe, stage_hashes
 from prunelab.workflow.stages import MODEL_STAGES, Stage
@@ -194,7 +194,7 @@ class _Runner:
 
     def _save_model(self, lm, st: Stage, folder: Path, extra: dict) -> None:
         from prunelab import api
-        from prunelab.io.save import build_manifest
+        from prunelab.checkpoint.save import build_manifest
 
         man = build_manifest(lm, data=extra.pop("data", None), extra={
             **extra, "recipe": chain_recipe(self.recipe, st.id, overrides=self.overrides),
@@ -284,7 +284,7 @@ class _Runner:
 
     def _save(self, st: Stage, folder: Path) -> dict:
         from prunelab import api
-        from prunelab.io.save import build_manifest
+        from prunelab.checkpoint.save import build_manifest
 
         src = self.inputs[st.id]
         lm = self.model(src)

@@ -68,7 +68,6 @@ def _registry_section(title: str, registry, level: str = "####") -> list[str]:
 
 def render_schema() -> str:
     """The generated schema (markdown)."""
-    from prunelab.heal.config import HealConfig
     from prunelab.inference import PRESSES
     from prunelab.probes import PROBES
     from prunelab.pruning import (
@@ -79,6 +78,7 @@ def render_schema() -> str:
         WIDTH_ALLOCATIONS,
         WIDTH_SCORES,
     )
+    from prunelab.train.config import HealConfig
     from prunelab.workflow.recipe import Recipe
     from prunelab.workflow.stages import STAGE_KINDS, Calib, HealStage
 

@@ -249,7 +249,7 @@ def _build_prune(opts: dict) -> PruneStage:
 
 
 def _build_heal(opts: dict) -> HealStage:
-    from prunelab.heal.config import HealConfig
+    from prunelab.train.config import HealConfig
 
     own = {k: opts.pop(k) for k in ("teacher", "train_samples", "eval_samples", "data",
                                     "eval_data") if k in opts}

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from prunelab.models.size import size_summary
 from prunelab.pruning.base import DictReport, Pruner, register_pruner
 from prunelab.registry import check_range
 
@@ -70,14 +71,6 @@ def factorized_modules(model) -> list[dict]:
             for path, m in custom_modules(model)]
 
 
-def size_summary(model) -> dict:
-    """Stored parameters and FLOPs per token of ``model``."""
-    from prunelab.models.custom import flops_per_token
-    from prunelab.models.size import model_size
-
-    return {"params": model_size(model)["params"], "flops_per_token": flops_per_token(model)}
-
-
 @register_pruner(FactorConfig)
 class FactorPruner(Pruner):
     """Every factorization method: :meth:`FactorConfig.apply` plus the shared report."""
@@ -88,7 +81,7 @@ class FactorPruner(Pruner):
         config.precheck(lm)
 
     def run(self, lm, config: FactorConfig, input_ids, *, batch_size: int) -> DictReport:
-        from prunelab.io.remote import needs_remote_code
+        from prunelab.checkpoint.remote import needs_remote_code
 
         before = size_summary(lm.model)
         values = dict(config.apply(lm, input_ids, batch_size=batch_size))

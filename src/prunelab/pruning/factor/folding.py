@@ -36,7 +36,7 @@ def base_type(model: nn.Module) -> str:
 def check_sliceable(lm, method: str = "slicegpt") -> None:
     """Raise :class:`UnsupportedOperationError` (one line) unless ``lm``'s residual stream
     can be sliced."""
-    from prunelab.io.remote import has_bridges, has_custom_modules
+    from prunelab.checkpoint.remote import has_bridges, has_custom_modules
 
     mt = base_type(lm.model)
     if mt == "bert":

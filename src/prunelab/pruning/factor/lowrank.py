@@ -184,7 +184,7 @@ def _factorize_block(lm, runner: BlockRunner, index: int, hidden: list, chosen: 
     """Factorize ``chosen`` (paths in block ``index``) group by group on the compressed
     stream; returns the report rows and the block's new outputs."""
     from prunelab.calib.stats import Gram
-    from prunelab.pruning.sparsity.execute import branch_containers
+    from prunelab.pruning.linears import branch_containers
 
     prefix = f"{blocks_prefix(lm)}.{index}."
     groups = lm.adapter.linear_groups(index, chosen)
@@ -294,7 +294,7 @@ class SvdLlm(FactorConfig):
 
     # -- which linears, what budget ---------------------------------------------------
     def select(self, lm, index: int, linears: dict) -> dict:
-        """The hook :func:`~prunelab.pruning.sparsity.execute.selected_linears` calls
+        """The hook :func:`~prunelab.pruning.linears.selected_linears` calls
         after ``targets`` / ``ignore`` (every matched linear)."""
         return linears
 
@@ -302,7 +302,7 @@ class SvdLlm(FactorConfig):
         """``{full path: (block, path in block, module)}`` of the linears to factorize
         (those already factorized are left as they are)."""
         from prunelab.models.custom import PrunelabModule
-        from prunelab.pruning.sparsity.execute import selected_linears
+        from prunelab.pruning.linears import selected_linears
 
         prefix = blocks_prefix(lm)
         return {f"{prefix}.{i}.{p}": (i, p, m) for i in range(lm.adapter.num_blocks)

@@ -8,7 +8,7 @@ precomputed. The registered methods (configs and their hooks) live in
 
 from __future__ import annotations
 
-from prunelab.pruning.sparsity.allocation import (
+from prunelab.pruning.allocation import (
     outlier_ratio,
     owl,
     pals,

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from prunelab.errors import ConfigError
+from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.sparsity import masks
 from prunelab.registry import Registry, check_range, to_dict
@@ -70,7 +70,7 @@ class Uniform(Allocation):
     """Every block gets the target sparsity."""
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.sparsity.allocation import uniform
+        from prunelab.pruning.allocation import uniform
 
         return uniform(len(weights), target)
 
@@ -94,14 +94,14 @@ class Owl(Allocation):
         return lambda name: [SumSquares()]
 
     def block_value(self, weights, accs):
-        from prunelab.pruning.sparsity.allocation import outlier_ratio
+        from prunelab.pruning.allocation import outlier_ratio
         from prunelab.pruning.sparsity.scores import wanda_scores
 
         return outlier_ratio([wanda_scores(w, accs[p][0].sum_sq) for p, w in weights.items()],
                              m=self.m)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.sparsity.allocation import owl
+        from prunelab.pruning.allocation import owl
 
         return owl(values, target, lam=self.lam, weights=weights)
 
@@ -126,7 +126,7 @@ class Pals(Allocation):
         return max(accs[p][0].quantile(0.99) for p in weights)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.sparsity.allocation import pals
+        from prunelab.pruning.allocation import pals
 
         return pals(values, target, delta=self.delta, weights=weights)
 
@@ -145,7 +145,7 @@ class Ramp(Allocation):
         check_range("ramp span", self.span, 0.0, 0.5)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.sparsity.allocation import ramp
+        from prunelab.pruning.allocation import ramp
 
         return ramp(len(weights), target, span=self.span, increasing=self.increasing,
                     weights=weights)
@@ -164,7 +164,7 @@ class Taper(Allocation):
         check_range("taper slope", self.slope, -1.0, 1.0)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.sparsity.allocation import ramp
+        from prunelab.pruning.allocation import ramp
 
         return ramp(len(weights), target, span=abs(self.slope) / 2,
                     increasing=self.slope >= 0, weights=weights)
@@ -307,6 +307,15 @@ class SparsityConfig:
                     ) -> list[torch.Tensor]:
         """The pruned weights of linears sharing a :meth:`joint_key`."""
         return [self.prune_weight(w, a, sparsity) for w, a in zip(ws, accs, strict=True)]
+
+    def check_streamable(self) -> None:
+        """``--stream`` runs the method block by block; one that needs gradients through
+        the whole model (its own :meth:`model_statistics`) is refused in one line."""
+        own = type(self).model_statistics is not SparsityConfig.model_statistics
+        if own and getattr(self, "hessian_alpha", 1.0) > 0:
+            raise UnsupportedOperationError(
+                f"--stream: {type(self).__name__.lower()} needs gradients through the whole "
+                "model (model statistics): run it without --stream")
 
 
 def find(accs: list | None, kind: type) -> Any:

@@ -21,38 +21,18 @@ embeddings).
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 import torch
 
-from prunelab.calib.memory import release_free_memory
 from prunelab.calib.runner import BlockRunner
 from prunelab.errors import ConfigError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
+from prunelab.models.memory import release_free_memory
 from prunelab.pruning.base import MethodReport, method_name
+from prunelab.pruning.linears import branch_containers, selected_linears
 from prunelab.pruning.sparsity import masks
 from prunelab.pruning.sparsity.config import BlockStage, SparsityConfig
-
-
-def _blocks_prefix(lm) -> str:
-    blocks = lm.adapter.blocks()
-    return next(name for name, m in lm.model.named_modules() if m is blocks)
-
-
-def selected_linears(lm, index: int, cfg: SparsityConfig) -> dict[str, torch.nn.Module]:
-    """The block's linears that ``targets`` / ``ignore`` and the method's
-    :meth:`~SparsityConfig.select` choose, by path in the block."""
-    prefix = f"{_blocks_prefix(lm)}.{index}."
-    out = {}
-    for path, module in lm.adapter.linears(index).items():
-        names = (path, prefix + path)
-        if cfg.targets and not any(fnmatch.fnmatch(n, p) for n in names for p in cfg.targets):
-            continue
-        if any(fnmatch.fnmatch(n, p) for n in names for p in cfg.ignore):
-            continue
-        out[path] = module
-    return cfg.select(lm, index, out)
 
 
 def check_sparsity_config(lm, cfg: SparsityConfig) -> None:
@@ -154,29 +134,6 @@ def prune_block(lm, runner, index, inputs, cfg: SparsityConfig, sparsity: float,
         _add_model_stats(accs, group, index, extra)
         prune_linears(group, accs, cfg, sparsity)
     return _achieved(chosen)
-
-
-def _lca(paths) -> str:
-    """The deepest module path containing every path (``""``: the block itself)."""
-    parts = [p.split(".")[:-1] for p in paths]
-    common = []
-    for names in zip(*parts, strict=False):
-        if len(set(names)) != 1:
-            break
-        common.append(names[0])
-    return ".".join(common)
-
-
-def branch_containers(lm, index: int) -> list[torch.nn.Module]:
-    """The attention and MLP sub-modules of block ``index`` that hold all their
-    projections (the block itself excluded): replaying them skips attention."""
-    blk = lm.adapter.block(index)
-    out = []
-    for roles in (lm.adapter.spec.attn_proj, lm.adapter.spec.mlp_proj):
-        path = _lca(roles.values()) if roles else ""
-        if path:
-            out.append(blk.get_submodule(path))
-    return out
 
 
 def prune_block_sequential(lm, runner, index, inputs, cfg: SparsityConfig, sparsity: float,

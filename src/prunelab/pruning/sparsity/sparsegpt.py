@@ -15,8 +15,8 @@ from contextlib import contextmanager
 import torch
 
 from prunelab import linalg
-from prunelab.calib.memory import release_free_memory
 from prunelab.errors import ConfigError
+from prunelab.models.memory import release_free_memory
 from prunelab.pruning.sparsity.masks import (
     check_sparsity,
     parse_pattern,

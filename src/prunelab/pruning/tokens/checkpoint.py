@@ -6,7 +6,7 @@ pre-hook on that block which replaces the block's input hidden states by the pru
 (CLS attention of the block's own norm and query / key projections; the top share of the
 patch tokens kept, the rest dropped or fused into one, as
 :mod:`prunelab.pruning.tokens.runtime`, EViT / TAP-Path). It holds no weights, only its
-spec, so a saved model gets the generated modeling file (:mod:`prunelab.io.remote`) and
+spec, so a saved model gets the generated modeling file (:mod:`prunelab.checkpoint.remote`) and
 reloads with ``AutoModel.from_pretrained(path, trust_remote_code=True)``; its
 ``last_hidden_state`` then has ``1 + kept (+ 1)`` tokens, CLS first.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prunelab.errors import ConfigError
+from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.options import piece_from_flat
 from prunelab.pruning.width.allocation import WIDTH_ALLOCATIONS, WidthAllocation
@@ -32,6 +32,10 @@ def scores_for(unit: str) -> list[str]:
     """Registered width scores that rank ``unit``."""
     return [n for n in WIDTH_SCORES if unit in WIDTH_SCORES.get(n).units]
 
+
+
+#: Width scores computed from weights and one statistics pass through the runner.
+STREAMABLE_WIDTH_SCORES = ("wanda-sp", "flap", "magnitude-profile")
 
 @METHODS.register("width")
 @dataclass(frozen=True)
@@ -114,6 +118,13 @@ class Width:
     @property
     def allocation_name(self) -> str:
         return WIDTH_ALLOCATIONS.name_of(self.allocation)
+
+    def check_streamable(self) -> None:
+        """``--stream``: only the scores computed from weights and one statistics pass."""
+        if self.score_name not in STREAMABLE_WIDTH_SCORES:
+            raise UnsupportedOperationError(
+                f"--stream: width score {self.score_name} needs the whole model (ablations "
+                f"or gradients); streamable: {', '.join(STREAMABLE_WIDTH_SCORES)}")
 
 
 def width_from_cli(*, score: str | None = None, allocation: str | None = None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from prunelab import linalg
-from prunelab.pruning.lstsq import ridge_solve
+from prunelab.lstsq import ridge_solve
 
 
 # ---------------------------------------------------------------- per-column scores
@@ -126,7 +126,7 @@ def refit_consumer(w: torch.Tensor, gram: torch.Tensor, keep: torch.Tensor,
     ``W_S^T = H_SS^{-1} (X^T Y)_S``), so the ridge ``lambda = damp * mean(diag H_SS)``
     shrinks towards plain slicing rather than towards zero (few calibration tokens
     otherwise over-fit). Cholesky with a damping cascade
-    (:func:`prunelab.pruning.lstsq.ridge_solve`). With ``col_sum`` (``sum_t X_t``) and
+    (:func:`prunelab.lstsq.ridge_solve`). With ``col_sum`` (``sum_t X_t``) and
     ``tokens`` the fit is affine (a bias change ``db`` is fitted too, unpenalised).
     Returns ``(W_S [d_out, |S|] float64, db [d_out] or None)``."""
     w = w.double()

@@ -34,8 +34,9 @@ import torch
 
 from prunelab.errors import UnsupportedOperationError
 from prunelab.pruning.base import METHODS, register_pruner
+from prunelab.pruning.linears import selected_linears
 from prunelab.pruning.sparsity.config import find
-from prunelab.pruning.sparsity.execute import SparsityReport, selected_linears
+from prunelab.pruning.sparsity.execute import SparsityReport
 from prunelab.pruning.sparsity.methods.admm import Admm, factor
 from prunelab.pruning.sparsity.pruner import SparsityPruner
 from prunelab.registry import check_range

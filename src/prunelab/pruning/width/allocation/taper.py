@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
-from prunelab.pruning.sparsity.allocation import rescale_to_target
+from prunelab.pruning.allocation import rescale_to_target
 from prunelab.pruning.width import scores as S
 from prunelab.pruning.width.allocation.base import WIDTH_ALLOCATIONS, WidthAllocation
 from prunelab.pruning.width.plan import attn_params, mlp_params, unit_params

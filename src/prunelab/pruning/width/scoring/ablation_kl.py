@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from prunelab.calib.ablation import Unit, ablation_kl
 from prunelab.models.linear import weight_out_in
 from prunelab.pruning.width import scores as S
-from prunelab.pruning.width.ablation import Unit, ablation_kl
 from prunelab.pruning.width.scoring.base import (
     WIDTH_SCORES,
     WidthScore,

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from prunelab.calib.ablation import Unit, loss_deltas
 from prunelab.models.linear import weight_out_in
 from prunelab.pruning.width import scores as S
-from prunelab.pruning.width.ablation import Unit, loss_deltas
 from prunelab.pruning.width.plan import channel_cost, group_cost, kv_group_units
 from prunelab.pruning.width.scoring.base import (
     WIDTH_SCORES,

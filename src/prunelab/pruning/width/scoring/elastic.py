@@ -1,4 +1,4 @@
-"""``elastic``: the learned elastic ranking (:mod:`prunelab.pruning.elastic.ranking`; seed:
+"""``elastic``: the learned elastic ranking (:mod:`prunelab.pruning.width.elastic.ranking`; seed:
 the differentiable relaxation of the functional unit-ranking problem, issue 17) as a width
 score. It reads the ranking of the model (fitted in this process, ``ranking=PATH``, or the
 ``elastic.json`` of the elastic checkpoint it was loaded from) or fits one on the
@@ -37,8 +37,8 @@ class ElasticScore(WidthScore):
             raise ConfigError("the elastic ranking scores KV groups: use --heads groups")
 
     def _ranking(self, job, kind):
-        from prunelab.pruning.elastic.fit import fit_ranking
-        from prunelab.pruning.elastic.method import find_ranking
+        from prunelab.pruning.width.elastic.fit import fit_ranking
+        from prunelab.pruning.width.elastic.method import find_ranking
 
         found = find_ranking(job.lm, kind, self.ranking or None)
         if found is None:
@@ -49,7 +49,7 @@ class ElasticScore(WidthScore):
         return found
 
     def block_scores(self, job, kind):
-        from prunelab.pruning.elastic.method import block_tensors
+        from prunelab.pruning.width.elastic.method import block_tensors
 
         return [(s, None) for s in block_tensors(self._ranking(job, kind), kind)]
 
@@ -64,7 +64,7 @@ def plan_joint(job, ranking: dict) -> dict:
     budget (a block keeps one KV group and ``round_to`` channels); FFN widths then rounded
     to multiples of ``round_to`` (giving back the best-scored removed channels, or taking
     the worst-scored kept ones)."""
-    from prunelab.pruning.elastic.method import block_tensors
+    from prunelab.pruning.width.elastic.method import block_tensors
 
     ad, cfg = job.adapter, job.cfg
     heads, ffn = block_tensors(ranking, "heads"), block_tensors(ranking, "ffn")

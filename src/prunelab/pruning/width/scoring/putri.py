@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prunelab.calib.ablation import Unit, putri_rounds
 from prunelab.errors import ConfigError
 from prunelab.pruning.width import scores as S
-from prunelab.pruning.width.ablation import Unit, putri_rounds
 from prunelab.pruning.width.allocation.uniform import uniform_counts
 from prunelab.pruning.width.plan import group_cost, kv_group_units
 from prunelab.pruning.width.scoring.base import WIDTH_SCORES, ColumnScore

@@ -1,6 +1,6 @@
 """``rep-lie``: REP-LIE importance (first-order Taylor term of the merged LoRA weight,
 estimated from the LoRA matrices' values and gradients only; derivation in
-:mod:`prunelab.heal.rep_lie`), averaged over a short LoRA fine-tune on the calibration
+:mod:`prunelab.pruning.width.rep_lie`), averaged over a short LoRA fine-tune on the calibration
 windows. The LoRA is dropped afterwards: the scores read the training signal, the weights
 pruned are the model's own."""
 
@@ -35,7 +35,7 @@ class RepLie(WidthScore):
         return True
 
     def block_scores(self, job, kind):
-        from prunelab.heal.rep_lie import rep_lie_importances
+        from prunelab.pruning.width.rep_lie import rep_lie_importances
 
         means, _facts = rep_lie_importances(
             job.lm, job.input_ids, kind=kind, mode=job.cfg.heads, steps=self.steps,

@@ -1,0 +1,397 @@
+"""Public verbs: ``load``, ``info``, ``tokens_for``, ``evaluate``, ``probe``, ``prune``,
+``heal``, ``save``.
+
+The CLI is a thin face over these functions; everything it does can be done from Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prunelab.checkpoint.save import build_manifest
+from prunelab.checkpoint.save import save as _save
+from prunelab.data import TokenBatches, make_batches
+from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.eval.perplexity import score_windows
+from prunelab.eval.speed import measure_speed
+from prunelab.models.linear import in_out_features
+from prunelab.models.loading import LoadedModel, wrap
+from prunelab.models.loading import load as _load
+from prunelab.models.size import model_size
+
+
+def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
+         trust_remote_code: bool = False, offload: bool = False, allow_pickle: bool = False,
+         allow_missing_weights: bool = False, stream: bool = False,
+         stack: str | None = None) -> LoadedModel:
+    """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
+    checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
+    (``.model``, ``.tokenizer``, ``.adapter``).
+
+    ``offload=True``: the weights are loaded on the CPU and stay there; calibration (every
+    probe's and pruner's block runner, and the pruning maths of the block in turn) moves
+    one block at a time to ``device``, so a model larger than the accelerator can be
+    probed and pruned. Whole-model evaluations then run on the CPU.
+
+    ``allow_pickle=True`` reads weights stored only as a pickle (``pytorch_model.bin``)
+    with torch's restricted loader (refused by default: a pickle can run code).
+    ``allow_missing_weights=True`` loads a checkpoint whose weights do not match its
+    config (missing, unexpected or mis-shaped tensors), leaving those weights random
+    (an error by default).
+
+    ``stream=True``: layer-wise loading from disk (:mod:`prunelab.models.streaming`): the
+    blocks stay in the safetensors shards and are read one at a time when needed.
+    ``stack``: ``encoder`` / ``decoder`` for Whisper (which stack probes and pruning act
+    on; default encoder)."""
+    from prunelab.models.loading import resolve_device
+
+    if stream:
+        from prunelab.models.streaming import load_streamed
+        if allow_missing_weights or allow_pickle:
+            raise ConfigError("--stream reads complete safetensors shards: it does not take "
+                              "--allow-missing-weights or --allow-pickle")
+        if stack is not None:
+            raise ConfigError("--stream streams causal LMs; it does not take --stack")
+        return load_streamed(spec, dtype=dtype, device=device,
+                             trust_remote_code=trust_remote_code)
+
+    target = resolve_device(device) if offload else None
+    lm = _load(spec, dtype=dtype, device="cpu" if offload else device,
+               trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+               allow_missing_weights=allow_missing_weights)
+    lm.offload_to = target
+    lm.size_before = model_size(lm.model)
+    if stack is not None:  # multi-stack models (Whisper): encoder or decoder
+        from prunelab.models.whisper import use_stack
+
+        use_stack(lm, stack)
+    return lm
+
+
+def _as_loaded(model, tokenizer=None) -> LoadedModel:
+    return model if isinstance(model, LoadedModel) else wrap(model, tokenizer)
+
+
+def info(model) -> dict[str, Any]:
+    """Architecture summary: family, blocks, hidden size, heads, KV heads, head dim, FFN
+    width, parameters and bytes, FLOPs per token (linear maps only), per block its
+    attention/MLP projection shapes (``[d_out, d_in]``; a factorized projection shows the
+    shape it stands for) and attention type, and ``factorized``: every prunelab custom
+    module (factors, shared dictionaries, shortcut maps) with its kind and shapes."""
+    lm = _as_loaded(model)
+    ad = lm.adapter
+    geo = ad.head_geometry(ad.first_block_with("attention"))
+    types = ad.layer_types()
+    blocks = []
+    for i in range(ad.num_blocks):  # a removed branch (sub-block pruning) shows as such
+        attn, mlp = ad.has_branch(i, "attention"), ad.has_branch(i, "mlp")
+        g = ad.head_geometry(i) if attn else None
+        blocks.append({
+            "index": i,
+            "attention_type": types[i] if types else "full_attention",
+            "heads": g.num_heads if g else 0, "kv_heads": g.num_kv_heads if g else 0,
+            "ffn": ad.ffn_width(i) if mlp else 0,
+            "attention": {r: list(in_out_features(m))[::-1]
+                          for r, m in ad.attn_projections(i).items()} if attn else "removed",
+            "mlp": {r: list(in_out_features(m))[::-1]
+                    for r, m in ad.mlp_projections(i).items()} if mlp else "removed",
+        })
+    size = model_size(lm.model)
+    from prunelab.models.custom import flops_per_token
+    from prunelab.pruning.factor.config import factorized_modules
+
+    return {
+        "flops_per_token": flops_per_token(lm.model),
+        "factorized": factorized_modules(lm.model),
+        "model": lm.spec, "source": lm.source, "family": ad.family,
+        "model_type": lm.model.config.model_type, "encoder": ad.is_encoder,
+        "blocks": ad.num_blocks, "hidden_size": ad.hidden_size(),
+        "heads": geo.num_heads, "kv_heads": geo.num_kv_heads, "gqa_group_size": geo.group_size,
+        "head_dim": geo.head_dim, "ffn": ad.ffn_width(ad.first_block_with("mlp")),
+        "gated_mlp": ad.is_gated(),
+        "vocab_size": int(getattr(lm.model.config, "vocab_size", 0) or 0),
+        "tied_embeddings": bool(getattr(lm.model.config, "tie_word_embeddings", False)),
+        "dtype": str(lm.dtype).replace("torch.", ""), "device": str(lm.device),
+        "params": size["params"], "bytes": size["bytes"], "block_details": blocks,
+    }
+
+
+def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = None,
+               seed: int = 0, mode: str | None = None) -> TokenBatches:
+    """Token windows for ``data`` (a spec string or :class:`TokenBatches`)."""
+    if isinstance(data, TokenBatches):
+        return data
+    if lm.adapter.is_vision:  # pixel batches: images:calib|test, lfw:calib|test
+        from prunelab.data.images import ImageBatches, images_for
+
+        if isinstance(data, str) and data.startswith("wiki-vital"):  # the text default
+            data = f"images:{mode or 'calib'}"
+        return data if isinstance(data, ImageBatches) else \
+            images_for(data, samples=samples, seed=seed, mode=mode)
+    if getattr(lm.adapter.spec, "entry", None) is not None:  # speech encoder: log-mel inputs
+        from prunelab.data.speech import feature_batches
+
+        return feature_batches(lm, data, samples=samples, seed=seed, mode=mode)
+    if lm.tokenizer is None:
+        raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if isinstance(seqlen, int) and isinstance(limit, int) and 0 < limit < seqlen:
+        raise ConfigError(f"--seqlen {seqlen} is beyond the {limit} positions of {lm.spec}")
+    return make_batches(lm.tokenizer, data, seqlen=seqlen, samples=samples, seed=seed,
+                        mode=mode)
+
+
+def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | None = None,
+             batch_size: int = 4, reference=None, speed: bool = False, seed: int = 0,
+             tokenizer=None, reference_cache: dict | None = None,
+             trust_remote_code: bool = False, allow_pickle: bool = False,
+             allow_missing_weights: bool = False, gradient_reference=None,
+             gradient_params: str = "down_proj", tasks: str | list[str] | None = None,
+             limit: int | None = None) -> dict[str, Any]:
+    """Evaluate a model on held-out data.
+
+    Causal LMs (protocol in :mod:`prunelab.eval.perplexity`): ``perplexity``, ``tokens``
+    (scored tokens), ``seqlen``, ``samples``, ``params``, ``bytes``; with ``reference`` (a
+    loaded model or spec) also ``kl_to_reference`` and ``top1_agreement``; with ``speed``
+    also ``prefill_tokens_per_s``, ``decode_tokens_per_s`` and ``peak_memory_bytes``.
+
+    Speech models (Whisper; :mod:`prunelab.eval.speech`): ``wer`` (greedy decoding),
+    ``real_time_factor``...; ``data`` a speech spec or folder (default ``speech``).
+
+    Encoders (protocol in :mod:`prunelab.eval.embedding`): ``samples`` held-out sentences
+    (default 512) truncated to ``seqlen`` tokens, mean-pooled; ``same_document_nn``, and
+    with ``reference`` ``mean_cosine_to_reference`` and ``nn_agreement``.
+    ``reference_cache``: a dict keeping the reference's outputs between calls.
+    ``trust_remote_code``, ``allow_pickle``, ``allow_missing_weights``: passed to
+    :func:`load` when ``reference`` is a spec. ``gradient_reference`` (a loaded causal LM
+    or spec; may be ``reference``): also ``gradient_alignment`` and
+    ``gradient_alignment_per_block``, the per-window gradient cosine with respect to each
+    block's ``gradient_params`` linear (:mod:`prunelab.eval.gradient_alignment`).
+    ``tasks`` (causal LMs; names, ``.jsonl`` files or folders, comma-separated) adds
+    ``tasks``: per task ``acc``, ``acc_norm``, their ``_stderr`` and ``n`` over at most
+    ``limit`` items each (:mod:`prunelab.eval.tasks`).
+    """
+    lm = _as_loaded(model, tokenizer)
+    if tasks is not None:
+        from prunelab.eval.tasks import check_tasks
+
+        check_tasks(lm, tasks, limit)  # user errors before any scoring
+    elif limit is not None:
+        raise ConfigError("--limit counts task items: it needs --tasks")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.calib.streamed import check_streamed_eval
+        check_streamed_eval(speed=speed, gradient_alignment=gradient_reference)
+    if lm.adapter.is_vision:  # photos + LFW probe + images/s (prunelab.eval.vision)
+        return _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
+                                dict(trust_remote_code=trust_remote_code,
+                                     allow_pickle=allow_pickle,
+                                     allow_missing_weights=allow_missing_weights))
+    if getattr(lm.model.config, "model_type", None) == "whisper":  # speech: WER, RTF
+        from prunelab.eval.speech import evaluate_speech
+
+        return evaluate_speech(lm, "speech" if data == "wiki-vital:test" else data,
+                               samples=samples, batch_size=batch_size)
+    ref = None
+    if reference is not None:
+        ref = reference if isinstance(reference, LoadedModel) else \
+            load(reference, dtype=lm.dtype, device=str(lm.device),
+                 trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                 allow_missing_weights=allow_missing_weights,
+                 stream=getattr(lm, "streamer", None) is not None)  # streamed: both
+        if ref.is_encoder != lm.is_encoder:
+            raise ConfigError("the reference must be of the same kind (encoder or causal LM) "
+                              "as the model")
+        if int(ref.model.config.vocab_size) != int(lm.model.config.vocab_size):
+            raise ConfigError("the reference must share the model's vocabulary")
+    if lm.is_encoder and gradient_reference is not None:
+        raise UnsupportedOperationError(f"{lm.spec} is an encoder: gradient alignment needs "
+                                        "the LM loss")
+    if lm.is_encoder:
+        return _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
+                                 reference_cache)
+    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="test")
+    score = score_windows if getattr(lm, "streamer", None) is None else _streamed_score
+    result = score(lm, batches.input_ids, batch_size=batch_size, reference=ref,
+                   reference_cache=reference_cache)
+    result.update(model_size(lm.model))
+    result["data"] = batches.to_dict()
+    result["model"] = lm.spec
+    if ref is not None:
+        result["reference"] = ref.spec
+    if gradient_reference is not None:
+        result.update(_gradient_alignment(lm, gradient_reference, batches.input_ids,
+                                          batch_size, gradient_params, trust_remote_code,
+                                          allow_pickle, allow_missing_weights))
+    if speed:
+        result.update(measure_speed(lm))
+    if tasks is not None:
+        from prunelab.eval.tasks import evaluate_tasks
+
+        result["tasks"] = evaluate_tasks(lm, tasks, limit=limit)
+    return result
+
+
+def _streamed_score(lm, input_ids, **kw):
+    from prunelab.calib.streamed import score_windows_streamed
+
+    return score_windows_streamed(lm, input_ids, **kw)
+
+
+def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remote_code,
+                        allow_pickle, allow_missing_weights) -> dict[str, Any]:
+    from prunelab.eval.gradient_alignment import gradient_alignment
+
+    ref = reference if isinstance(reference, LoadedModel) else \
+        load(reference, dtype=lm.dtype, device=str(lm.device),
+             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+             allow_missing_weights=allow_missing_weights)
+    out = gradient_alignment(lm, ref, input_ids, batch_size=batch_size, params=params)
+    out["gradient_reference"] = ref.spec
+    return out
+
+
+def _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
+                     load_kw) -> dict[str, Any]:
+    from prunelab.eval.vision import evaluate_vision
+
+    ref = reference if reference is None or isinstance(reference, LoadedModel) else \
+        load(reference, dtype=lm.dtype, device=str(lm.device), **load_kw)
+    photos = data if isinstance(data, str) and data.startswith("images") else None
+    result = evaluate_vision(lm, photos, ref, samples=samples or 32, batch_size=batch_size,
+                             reference_cache=reference_cache)
+    result.update(model_size(lm.model))
+    return result
+
+
+def _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
+                      reference_cache) -> dict[str, Any]:
+    from prunelab.eval.embedding import SentenceBatch, score_sentences, sentence_batch
+
+    if speed:
+        raise UnsupportedOperationError(
+            f"{lm.spec} is an encoder: --speed measures prefill and decoding of causal LMs")
+    if isinstance(data, SentenceBatch):
+        batch = data
+    else:
+        if lm.tokenizer is None:
+            raise ConfigError("this model has no tokenizer: pass a SentenceBatch instead")
+        if not isinstance(data, str):
+            raise ConfigError("an encoder is evaluated on sentences: pass a data spec or a "
+                              "SentenceBatch")
+        limit = getattr(lm.model.config, "max_position_embeddings", seqlen) or seqlen
+        batch = sentence_batch(lm.tokenizer, data, samples=samples,
+                               max_length=min(seqlen, int(limit)))
+    result = score_sentences(lm, batch, batch_size=max(batch_size, 1), reference=ref,
+                             reference_cache=reference_cache)
+    result.update(model_size(lm.model))
+    result["data"] = batch.to_dict()
+    result["model"] = lm.spec
+    result["samples"] = batch.samples
+    result["seqlen"] = batch.max_length
+    if ref is not None:
+        result["reference"] = ref.spec
+    return result
+
+
+def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: int | None = 16,
+          seed: int = 0, batch_size: int = 8, out_dir: str | Path | None = None,
+          overwrite: bool = False, states: str = "memory", tokenizer=None, **options):
+    """Run redundancy probes (see :mod:`prunelab.probes`) on calibration windows.
+
+    ``probes``: a registered name or a typed config (returns a
+    :class:`~prunelab.probes.ProbeResult`), or a list mixing both / comma-separated names
+    (returns ``{name: ProbeResult}``). Options such as ``window``, ``pairs``, ``span``,
+    ``max_length`` go to the probes given by name that take them; an option that none of
+    them takes is a :class:`ConfigError`. ``seed`` samples the windows and seeds the probes
+    that take a seed. Examples: ``prunelab.probe(lm, Interchange(window=1), data)``,
+    ``prunelab.probe(lm, "interchange,cka", data, window=1)``.
+    """
+    from prunelab.probes import run_probes
+
+    lm = _as_loaded(model, tokenizer)
+    single = not isinstance(probes, (str, list, tuple)) or (
+        isinstance(probes, str) and "," not in probes)
+    items = probes.split(",") if isinstance(probes, str) else [probes] if single else probes
+    items = [p.strip() if isinstance(p, str) else p for p in items]
+    items = [p for p in items if p != ""]
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.probes.base import check_streamable_probes
+        check_streamable_probes(items)
+    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
+    results = run_probes(lm, items, batches.input_ids, data_info=batches.to_dict(),
+                         batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
+                         states=states, seed=seed, **options)
+    return next(iter(results.values())) if single else results
+
+
+def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
+          samples: int | None = 32, seed: int = 0, batch_size: int = 8,
+          tokenizer=None):
+    """Prune ``model`` in place with a method config, e.g.
+    ``prunelab.prune(lm, Depth(remove=6, recovery="foldable"), "wiki-vital:calib")``.
+
+    Returns a :class:`~prunelab.pruning.base.PruneReport` (a read-only mapping: the
+    method's own fields -- removed units, calibration KL before and after recovery... --
+    plus ``operation``, ``method``, ``config``, ``data``, ``size_before``, ``size_after``,
+    ``seconds``); the operation is also recorded in the model's history for the manifest.
+    """
+    import time
+
+    from prunelab.pruning import pruner_for
+    from prunelab.pruning.base import PruneReport, config_dict, method_name
+
+    lm = _as_loaded(model, tokenizer)
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    pruner = pruner_for(config)
+    pruner.precheck(lm, config)  # user errors before any tokenisation or calibration
+    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
+    start = time.perf_counter()
+    before = model_size(lm.model)
+    from prunelab.calib.streamed import streamed_prune
+
+    with streamed_prune(lm, config):  # a streamed model: pruned blocks go to disk
+        details = pruner.run(lm, config, batches.input_ids, batch_size=batch_size)
+    report = PruneReport(operation=pruner.operation, method=method_name(config),
+                         config=config_dict(config), data=batches.to_dict(),
+                         size_before=before, size_after=model_size(lm.model),
+                         seconds=time.perf_counter() - start, details=details)
+    lm.history.append({"operation": pruner.operation, "method": report.method,
+                       "config": report.config, **details.history()})
+    lm.last_report = report
+    return report
+
+
+def heal(model, teacher=None, data="wiki-vital:calib", eval_data="wiki-vital:test",
+         config=None, out_dir: str | Path | None = None, manifest: dict | None = None,
+         **options):
+    """Heal a pruned model with a short fine-tune that keeps its structure (LoRA or full;
+    ce / kd / hidden / mix losses; optional REP-LIE or CascadeFlow pruning while tuning):
+    see :mod:`prunelab.heal`. ``config``: a :class:`~prunelab.heal.HealConfig` (or its
+    fields as ``options``); ``out_dir``: the resumable state folder. Returns
+    ``(lm, record)``; save with ``prunelab.save(lm, out, extra={"healing": record})``."""
+    from prunelab.api.heal_text import heal_specs
+
+    if getattr(model, "streamer", None) is not None:
+        raise UnsupportedOperationError("heal trains through the whole model: load it "
+                                        "without --stream (stream=False)")
+
+    return heal_specs(model, teacher, data, eval_data, config, out_dir, manifest, **options)
+
+
+def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bool = False,
+         tokenizer=None, **manifest_fields) -> Path:
+    """Write a checkpoint that plain ``transformers`` loads, with ``manifest.json``."""
+    import prunelab.pruning  # noqa: F401 - the methods' custom modules and save hooks register
+
+    lm = _as_loaded(model, tokenizer)
+    man = manifest if manifest is not None else build_manifest(lm, **manifest_fields)
+    if getattr(lm, "streamer", None) is not None:
+        from prunelab.checkpoint.stream_save import save_streamed
+        return save_streamed(lm, out_dir, manifest=man, overwrite=overwrite)
+    return _save(lm, out_dir, manifest=man, overwrite=overwrite)

@@ -1,0 +1,143 @@
+"""Checkpoints: an atomic ``save_pretrained`` plus ``manifest.json`` (the manifest explains
+every output), the generated remote code where the shapes need it, and the extra files a
+method registers (:data:`SAVE_EXTRAS`). The file primitives (temporary sibling, lock,
+rename into place, ``--overwrite`` rules) are :mod:`prunelab.io.files`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from prunelab.errors import PrunelabError
+from prunelab.io.files import _check_target, _install, _os_errors, write_json
+from prunelab.io.lock import (
+    clean_leftovers,
+    fsync_tree,
+    output_lock,
+    temp_prefix,
+)
+from prunelab.models.size import model_size
+
+#: Writers of method-owned extra files, called as ``fn(lm, tmp_folder)`` while a checkpoint
+#: is assembled (a method registers one with :func:`register_save_extra`; it writes nothing
+#: for a model that is not its own).
+SAVE_EXTRAS: list = []
+
+
+def register_save_extra(fn):
+    """Register ``fn(lm, folder)`` to add files to every checkpoint being saved."""
+    if fn not in SAVE_EXTRAS:
+        SAVE_EXTRAS.append(fn)
+    return fn
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from prunelab._version import __version__
+
+    return {"prunelab": __version__, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def build_manifest(lm, *, operation: str | None = None, config: dict | None = None,
+                   data: Any = None, before: dict | None = None,
+                   metrics: dict | None = None, extra: dict | None = None) -> dict:
+    """The manifest of a prunelab output (plain JSON-serialisable dict).
+
+    Records the source model, what was done (``lm.history`` plus ``operation``), the
+    calibration data (spec, samples, seqlen, seed, sha256), library versions, parameter
+    counts and bytes before/after, and metrics.
+    """
+    after = model_size(lm.model)
+    history = list(getattr(lm, "history", []))
+    if operation:
+        history.append({"operation": operation, "config": config or {}})
+    manifest = {
+        "format": "prunelab-manifest/1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source_model": {"spec": lm.spec, "source": lm.source,
+                         "model_type": lm.model.config.model_type,
+                         "family": lm.adapter.family},
+        "operations": history,
+        "data": data.to_dict() if hasattr(data, "to_dict") else data,
+        "size_before": before or getattr(lm, "size_before", None) or after,
+        "size_after": after,
+        "num_blocks": lm.adapter.num_blocks,
+        "metrics": metrics or {},
+        "versions": versions(),
+    }
+    if extra:
+        manifest.update(extra)
+    return manifest
+
+
+def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool = False) -> Path:
+    """Save ``lm`` as a plain ``transformers`` checkpoint plus ``manifest.json``.
+
+    The config is brought in line with the (pruned) shapes first; shapes a plain config
+    cannot describe raise :class:`~prunelab.errors.UnsupportedOperationError`, except
+    after prunelab's width pruning (per-block widths, head counts a family derives from
+    ``hidden_size``): those, like models with linear bridges (ghost / lra depth
+    recovery) get a modeling file and ``auto_map`` and load with
+    ``trust_remote_code=True`` (see :mod:`prunelab.checkpoint.remote`).
+    """
+    from prunelab.checkpoint.remote import has_bridges, has_custom_modules
+
+    out = Path(out_dir)
+    _check_target(out, overwrite, "checkpoint")
+    # per-block widths from prunelab's width pruning: the modeling file resizes the
+    # projections at load; other shapes a plain config cannot hold are refused
+    widths = bool(lm.adapter.vanilla_problems()) and (any(
+        op.get("operation") == "prune-width" for op in getattr(lm, "history", []))
+        or getattr(lm.model.config, "prunelab_widths", None) is not None)
+    if widths:
+        lm.model.config.num_hidden_layers = lm.adapter.num_blocks
+    else:
+        lm.adapter.sync_config()
+    remote = has_bridges(lm.model) or has_custom_modules(lm.model) or widths
+    if getattr(lm.model, "hf_quantizer", None) is not None:
+        raise PrunelabError("a quantized (GGUF) model cannot be saved; load it by prunelab "
+                            "spec so it is converted to a float checkpoint first")
+    with _os_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with output_lock(out):
+            clean_leftovers(out)
+            _check_target(out, overwrite, "checkpoint")
+            tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=temp_prefix(out)))
+            try:
+                lm.model.save_pretrained(tmp)
+                if lm.tokenizer is not None:
+                    lm.tokenizer.save_pretrained(tmp)
+                for write_extra in SAVE_EXTRAS:  # method-owned files (elastic.json, ...)
+                    write_extra(lm, tmp)
+                finish_checkpoint(lm, tmp, out, manifest, remote, overwrite)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def finish_checkpoint(lm, tmp: Path, out: Path, manifest: dict | None, remote: bool,
+                      overwrite: bool, **extra) -> None:
+    """Write the manifest (plus ``extra`` fields) and the remote code into the temporary
+    checkpoint folder ``tmp``, make it durable and rename it into place at ``out``."""
+    from prunelab.checkpoint.remote import load_hint, write_remote_code
+
+    man = dict(manifest) if manifest is not None else build_manifest(lm)
+    man.update(extra)
+    if remote:
+        man["remote_code"] = write_remote_code(lm.model, tmp)
+    man["loads_with"] = (load_hint(lm.model) if remote
+                         else "plain transformers (no remote code)")
+    write_json(tmp / "manifest.json", man)
+    os.chmod(tmp, 0o755)
+    fsync_tree(tmp)
+    _install(tmp, out, overwrite, "checkpoint")

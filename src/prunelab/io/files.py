@@ -1,0 +1,203 @@
+"""Atomic file writes: refuse unusable or existing outputs, write a file or a folder to a
+temporary sibling, make it durable and rename it into place under the output lock
+(:mod:`prunelab.io.lock`), so a crash never leaves a half-written output and two writers
+never both succeed; an existing target is replaced only with ``overwrite=True``, and even
+then only a file replaces a file and a checkpoint a checkpoint (the old one is removed only
+after the new one is in place). :func:`check_output_path` refuses unusable output paths
+before any work is done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from prunelab.errors import OutputExistsError, OutputWriteError, PrunelabError
+from prunelab.io.lock import (
+    _remove,
+    clean_leftovers,
+    fsync_dir,
+    move_noreplace,
+    output_lock,
+    temp_prefix,
+)
+
+_CHECKPOINT_MARKERS = ("config.json", "manifest.json")
+
+
+def _kind(path: Path) -> str:
+    """``missing``, ``file``, ``checkpoint``, ``empty-dir``, ``dir`` or ``other``."""
+    if not os.path.lexists(path):
+        return "missing"
+    if path.is_file():
+        return "file"
+    if path.is_dir():
+        if any((path / m).is_file() for m in _CHECKPOINT_MARKERS):
+            return "checkpoint"
+        try:
+            return "dir" if any(path.iterdir()) else "empty-dir"
+        except OSError:  # unreadable: treat as holding something
+            return "dir"
+    return "other"
+
+
+def _check_target(path: Path, overwrite: bool, kind: str) -> None:
+    """Refuse an existing ``path`` unless ``overwrite``, and even then unless it is of the
+    same ``kind`` (``"file"``: a file; ``"checkpoint"``: a checkpoint or an empty folder)."""
+    found = _kind(path)
+    if found == "missing":
+        return
+    if not overwrite:
+        raise OutputExistsError(f"{path} exists; pass --overwrite (overwrite=True) to replace it")
+    if kind == "file" and found != "file":
+        raise OutputExistsError(f"{path} is a {_NAMES[found]}; --overwrite replaces a file "
+                                "only with a file: remove it yourself or choose another path")
+    if kind == "checkpoint" and found not in ("checkpoint", "empty-dir"):
+        raise OutputExistsError(f"{path} is a {_NAMES[found]}, not a checkpoint (no config.json "
+                                "or manifest.json); --overwrite replaces only a checkpoint: "
+                                "remove it yourself or choose another path")
+
+
+_NAMES = {"file": "file", "checkpoint": "checkpoint", "empty-dir": "folder",
+          "dir": "folder", "other": "special file"}
+
+
+@contextmanager
+def _os_errors(path: Path) -> Iterator[None]:
+    """Turn an OS error while writing ``path`` into a one-line OutputWriteError."""
+    try:
+        yield
+    except PrunelabError:
+        raise
+    except (OSError, UnicodeError) as exc:
+        raise OutputWriteError(f"cannot write {path}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+def _install(tmp: Path, target: Path, overwrite: bool, kind: str) -> None:
+    """Move the complete, fsynced ``tmp`` to ``target`` (caller holds the output lock).
+
+    Without ``overwrite`` the move never replaces anything, even a target that appeared
+    while ``tmp`` was being written. With it, a file replaces a file atomically and a
+    checkpoint replaces a checkpoint through a backup removed only after the move.
+    """
+    if not overwrite or not os.path.lexists(target):
+        try:
+            move_noreplace(tmp, target)
+        except FileExistsError:
+            raise OutputExistsError(f"{target} appeared while this process was writing it; "
+                                    "it was left as it is") from None
+    else:
+        _check_target(target, True, kind)
+        if kind == "file":
+            os.replace(tmp, target)
+        else:
+            backup = target.with_name(f".{target.name}.old-{os.getpid()}")
+            if os.path.lexists(backup):
+                _remove(backup)
+            os.rename(target, backup)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                os.rename(backup, target)
+                raise
+            fsync_dir(target.parent)
+            _remove(backup)
+    fsync_dir(target.parent)
+
+
+# ---------------------------------------------------------------- checks before work
+
+_TEMP_SUFFIX_BYTES = 32  # ".NAME.tmp-<pid>-<random>" and ".NAME.lock" add at most this
+
+
+def check_output_path(path: str | Path, *, kind: str | None = None,
+                      overwrite: bool | None = None) -> Path:
+    """Refuse, in one line (:class:`~prunelab.errors.OutputWriteError`), an output path
+    that cannot be written -- before any work is done: a name the file system cannot
+    encode (or with a NUL), a name too long for the temp names, ``.``/``..``/the current
+    folder or one of its ancestors, a parent that is a file, a parent folder without
+    write permission. With ``kind`` (``"file"`` or ``"checkpoint"``) and ``overwrite``
+    given, also apply the writers' existing-output rule. Returns ``Path(path)``.
+    """
+    p = Path(path)
+    text = str(path)
+    enc = sys.getfilesystemencoding()
+    if "\0" in text:
+        raise OutputWriteError(f"output path {text!r} contains a NUL character")
+    try:
+        text.encode(enc)
+    except UnicodeEncodeError:
+        raise OutputWriteError(f"output path {text!r} cannot be encoded in the file system's "
+                               f"encoding ({enc}): choose another name") from None
+    full = Path(os.path.abspath(p))
+    if Path.cwd().resolve().is_relative_to(full.resolve()):
+        raise OutputWriteError(f"output path {text!r} is the current folder or one of its "
+                               "parents: name a new file or folder")
+    anc, below = full.parent, [full.name]
+    while not os.path.lexists(anc) and anc != anc.parent:
+        anc, below = anc.parent, [anc.name, *below]
+    if not anc.is_dir():
+        raise OutputWriteError(f"cannot write {text}: {anc} is a file, not a folder")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise OutputWriteError(f"cannot write {text}: no permission to write in {anc}")
+    try:
+        limit = os.pathconf(anc, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        limit = 255
+    for i, name in enumerate(below):
+        extra = _TEMP_SUFFIX_BYTES if i == len(below) - 1 else 0
+        if len(name.encode(enc)) + extra > limit:
+            raise OutputWriteError(f"output name {name[:40]!r}... is too long for this file "
+                                   f"system ({limit} bytes per name, temp names included)")
+    if kind is not None and overwrite is not None:
+        _check_target(p, overwrite, kind)
+    return p
+
+
+# ---------------------------------------------------------------- writers
+
+def write_json(path: str | Path, obj: Any, overwrite: bool = False) -> Path:
+    """Write ``obj`` as indented JSON atomically and durably (fsynced temp file renamed
+    into place under the output lock). ``overwrite`` replaces a file, never a folder."""
+    path = Path(path)
+    _check_target(path, overwrite, "file")
+    with _os_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with output_lock(path):
+            clean_leftovers(path)
+            _check_target(path, overwrite, "file")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
+            try:
+                with os.fdopen(fd, "w") as fh:
+                    json.dump(obj, fh, indent=2, default=_json_default)
+                    fh.write("\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                _install(Path(tmp), path, overwrite, "file")
+            finally:
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+    return path
+
+
+def _json_default(obj):
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return str(obj)

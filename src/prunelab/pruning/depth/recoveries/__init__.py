@@ -1,0 +1,22 @@
+"""Depth recoveries, one module each, registered in :data:`RECOVERIES`.
+
+Adding one: a new module with a frozen dataclass registered with
+``@RECOVERIES.register("name")`` deriving from :class:`Recovery` (implement ``at_block``;
+``check`` and ``at_embeddings`` where it applies), imported below (or from anywhere
+before use).
+"""
+
+from prunelab.pruning.depth.recoveries.base import RECOVERIES, Recovery
+
+# registration order = the order of CLI lists and error messages
+# isort: off
+from prunelab.pruning.depth.recoveries.none import NoRecovery
+from prunelab.pruning.depth.recoveries.foldable import Foldable
+from prunelab.pruning.depth.recoveries.boundary import Boundary
+from prunelab.pruning.depth.recoveries.ghost import Ghost
+from prunelab.pruning.depth.recoveries.lra import Lra
+from prunelab.pruning.depth.recoveries.linear_bridge import BridgeRecovery
+# isort: on
+
+__all__ = ["RECOVERIES", "Boundary", "BridgeRecovery", "Foldable", "Ghost", "Lra",
+           "NoRecovery", "Recovery"]

@@ -1,0 +1,25 @@
+"""Elastic models: one learned ranking of every unit for every budget (``elastic``
+method, ``cut`` / ``elastic(lm).at(keep)``; ``prunelab export`` is
+:mod:`prunelab.workflow.export`), BMuon training
+(:mod:`prunelab.pruning.width.elastic.bmuon`)."""
+
+from prunelab.pruning.width.elastic.fit import fit_ranking
+from prunelab.pruning.width.elastic.method import (
+    ElasticModel,
+    ElasticRanking,
+    cut,
+    elastic,
+    find_ranking,
+    parse_budgets,
+)
+from prunelab.pruning.width.elastic.ranking import (
+    hard_keep,
+    masked,
+    model_units,
+    soft_keep,
+    threshold,
+)
+
+__all__ = ["ElasticModel", "ElasticRanking", "cut", "elastic", "find_ranking",
+           "fit_ranking", "hard_keep", "masked", "model_units", "parse_budgets", "soft_keep",
+           "threshold"]

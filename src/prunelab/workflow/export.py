@@ -1,0 +1,37 @@
+"""``prunelab export``: cut an elastic checkpoint to a smaller plain model.
+
+(The home of the export stage; GGUF export belongs here too.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prunelab.api import load, save
+from prunelab.io.files import check_output_path
+from prunelab.pruning.width.elastic.method import cut
+
+
+def export(model: str, keep: float, out: str | Path, allocation: str = "global",
+           round_to: int = 8, overwrite: bool = False, device: str = "cpu",
+           dtype: str = "auto") -> Path:
+    """``prunelab export --model DIR --keep 0.7 --out SMALL``: load an elastic checkpoint,
+    cut it and save the smaller model (manifest: the cut as a width operation)."""
+    check_output_path(out, kind="checkpoint", overwrite=overwrite)
+    lm = load(model, dtype=dtype, device=device, trust_remote_code=True)
+    _from_manifest_history(lm)
+    cut(lm, keep, allocation, round_to)
+    return save(lm, out, overwrite=overwrite,
+                extra={"elastic_export": {"keep": keep, "allocation": allocation,
+                                          "source": str(model)}})
+
+
+def _from_manifest_history(lm) -> None:
+    """Carry the source checkpoint's operations into ``lm.history`` (so the exported
+    manifest tells the whole story), without the bulky ranking."""
+    base = Path(str(lm.source))
+    man = base / "manifest.json" if base.is_dir() else None
+    if man is not None and man.is_file() and not lm.history:
+        ops = json.loads(man.read_text()).get("operations", [])
+        lm.history.extend({k: v for k, v in op.items() if k != "ranking"} for op in ops)
