@@ -12,11 +12,11 @@ import transformers as tf
 
 from prunelab.errors import UnsupportedOperationError
 from prunelab.heal import FlowAccumulator, HealConfig, fan_in_profile, heal
-from prunelab.train.lora import Trainables, lora_factors
 from prunelab.models.loading import wrap
 from prunelab.probes import run_probes
 from prunelab.pruning import Depth
 from prunelab.pruning.depth.surgery import run_depth
+from prunelab.train.lora import Trainables, lora_factors
 
 from tiny_models import tiny_config, tiny_model, tiny_tokens
 
@@ -134,8 +134,8 @@ def test_fan_in_profile_correlations():
 
 
 def test_fan_in_from_probe_results():
-    from prunelab.probes.cascadeflow import fan_in_from_results, fan_in_markdown
     from prunelab.probes import ProbeResult
+    from prunelab.probes.cascadeflow import fan_in_from_results, fan_in_markdown
 
     def layer(name, vals):
         return ProbeResult(name, {}, [{"layers": [i], "value": v} for i, v in

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 import prunelab
 from prunelab.data import TokenBatches
 from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.lstsq import NormalEquations
+from prunelab.models.bridges import LinearBridge, fit_bridge
 from prunelab.models.loading import wrap
 from prunelab.pruning import (
     METHODS,
@@ -27,10 +29,8 @@ from prunelab.pruning import (
     depth_from_cli,
 )
 from prunelab.pruning.depth import selection as sel
-from prunelab.models.bridges import LinearBridge, fit_bridge
-from prunelab.lstsq import NormalEquations
-from prunelab.workflow.sweep import parse_range, sweep_depth
 from prunelab.registry import to_dict
+from prunelab.workflow.sweep import parse_range, sweep_depth
 
 from tiny_models import char_tokenizer, tiny_config, tiny_model, tiny_tokens
 

@@ -13,6 +13,7 @@ import torch
 from prunelab.errors import ConfigError
 from prunelab.eval.divergence import token_nll
 from prunelab.models.loading import wrap
+from prunelab.models.sublayer import PARTS, remove_sublayers
 from prunelab.probes import ProbeContext
 from prunelab.probes.ablation import (
     LeaveOneOut,
@@ -33,7 +34,6 @@ from prunelab.pruning.depth.removal_plan import (
 )
 from prunelab.pruning.depth.search_budget import candidates
 from prunelab.pruning.depth.strategies import Sleb
-from prunelab.models.sublayer import PARTS, remove_sublayers
 from prunelab.pruning.depth.surgery import run_depth
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens

@@ -15,11 +15,11 @@ from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits
 from prunelab.models.loading import wrap
 from prunelab.pruning.base import METHODS
+from prunelab.pruning.width import Width
 from prunelab.pruning.width.elastic import (
     ElasticRanking,
     cut,
     elastic,
-    export,
     fit_ranking,
     hard_keep,
     masked,
@@ -29,9 +29,9 @@ from prunelab.pruning.width.elastic import (
 )
 from prunelab.pruning.width.elastic.fit import ranking_dict
 from prunelab.pruning.width.elastic.ranking import initial_scores, removed_count
-from prunelab.pruning.width import Width
 from prunelab.pruning.width.scoring import ElasticScore
 from prunelab.registry import to_dict
+from prunelab.workflow.export import export
 
 from tiny_models import char_tokenizer, save_tiny_checkpoint, tiny_model, tiny_tokens
 

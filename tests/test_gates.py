@@ -20,14 +20,6 @@ from prunelab.models.loading import wrap
 from prunelab.probes.base import make_config, probe_spec
 from prunelab.probes.context import ProbeContext
 from prunelab.pruning import METHODS
-from prunelab.pruning.gates.fit import (
-    bootstrap_rounds,
-    cover_budget,
-    ema_smooth,
-    fit_gates,
-    log_target,
-    ranking_loss,
-)
 from prunelab.pruning.gates.config import (
     Gates,
     Measurement,
@@ -39,6 +31,14 @@ from prunelab.pruning.gates.config import (
     plan_gates,
     plan_probe_greedy,
     sublayer_flops,
+)
+from prunelab.pruning.gates.fit import (
+    bootstrap_rounds,
+    cover_budget,
+    ema_smooth,
+    fit_gates,
+    log_target,
+    ranking_loss,
 )
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens

@@ -31,10 +31,10 @@ from prunelab.probes.heads import (
     repeat_positions,
     repeated_sequences,
 )
+from prunelab.probes.plots import head_array, plot_result
 from prunelab.probes.summary import write_summary
 from prunelab.pruning.width import Width
 from prunelab.pruning.width.execute import prune_width
-from prunelab.probes.plots import head_array, plot_result
 
 from tiny_models import tiny_config, tiny_model, tiny_tokens
 

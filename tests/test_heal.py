@@ -14,10 +14,10 @@ import torch
 import prunelab
 from prunelab.errors import ConfigError, PrunelabError, ResumeMismatchError
 from prunelab.heal import HealConfig, eval_nll, heal, kept_positions
+from prunelab.models.bridges import LinearBridge, attach_bridge
+from prunelab.models.loading import wrap
 from prunelab.train.lora import zero_count
 from prunelab.train.losses import kd_loss
-from prunelab.models.loading import wrap
-from prunelab.models.bridges import LinearBridge, attach_bridge
 
 from tiny_models import char_tokenizer, tiny_model, tiny_tokens
 

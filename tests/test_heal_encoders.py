@@ -13,8 +13,8 @@ import transformers as tf
 
 import prunelab
 from prunelab.errors import ConfigError
-from prunelab.train.encoders import EncoderHealConfig, final_loss, heal_encoder
 from prunelab.models.loading import wrap
+from prunelab.train.encoders import EncoderHealConfig, final_loss, heal_encoder
 from test_vision import SIZE, hidden, pixels, tiny_vision
 from test_whisper import tiny_whisper
 

@@ -10,8 +10,8 @@ import torch
 import prunelab
 from prunelab.errors import ConfigError, ModelNotFoundError, UnsupportedArchitectureError
 from prunelab.models.embedded import EMBEDDED
-from prunelab.paths import package_file
 from prunelab.models.loading import resolve_device, resolve_dtype
+from prunelab.paths import package_file
 
 from tiny_models import save_tiny_checkpoint
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from prunelab.models.memory import release_free_memory
 from prunelab.errors import ModelNotFoundError
 from prunelab.models import embedded
 from prunelab.models.embedded import EMBEDDED, resolve_embedded
+from prunelab.models.memory import release_free_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,6 +16,7 @@ from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext, ProbeResult, probe_names, run_probes
+from prunelab.probes.plots import plot_result
 from prunelab.probes.reliability import (
     add_reliability,
     bootstrap_intervals,
@@ -31,7 +32,6 @@ from prunelab.probes.reliability import (
 from prunelab.probes.reliability_report import interval_class
 from prunelab.probes.summary import lowest_n, write_summary
 from prunelab.pruning import Depth
-from prunelab.probes.plots import plot_result
 
 from tiny_models import tiny_model, tiny_tokens
 

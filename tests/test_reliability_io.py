@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import prunelab
+from prunelab.checkpoint import save as savemod
 from prunelab.data.batches import TokenBatches
 from prunelab.errors import (
     CorruptCheckpointError,
@@ -27,9 +28,8 @@ from prunelab.errors import (
     PickleRefusedError,
 )
 from prunelab.io import lock as lockmod
-from prunelab.checkpoint import save as savemod
-from prunelab.io.lock import clean_leftovers, move_noreplace, output_lock, publish_once
 from prunelab.io.files import check_output_path, write_json
+from prunelab.io.lock import clean_leftovers, move_noreplace, output_lock, publish_once
 from prunelab.models import loading
 from prunelab.models.loading import wrap
 

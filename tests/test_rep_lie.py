@@ -11,12 +11,12 @@ import torch
 
 import prunelab
 from prunelab.heal import HealConfig, heal, lora_gradient_estimate, unit_importance
-from prunelab.train.lora import Trainables, lora_factors
-from prunelab.pruning.width.rep_lie import RepLieTracker, merged_weight, rep_lie_importances
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
 from prunelab.pruning.width.execute import run_width
+from prunelab.pruning.width.rep_lie import RepLieTracker, merged_weight, rep_lie_importances
 from prunelab.pruning.width.scoring import RepLie
+from prunelab.train.lora import Trainables, lora_factors
 
 from tiny_models import tiny_model, tiny_tokens
 

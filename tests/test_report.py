@@ -17,10 +17,10 @@ from prunelab.cli import cli_main
 from prunelab.io.files import write_json
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeResult
-from prunelab.probes.session import run_probes
-from prunelab.report.html import write_report
 from prunelab.probes.plots import pair_norm, plot_result, plot_swap_pair
+from prunelab.probes.session import run_probes
 from prunelab.probes.swap_plots import diagonal_offsets, plot_swap_diagonals
+from prunelab.report.html import write_report
 
 from tiny_models import tiny_model, tiny_tokens
 

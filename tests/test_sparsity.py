@@ -18,8 +18,8 @@ from prunelab.models.adapters import get_adapter
 from prunelab.models.linear import weight_out_in
 from prunelab.models.loading import wrap
 from prunelab.pruning.base import METHODS as METHODS_REGISTRY
-from prunelab.pruning.sparsity.config import from_dict, to_dict
 from prunelab.pruning.linears import branch_containers
+from prunelab.pruning.sparsity.config import from_dict, to_dict
 from prunelab.pruning.sparsity.execute import prune_block, prune_block_sequential, role_groups
 from prunelab.pruning.sparsity.masks import unstructured_mask
 

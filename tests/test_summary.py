@@ -7,6 +7,7 @@ import math
 import pytest
 
 from prunelab.probes.base import ProbeResult
+from prunelab.probes.plots import plot_result, plot_swap_pair
 from prunelab.probes.summary import (
     decision_rule,
     greedy_no_adjacent,
@@ -14,7 +15,6 @@ from prunelab.probes.summary import (
     rank_correlations,
     write_summary,
 )
-from prunelab.probes.plots import plot_result, plot_swap_pair
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
