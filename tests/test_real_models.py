@@ -391,7 +391,7 @@ def test_cli_info_and_eval_on_gemma3_and_minilm(tmp_path):
     eval (perplexity with BOS for Gemma; sentence-embedding metrics for MiniLM)."""
     import json
 
-    from test_cli import cli
+    from tiny_models import cli
 
     if not (installed("gemma3-270m") and installed("minilm-l6")):
         pytest.skip("gemma3-270m or minilm-l6 not installed")

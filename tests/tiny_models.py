@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 import transformers as tf
 
@@ -97,3 +101,9 @@ SAMPLE_TEXT = (
     "The quick brown fox jumps over the lazy dog. A small model reads this text and "
     "predicts each next character; pruning should change its loss only a little. "
 ) * 6
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="120")
+    return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=300)

@@ -1,0 +1,76 @@
+"""Token pruning written into a checkpoint (``TokenPruner`` custom modules): the in-memory
+model equals the runtime wrapper, the checkpoint reloads with ``trust_remote_code=True``
+and gives identical outputs, and ``prune tokens --out`` writes it."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from prunelab.errors import ConfigError
+from prunelab.models.loading import wrap
+from prunelab.pruning.tokens import TokenPrunedEncoder, TokenPruning, install_token_pruning
+from tiny_media import hidden, pixels, tiny_vision
+
+
+@pytest.mark.parametrize("arch", ["dinov2", "vit"])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_installed_pruning_equals_the_wrapper_and_reloads(arch, fuse, tmp_path):
+    import prunelab
+
+    dense = tiny_vision(arch)
+    x = pixels(3).input_ids
+    cfg = TokenPruning(keep=0.5, layers=(1, 2), fuse=fuse)
+    want = TokenPrunedEncoder(wrap(dense), cfg)(x)
+    lm = wrap(copy.deepcopy(dense))
+    paths = install_token_pruning(lm, cfg)
+    assert len(paths) == 2 and paths[0].endswith("1.token_pruner")
+    got = hidden(lm.model, x)
+    # fuse: 16 patches -> 8 + 1 fused at block 1 -> ceil(9 / 2) = 5 + 1 at block 2;
+    # drop: 16 -> 8 -> 4 (CLS first in both)
+    assert got.shape[1] == (1 + 5 + 1 if fuse else 1 + 4)
+    assert torch.equal(got, want)
+    # a distinct folder name per case: transformers caches remote code by folder name
+    out = prunelab.save(lm, tmp_path / f"tok_{arch}_{fuse}")
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert [m["kind"] for m in cfg_json["prunelab_modules"]] == ["token_pruner"] * 2
+    with pytest.raises(ValueError, match="custom code"):  # needs its modeling file
+        tf.AutoModel.from_pretrained(out)
+    again = tf.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    assert torch.equal(hidden(again, x), got)
+
+
+def test_keep_one_installs_the_dense_function_and_refuses_twice():
+    dense = tiny_vision()
+    x = pixels(2).input_ids
+    lm = wrap(copy.deepcopy(dense))
+    install_token_pruning(lm, TokenPruning(keep=1.0, layers=(0,)))
+    assert torch.equal(hidden(lm.model, x), hidden(dense, x))
+    with pytest.raises(ConfigError, match="already prunes tokens"):
+        install_token_pruning(lm, TokenPruning(keep=0.5, layers=(0,)))
+
+
+def test_cli_prune_tokens_out_writes_a_reloadable_checkpoint(tmp_path):
+    from prunelab.cli import cli_main
+
+    ckpt = tmp_path / "tiny"
+    dense = tiny_vision()
+    dense.save_pretrained(ckpt)
+    out = tmp_path / "tokens"
+    rc = cli_main(["prune", "tokens", "--model", str(ckpt), "--keep", "0.5", "--layers", "1",
+                   "--samples", "3", "--size", "56", "--lfw-size", "28", "--out", str(out),
+                   "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["operations"][-1]["operation"] == "prune-tokens"
+    assert man["operations"][-1]["config"]["keep"] == 0.5
+    x = pixels(2).input_ids
+    again = tf.AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+    want = TokenPrunedEncoder(wrap(dense), TokenPruning(keep=0.5, layers=(1,)))(x)
+    assert torch.equal(hidden(again, x), want)
+    # an existing --out is refused before any work
+    assert cli_main(["prune", "tokens", "--model", str(ckpt), "--out", str(out)]) == 2
