@@ -151,7 +151,7 @@ class Depth:
     @property
     def holdout(self) -> float:
         """The resolved ``recovery_holdout``: 0.25 by default with recovery in the loop of
-        sleb / beam, else 0 (see :func:`prunelab.pruning.depth.removal_plan.holdout_split`)."""
+        sleb / beam, else 0 (see :func:`prunelab.pruning.depth.holdout.holdout_split`)."""
         if self.recovery_holdout is not None:
             return float(self.recovery_holdout)
         name = None if self.select is None else STRATEGIES.name_of(self.select)

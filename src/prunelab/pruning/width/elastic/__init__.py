@@ -1,7 +1,7 @@
 """Elastic models: one learned ranking of every unit for every budget (``elastic``
 method, ``cut`` / ``elastic(lm).at(keep)``; ``prunelab export`` is
 :mod:`prunelab.workflow.export`), BMuon training
-(:mod:`prunelab.pruning.width.elastic.bmuon`)."""
+(:mod:`prunelab.train.bmuon`)."""
 
 from prunelab.pruning.width.elastic.fit import fit_ranking
 from prunelab.pruning.width.elastic.method import (
