@@ -89,7 +89,7 @@ def _page_in(model) -> int:
 
 
 def stored(lm, cfg) -> int:
-    from prunelab.pruning.sparsity.execute import selected_linears
+    from prunelab.pruning.linears import selected_linears
     from prunelab.pruning.sparsity.sparse_lowrank import stored_params
 
     return sum(stored_params(m) for i in range(lm.adapter.num_blocks)

@@ -43,8 +43,8 @@ from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext
 from prunelab.probes.base import make_config, options_for, probe_spec
 from prunelab.pruning import Depth
-from prunelab.pruning.depth import select
-from prunelab.pruning.surgery import prune_depth
+from prunelab.pruning.depth.config import select
+from prunelab.pruning.depth.surgery import prune_depth
 
 MODELS = ("smollm2-135m", "gemma3-270m", "minilm-l6")
 

@@ -7,14 +7,14 @@ Rows (``METHOD:RECOVERY[:loop]``):
 * ``block-influence`` one-shot, ``span-angular`` (its best span), ``beam`` (block
   influence seeds, width 3, 12 seeds, KL), ``sleb`` (greedy by calibration NLL),
   ``sublayer`` (SLEB's greedy over attention / MLP sub-blocks at equal parameters removed:
-  ``remove = n`` block-equivalents, see :mod:`prunelab.pruning.search_budget`);
+  ``remove = n`` block-equivalents, see :mod:`prunelab.pruning.depth.search_budget`);
 * ``:loop`` (beam, sleb, sublayer): every candidate scored after its closed-form recovery;
 * ``plan:RECOVERY``: the sub-blocks given by ``--plans`` for that count (e.g. a sublayer
   row's ``removed``), re-applied with another recovery without searching again.
 
 **Nested greedy rows** (``--nested``, the default): greedy removal is nested (the run to 8
 blocks passes through the 4- and 6-block selections; see
-:func:`prunelab.pruning.strategies.sleb.share_greedy_runs`), so the ``sleb`` and
+:func:`prunelab.pruning.depth.strategies.sleb.share_greedy_runs`), so the ``sleb`` and
 ``sublayer`` rows search once, to the largest count, and the smaller counts take its
 prefix; their wall time and block evaluations are the prefix's (what a run to that count
 alone costs) plus their own repair. Greedy rows run after the others, largest count first.
@@ -107,7 +107,7 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
 
     import prunelab
     from prunelab.errors import PrunelabError
-    from prunelab.pruning.surgery import prune_depth
+    from prunelab.pruning.depth.surgery import prune_depth
 
     work = copy.deepcopy(lm)
     cfg = make_config(row, remove, holdout, search_windows, plans, resume)
@@ -231,7 +231,7 @@ def main() -> None:
                       "cache_block_evaluations": ctx.cache_block_evaluations,
                       "cache_seconds": ctx.setup_seconds}), flush=True)
     if args.nested:
-        from prunelab.pruning.strategies.sleb import share_greedy_runs
+        from prunelab.pruning.depth.strategies.sleb import share_greedy_runs
 
         share_greedy_runs(ctx)
     points, shared = [], {}

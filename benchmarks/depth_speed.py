@@ -30,8 +30,8 @@ from prunelab.eval.speed import measure_speed
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext
 from prunelab.pruning import Depth
-from prunelab.pruning.depth import select
-from prunelab.pruning.surgery import prune_depth
+from prunelab.pruning.depth.config import select
+from prunelab.pruning.depth.surgery import prune_depth
 
 
 def speed(lm, args) -> dict:

@@ -2,7 +2,7 @@
 
 For each removal budget ``b`` (fraction of the attention + MLP parameters that width
 pruning can remove), the elastic model is cut from ONE ranking (fitted once on the
-calibration windows over ``--fit-budgets``; :mod:`prunelab.pruning.elastic`), while each
+calibration windows over ``--fit-budgets``; :mod:`prunelab.pruning.width.elastic`), while each
 baseline (``wanda-sp``, ``magnitude-profile``, ``flap``) is computed for that budget: KV
 groups then FFN channels, each at ratio ``b`` of its own parameters under the ``global``
 allocation (so both remove ``b`` of the same pool, per-block widths in both). No
@@ -30,7 +30,7 @@ import time
 import prunelab
 from prunelab.api import tokens_for
 from prunelab.models.loading import wrap
-from prunelab.pruning.elastic import ElasticRanking, elastic
+from prunelab.pruning.width.elastic import ElasticRanking, elastic
 from prunelab.pruning.width import Width
 
 BASELINES = ("wanda-sp", "magnitude-profile", "flap")

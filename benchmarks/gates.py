@@ -3,7 +3,7 @@ skipped compute (issue 19, part 2).
 
 On SmolLM2-135M (embedded spec ``smollm2-135m``), calibration ``wiki-vital:calib``, test
 ``wiki-vital:test``: the intervention KLs of every attention and MLP branch are measured
-once on the calibration windows (:func:`prunelab.pruning.gates.measure_sublayers`), and
+once on the calibration windows (:func:`prunelab.pruning.gates.config.measure_sublayers`), and
 for each budget (fraction of the sublayer compute skipped, FLOPs per token of the branches)
 four plans are built from them and applied for real to a fresh copy of the model:
 
@@ -38,7 +38,7 @@ from prunelab.eval.perplexity import score_windows
 from prunelab.models.loading import wrap
 from prunelab.models.size import model_size
 from prunelab.probes.context import ProbeContext
-from prunelab.pruning.gates import (
+from prunelab.pruning.gates.config import (
     Gates,
     apply_plan,
     block_scores,

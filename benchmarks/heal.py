@@ -44,7 +44,7 @@ import transformers
 import prunelab
 from prunelab.eval.perplexity import score_windows
 from prunelab.heal import HealConfig, heal
-from prunelab.heal.lora import zero_count
+from prunelab.train.lora import zero_count
 from prunelab.models.loading import wrap
 
 ROWS = ("depth6-ce", "depth6-kd", "depth6-hidden", "wanda50", "ffn20-wanda-sp",

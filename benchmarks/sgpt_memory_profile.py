@@ -180,7 +180,7 @@ def main() -> None:
 
     import prunelab
     from prunelab.api import tokens_for
-    from prunelab.calib.memory import release_free_memory
+    from prunelab.models.memory import release_free_memory
     from prunelab.pruning.base import METHODS
 
     torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ For each model (``--models``, default the embedded ``whisper-tiny-en`` and ``whi
 3. for n = 1, 2 (``--removes``): the n layers with the smallest WER change removed
    (``prune depth --stack encoder --blocks ...``), WER zero-shot, then the encoder
    distilled from the dense one on unlabelled synthesised speech
-   (:mod:`prunelab.heal.encoder_distill`, ``--distill-steps``), WER again; RTF of each.
+   (:mod:`prunelab.train.encoder_distill`, ``--distill-steps``), WER again; RTF of each.
 
 Run (one thread; measured 21 min for tiny.en and 28 min for base on a heavily shared
 2-core machine at the defaults)::
@@ -35,7 +35,7 @@ import torch
 import prunelab
 from prunelab.data.speech import feature_batches, load_speech
 from prunelab.eval.speech import speech_scores
-from prunelab.heal.encoder_distill import EncoderDistill, distill_encoder
+from prunelab.train.encoder_distill import EncoderDistill, distill_encoder
 from prunelab.probes.ablation import LeaveOneOut
 from prunelab.pruning import Depth
 

@@ -17,7 +17,7 @@ a fresh process (this script with ``--job``). Reported per run:
 - wall s: load + prune + save, and the prune call alone;
 - test ppl: perplexity of the saved checkpoint on ``--test-samples`` windows of
   ``wiki-vital:test`` (scored streamed in a separate process; streamed and resident
-  evaluation give the same number, see tests/test_streaming.py).
+  evaluation give the same number, see tests/models/test_streaming.py).
 
 Run (about 10 min on 2 cores for SmolLM2 at the defaults)::
 

@@ -70,7 +70,7 @@ def _row(name, lm, removed, ctx_scores, extra=None) -> dict:
 
 def _search(args, dense, calib, prior, repair=None) -> dict:
     from prunelab.eval.task_metric import make_task_metric
-    from prunelab.pruning.strategies.validation import validation_search
+    from prunelab.pruning.depth.strategies.validation import validation_search
 
     start = time.perf_counter()
     options = {"size": args.lfw_size, "split": "calib"} if args.val_metric == "lfw-acc" \
@@ -85,10 +85,10 @@ def _search(args, dense, calib, prior, repair=None) -> dict:
 
 def _in_loop_search(args, dense, calib, prior) -> dict:
     """The validation search with ``args.in_loop`` recovery fitted on the calibration
-    photos for every candidate (see prunelab.pruning.strategies.validation)."""
+    photos for every candidate (see prunelab.pruning.depth.strategies.validation)."""
     from prunelab.probes import ProbeContext
     from prunelab.pruning import Depth
-    from prunelab.pruning.strategies.validation import repaired_copy
+    from prunelab.pruning.depth.strategies.validation import repaired_copy
 
     cfg = Depth(remove=1, recovery=args.in_loop)
     ctx = ProbeContext(dense, calib.input_ids, batch_size=8)
