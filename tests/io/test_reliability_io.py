@@ -27,6 +27,7 @@ from prunelab.errors import (
     OutputWriteError,
     PickleRefusedError,
 )
+from prunelab.io import files as filesmod
 from prunelab.io import lock as lockmod
 from prunelab.io.files import check_output_path, write_json
 from prunelab.io.lock import clean_leftovers, move_noreplace, output_lock, publish_once
@@ -300,7 +301,8 @@ def test_writers_use_pid_temp_names(tmp_path, monkeypatch):
         seen.append(tmp.name)
         real(tmp, target, overwrite, kind)
 
-    monkeypatch.setattr(savemod, "_install", spy)
+    monkeypatch.setattr(filesmod, "_install", spy)  # files (write_json)
+    monkeypatch.setattr(savemod, "_install", spy)   # checkpoints
     write_json(tmp_path / "r.json", {})
     prunelab.save(wrap(tiny_model("llama"), char_tokenizer()), tmp_path / "ck")
     assert seen[0].startswith(f".r.json.tmp-{os.getpid()}-")
@@ -429,7 +431,7 @@ def test_move_noreplace_refuses_files_and_folders(tmp_path):
         dst.rmdir()
         move_noreplace(src, dst)
         assert dst.exists() and not src.exists()
-        savemod._remove(dst)
+        lockmod._remove(dst)
 
 
 # ---------------------------------------------------------------- 8. durability

@@ -21,7 +21,14 @@ from prunelab.pruning.base import (
     pruner_for,
     register_pruner,
 )
+
+# registration order (the order the CLI and the docs list methods in): depth, width,
+# elastic, then the rest as imported below
+# isort: off
 from prunelab.pruning.depth.config import Depth, depth_from_cli
+import prunelab.pruning.width.config  # noqa: F401 - registers "width"
+from prunelab.pruning.width.elastic import ElasticRanking  # noqa: F401 - registers "elastic"
+# isort: on
 from prunelab.pruning.depth.recoveries import (
     RECOVERIES,
     Boundary,
@@ -67,7 +74,6 @@ from prunelab.pruning.width import (
     WidthScore,
     width_from_cli,
 )
-from prunelab.pruning.width.elastic import ElasticRanking  # noqa: F401 - registers "elastic"
 from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
 
 __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",

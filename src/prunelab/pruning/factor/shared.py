@@ -24,8 +24,9 @@ Grams: with ``sequential`` the projection types are processed by the tensor they
 execution order (q/k/v, o, gate/up, down), and each stage's Grams are collected on the
 model with the earlier stages already compressed (``propagate="modified"``). That fits
 the dense weights to the compressed stream's inputs rather than reproducing the dense
-outputs, and measured worse on SmolLM2-135M for both methods (benchmarks/results/factorization.md), so
-both default to one pass on the dense model collecting every Gram, as in the paper.
+outputs, and measured worse on SmolLM2-135M for both methods
+(benchmarks/results/factorization.md), so both default to one pass on the dense model
+collecting every Gram, as in the paper.
 
 Shrinkage (``shared-dict --shrink s``): each layer's Gram is replaced by
 ``(1 - s) H_l + s mean_G(H)`` before pairing and fitting. ``s = 1`` is Basis Sharing's

@@ -2,8 +2,8 @@
 
 The energy-share allocation (``widths="spectrum"``, :mod:`.widths`) values a direction by
 the share of its boundary's energy; on SmolLM2-135M and Gemma 3 270M that allocation was
-worse than one uniform width (benchmarks/results/factorization.md): a block's kept energy is not what
-its width costs in output quality. This module measures that cost instead.
+worse than one uniform width (benchmarks/results/factorization.md): a block's kept
+energy is not what its width costs in output quality. This module measures that cost instead.
 
 **Curves.** On the dense, norm-folded model, for each group ``g`` (block ``g``: its two
 boundaries, the attention input ``2g`` and the MLP input ``2g + 1``; group ``L``: the final
