@@ -62,3 +62,13 @@ def test_root_unknown_name_is_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         prunelab.Nope  # noqa: B018
     assert {"Wanda", "load", "prune", "__version__"} <= set(prunelab.__all__)
+
+
+def test_root_subpackages_are_attributes():
+    """``prunelab.probes.Interchange`` works right after ``import prunelab`` (the eager root
+    used to import the sub-packages; the lazy one imports them on first use)."""
+    code = ("import prunelab; print(prunelab.probes.Interchange.registry_name, "
+            "prunelab.heal.HealConfig.__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["interchange", "HealConfig"]

@@ -51,7 +51,14 @@ _LAZY: dict[str, str] = {
 __all__ = sorted([*_LAZY, "__version__"])
 
 
+#: sub-packages reachable as attributes (``prunelab.probes.Interchange``) without an import
+_SUBPACKAGES = ("api", "calib", "checkpoint", "cli", "data", "eval", "heal", "inference", "io",
+                "models", "probes", "pruning", "report", "train", "workflow")
+
+
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"prunelab.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'prunelab' has no attribute {name!r}")
@@ -61,4 +68,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY, *_SUBPACKAGES})
