@@ -25,9 +25,20 @@ def piece_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
 
 
+def option_name(name: str, metadata) -> str:
+    """The flat option name of a field called ``name`` with ``metadata``: its ``"cli"``
+    entry, else its ``"flag"`` without the dashes (``"--owl-m"`` -> ``owl_m``), else the
+    field name."""
+    if metadata.get("cli"):
+        return metadata["cli"]
+    if metadata.get("flag"):
+        return metadata["flag"].lstrip("-").replace("-", "_")
+    return name
+
+
 def flag_of(f: dataclasses.Field) -> str:
     """The flat option name of a piece field (``beam_width`` for ``Beam.width``)."""
-    return f.metadata.get("cli", f.name)
+    return option_name(f.name, f.metadata)
 
 
 def _given(f: dataclasses.Field, value: Any) -> bool:
