@@ -18,12 +18,12 @@ from prunelab.cli import (  # noqa: F401  (register)
     factor_cmds,
     heal_cmds,
     inspect_cmds,
+    plugins,
     prune_cmds,
     report_cmds,
     vision_cmds,
     workflow_cmds,
 )
-from prunelab.cli import plugins
 from prunelab.cli.apps import app
 from prunelab.cli.common import state
 from prunelab.errors import PrunelabError

@@ -11,7 +11,6 @@ from rich.table import Table
 
 from prunelab import log
 from prunelab.cli.apps import app
-from prunelab.cli.generated import generated_command
 from prunelab.cli.common import (
     BatchOpt,
     DeviceOpt,
@@ -31,6 +30,7 @@ from prunelab.cli.common import (
     parse_settings,
     writing,
 )
+from prunelab.cli.generated import generated_command
 from prunelab.errors import ConfigError
 
 

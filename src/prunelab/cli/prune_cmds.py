@@ -11,7 +11,6 @@ from rich.table import Table
 
 from prunelab import log
 from prunelab.cli.apps import prune_app, sweep_app
-from prunelab.cli.generated import generated_command, values
 from prunelab.cli.common import (
     BatchOpt,
     CpusOpt,
@@ -35,6 +34,7 @@ from prunelab.cli.common import (
     parse_settings,
     writing,
 )
+from prunelab.cli.generated import generated_command, values
 from prunelab.errors import ConfigError
 
 
