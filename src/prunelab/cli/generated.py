@@ -178,37 +178,38 @@ def fill_help(text: str, cat: dict) -> str:
 
 class GeneratedCommand(typer.core.TyperCommand):
     """A typer command whose registry options and catalog-filled help are added lazily
-    (see the module docstring); subclasses set :attr:`kinds`."""
+    (see the module docstring); subclasses set :attr:`kinds`. ``params`` includes the
+    generated options (the first read prepares them), so code that inspects a command's
+    parameters sees them as if declared by hand."""
 
     kinds: tuple[str, ...] = ()
-    _extra: list | None = None
     _gen: list[GenOption] = []
+    _all: list | None = None
 
-    def _prepare(self) -> None:
-        if self._extra is not None:
-            return
-        needs_help = any("{" in (getattr(p, "help", None) or "") for p in self.params)
+    @property
+    def params(self) -> list:
+        if self._all is None:
+            self._all = [*self._base, *self._generate()]
+        return self._all
+
+    @params.setter
+    def params(self, value: list) -> None:
+        self._base, self._all = list(value), None
+
+    def _generate(self) -> list:
+        needs_help = any("{" in (getattr(p, "help", None) or "") for p in self._base)
         if not self.kinds and not needs_help:
-            self._extra, self._gen = [], []
-            return
+            return []
         cat = _catalog.get(live=None if state.get("help") else True)
-        for p in self.params:
+        for p in self._base:
             if "{" in (getattr(p, "help", None) or ""):
                 p.help = fill_help(p.help, cat)
-        taken = {o for p in self.params for o in (*p.opts, *p.secondary_opts)}
-        gen = [o for o in gen_options(cat, self.kinds) if o.flag not in taken]
+        taken = {o for p in self._base for o in (*p.opts, *p.secondary_opts)}
+        self._gen = [o for o in gen_options(cat, self.kinds) if o.flag not in taken]
         panels = {k: f"{CHOICE.get(k, k)} options" for k in self.kinds}
-        self._gen = gen
-        self._extra = _click_params(gen, panels)
-
-    def get_params(self, ctx):
-        self._prepare()
-        params = super().get_params(ctx)
-        return [*params[:-1], *self._extra, params[-1]] if params and self._extra \
-            else params
+        return _click_params(self._gen, panels)
 
     def invoke(self, ctx):
-        self._prepare()
         got = {k[len(_PREFIX):]: ctx.params.pop(k) for k in list(ctx.params)
                if k.startswith(_PREFIX)}
         ctx.meta[_META] = (self._gen, got)
