@@ -3,8 +3,9 @@
 A command line is flat (``--strategy beam --beam-width 3 --recovery lra --rank 8``) while a
 config nests one registered piece per choice (``Depth(select=Beam(width=3),
 recovery=Lra(rank=8))``). Each field of a registered piece names its flat option in its
-dataclass metadata (``metadata={"cli": "beam_width", "help": "..."}``; default: the field
-name) and carries a one-line ``help``. :func:`piece_from_flat` builds the chosen piece from
+dataclass metadata (``metadata={"cli": "beam_width", "help": "..."}``, or a ``"flag"`` such
+as ``"--owl-m"``; default: the field name, see :func:`option_name`) and carries a one-line
+``help``. :func:`piece_from_flat` builds the chosen piece from
 the flat options that belong to it and refuses those that belong to another piece of the
 same registry; :func:`flat_options` lists every flat option of a registry for a CLI
 generator.
