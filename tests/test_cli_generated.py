@@ -12,7 +12,7 @@ import pytest
 
 from prunelab.cli import cli_main, prune_cmds
 from prunelab.pruning import STRATEGIES
-from prunelab.pruning.strategies.base import Strategy
+from prunelab.pruning.depth.strategies.base import Strategy
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ def prune_factor_cmd(
 
 def _show_factor(lm, rep, model: str, out_dir: Path, method: str) -> None:
     """Print what the factorization did."""
-    from prunelab.io.remote import load_hint
+    from prunelab.checkpoint.remote import load_hint
 
     t = Table(title=f"{method} factorization of {model}", show_header=False)
     f0, f1 = rep["flops_per_token_before"], rep["flops_per_token_after"]

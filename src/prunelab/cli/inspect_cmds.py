@@ -42,7 +42,7 @@ def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
          overwrite: bool = typer.Option(False, help="replace an existing --json file")):
     """Print the architecture: blocks, heads, KV groups, FFN width, sizes, projections."""
     from prunelab import api
-    from prunelab.io.save import write_json
+    from prunelab.io.files import write_json
 
     with writing(json_path, "file", overwrite):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
@@ -154,7 +154,7 @@ def eval_cmd(model: str = ModelOpt,
     512, of at most --seqlen tokens): same-document nearest neighbour, and with --reference
     mean cosine and nearest-neighbour agreement to the reference."""
     from prunelab import api
-    from prunelab.io.save import write_json
+    from prunelab.io.files import write_json
 
     check_positive("--batch-size", batch_size)
     if tasks and samples is None:  # tasks are the point: a quick perplexity, not the whole set
@@ -448,7 +448,7 @@ def probe(model: str = ModelOpt,
                  f"results (NAME.partial.json) are in {out_dir}/; rerun the same command to "
                  "resume"):
         if stream:
-            from prunelab.calib.streamed import check_streamable_probes
+            from prunelab.probes.base import check_streamable_probes
             check_streamable_probes(names)
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights, offload, stream, stack=stack).load()

@@ -282,7 +282,7 @@ def sweep_depth_cmd(
         cpus_per_point: float = CpusOpt, gpus_per_point: float = GpusOpt):
     """Test perplexity and KL to dense against blocks removed, per probe x recovery."""
     from prunelab import api
-    from prunelab.pruning.sweep import parse_range, sweep_depth
+    from prunelab.workflow.sweep import parse_range, sweep_depth
     from prunelab.report.folder import record_command
 
     removes = parse_range(remove)

@@ -41,7 +41,7 @@ def show_depth(lm, rep, model: str, out_dir: Path, recovery: str) -> None:
         t.add_row(k, v)
     out.print(t)
     if rep["needs_remote_code"]:
-        from prunelab.io.remote import load_hint
+        from prunelab.checkpoint.remote import load_hint
 
         why = ("blocks that kept one branch" if rep.get("partial_blocks")
                else f"{recovery} adds linear bridges")
@@ -87,7 +87,7 @@ def show_width(lm, rep, model: str, out_dir: Path, unit: str, score: str, alloca
               f"{len(rep['compensation']['least_squares'])} least-squares refits, "
               f"{len(rep['compensation']['bias'])} bias updates; {rep['seconds']:.1f} s")
     if rep["needs_remote_code"]:
-        from prunelab.io.remote import load_hint
+        from prunelab.checkpoint.remote import load_hint
 
         out.print(f"note: per-block widths ({'; '.join(rep['vanilla_problems'])}): load "
                   f"{out_dir} with {load_hint(lm.model)}")

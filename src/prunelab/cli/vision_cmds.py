@@ -47,7 +47,7 @@ def prune_tokens_cmd(
         dtype: str = DtypeOpt, device: str = DeviceOpt):
     """Prune patch tokens by CLS attention (vision encoders) and report embedding fidelity,
     LFW accuracy, tokens per block and images/s against the dense forward."""
-    from prunelab.io.save import check_output_path, write_json
+    from prunelab.io.files import check_output_path, write_json
     from prunelab.pruning.tokens import TokenPruning, evaluate_token_pruning
 
     cfg = TokenPruning(keep=keep, layers=_ints(layers), fuse=fuse)
