@@ -67,6 +67,15 @@ NEEDS = {
     ("prune sparsity", "--hessian-alpha"): ["--method", "sparsegpt"],
     ("prune width", "--rep-lie-lr"): ["--score", "rep-lie"],
     ("prune width", "--taper-slope"): ["--allocation", "taper"],
+    # generated from the registered configs' fields (cli/generated.py)
+    ("prune depth", "--ridge"): ["--recovery", "foldable"],
+    ("prune width", "--outlier-z"): ["--score", "magnitude-profile"],
+    ("prune sparsity", "--percdamp"): ["--method", "sparsegpt"],
+    ("prune sparsity", "--threshold"): ["--method", "rose"],
+    ("prune sparsity", "--rho"): ["--method", "admm"],
+    ("prune sparsity", "--rho-growth"): ["--method", "admm"],
+    ("prune sparsity", "--admm-damp"): ["--method", "admm"],
+    ("prune sparsity", "--grad-damp"): ["--method", "cactus"],
 
     ("prune factor", "--energy"): ["--widths", "energy"],
 }

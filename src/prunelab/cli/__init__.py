@@ -18,6 +18,7 @@ from prunelab.cli import (  # noqa: F401  (register)
     factor_cmds,
     heal_cmds,
     inspect_cmds,
+    plugins,
     prune_cmds,
     report_cmds,
     vision_cmds,
@@ -52,7 +53,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     _quiet_transformers()
     args = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("--verbose", "-v") for a in args[: _first_command(args)])
-    state.update(verbose=verbose, on_interrupt=None)
+    state.update(verbose=verbose, on_interrupt=None, help="--help" in args)
+    plugins.set_cli(None)
     usage, abort = _click_exceptions()
     try:
         rv = app(args=args, prog_name="prunelab", standalone_mode=False)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 from prunelab import log
@@ -19,7 +21,16 @@ app.add_typer(sweep_app, name="sweep")
 @app.callback()
 def _global_options(
         quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress or status"),
-        verbose: bool = typer.Option(False, "--verbose", "-v", help="tracebacks on errors")):
+        verbose: bool = typer.Option(False, "--verbose", "-v", help="tracebacks on errors"),
+        plugin: Optional[list[str]] = typer.Option(
+            None, "--plugin", help="a Python file registering methods (repeatable; also "
+            "$PRUNELAB_PLUGINS, os.pathsep-separated files or module names), imported "
+            "before the command runs")):
     """prunelab: probes, pruning and evaluation of transformers (0-based layer indices)."""
+    from prunelab.cli import plugins
+
     log.set_quiet(quiet)
     state["verbose"] = verbose
+    plugins.set_cli(plugin)
+    if not state.get("help"):  # help reads the plugins' options from the catalog
+        plugins.load()

@@ -23,26 +23,17 @@ from prunelab.cli.common import (
     out,
     parse_list,
 )
+from prunelab.cli.generated import generated_command
 from prunelab.cli.prune_cmds import build_config, prune_and_save
 from prunelab.errors import ConfigError
 
 
-def _methods_help() -> str:
-    from prunelab.pruning.factor import factor_methods
-
-    parts = []
-    for name, cls in factor_methods().items():
-        doc = (cls.__doc__ or "").strip().splitlines()
-        parts.append(f"{name} ({doc[0].rstrip('.')})" if doc else name)
-    return " | ".join(parts)
-
-
-@prune_app.command("factor")
+@prune_app.command("factor", cls=generated_command())
 def prune_factor_cmd(
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        method: str = typer.Option("slicegpt", help=_methods_help()),
+        method: str = typer.Option("slicegpt", help="{factor_methods}"),
         ratio: Optional[float] = typer.Option(
             None, help="slicegpt: fraction of the hidden size removed; svd-llm / "
             "basis-sharing / shared-dict: fraction of the targeted linears' parameters "

@@ -30,6 +30,7 @@ from prunelab.cli.common import (
     parse_settings,
     writing,
 )
+from prunelab.cli.generated import generated_command
 from prunelab.errors import ConfigError
 
 
@@ -382,16 +383,10 @@ def _moe_setup(lm, mass: float | None) -> bool:
     return True
 
 
-def _probe_help() -> str:
-    from prunelab.probes import PROBES
-
-    return "comma-separated: " + ", ".join(PROBES.names())
-
-
-@app.command()
+@app.command(cls=generated_command())
 def probe(model: str = ModelOpt,
           data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
-          probe_names: str = typer.Option(..., "--probe", help=_probe_help()),
+          probe_names: str = typer.Option(..., "--probe", help="comma-separated: {probes}"),
           out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
           window: Optional[int] = typer.Option(None, help="swap probes: pairs with |i-j| <= W "
                                                "(default: all pairs)"),

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
 
 from prunelab import log
 from prunelab.cli.apps import prune_app, sweep_app
@@ -27,42 +26,14 @@ from prunelab.cli.common import (
     StackOpt,
     StreamOpt,
     check_positive,
-    fmt_bytes,
-    out,
     parse_blocks,
     parse_list,
     parse_settings,
     writing,
 )
+from prunelab.cli.generated import generated_command, values
+from prunelab.cli.prune_tables import show_depth, show_sparsity, show_width
 from prunelab.errors import ConfigError
-
-
-def _choices(kind: str, describe: bool = True) -> str:
-    """The registered names of ``kind`` with their one-line descriptions (width scores
-    grouped by the units they rank), for a command's --help."""
-    from prunelab.pruning import RECOVERIES, STRATEGIES, WIDTH_ALLOCATIONS, WIDTH_SCORES
-
-    reg = {"strategies": STRATEGIES, "recoveries": RECOVERIES, "width scores": WIDTH_SCORES,
-           "width allocations": WIDTH_ALLOCATIONS}[kind]
-
-    def one(name: str) -> str:
-        doc = (reg.get(name).__doc__ or "").strip().splitlines()
-        return f"{name} ({doc[0].rstrip('.')})" if describe and doc else name
-
-    if kind != "width scores":
-        return " | ".join(one(n) for n in reg.names())
-    groups = [f"{u}: " + " | ".join(n for n in reg.names() if u in reg.get(n).units)
-              for u in ("heads", "ffn", "joint")]
-    return "; ".join(groups)
-
-
-def _registry_help(kind: str) -> str:
-    """``name | name | ...`` of the registered sparsity methods or allocations (the list a
-    command accepts is read again at run time, so methods registered later work too)."""
-    from prunelab.pruning.sparsity.config import ALLOCATIONS, sparsity_methods
-
-    names = list(sparsity_methods()) if kind == "sparsity" else ALLOCATIONS.names()
-    return " | ".join(names)
 
 
 def build_config(cls: type, label: str, flat: dict, settings: list[str] | None = None,
@@ -110,8 +81,9 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
     return lm, rep
 
 
-@prune_app.command("depth")
+@prune_app.command("depth", cls=generated_command("strategies", "recoveries"))
 def prune_depth_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
@@ -121,39 +93,15 @@ def prune_depth_cmd(
         probe_name: str = typer.Option("block-influence", "--probe", help="probe that ranks "
                                        "blocks (run on the calibration data)"),
         from_probe: Optional[Path] = typer.Option(None, help="a saved DIR/NAME.json instead"),
-        strategy: Optional[str] = typer.Option(None, help=_choices("strategies") + " (default "
-                                               "from the probe kind)"),
-        recovery: str = typer.Option("none", help=_choices("recoveries")),
-        rank: Optional[int] = typer.Option(None, help="lra: rank of the adapter"),
-        token_aware: bool = typer.Option(False, "--token-aware", help="ghost/lra: separate "
-                                         "map for the first position"),
+        strategy: Optional[str] = typer.Option(None, help="{strategies} (default from the "
+                                               "probe kind)"),
+        recovery: str = typer.Option("none", help="{recoveries}"),
         blocks: Optional[str] = typer.Option(None, help="explicit 0-based blocks, e.g. 3,5"),
         sublayers: Optional[str] = typer.Option(
             None, help="explicit 0-based sub-blocks BLOCK:PART (attention or mlp), e.g. "
             "5:attention,16:mlp (as a report's removed_sublayers; implies --granularity "
             "sublayer)"),
         window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
-        blend_probe: Optional[str] = typer.Option(None, help="blend: the second probe "
-                                                  "(default contraction)"),
-        beam_width: Optional[int] = typer.Option(None, help="beam: width (default 3)"),
-        beam_seeds: Optional[int] = typer.Option(None, help="beam: candidate blocks "
-                                                 "(default 12)"),
-        beam_score: Optional[str] = typer.Option(None, help="beam: kl or perplexity "
-                                                 "(default kl)"),
-        sleb_score: Optional[str] = typer.Option(None, help="sleb: nll or kl (default nll)"),
-        sleb_resume: Optional[str] = typer.Option(
-            None, help="sleb: continue a greedy search from these removed blocks (5,16) or "
-            "sub-blocks (5:attention,16:mlp), e.g. the steps of an interrupted or smaller "
-            "run (not with --recovery-in-loop)"),
-        val_metric: Optional[str] = typer.Option(
-            None, help="validation: task metric (embed-cos, knn-agree, lfw-acc, wer, "
-            "perplexity; default auto: embed-cos for vision, perplexity for text)"),
-        val_width: Optional[int] = typer.Option(None, help="validation: beam width "
-                                                "(default 1: greedy)"),
-        val_options: Optional[str] = typer.Option(None, help="validation: metric options "
-                                                  "KEY=VALUE,..."),
-        protect_ends: bool = typer.Option(False, "--protect-ends", help="sleb: never remove "
-                                          "the first or the last block"),
         granularity: Optional[str] = typer.Option(
             None, help="block (default), or sublayer: attention and MLP sub-blocks searched "
             "separately (--remove N = N blocks' worth of parameters)"),
@@ -182,86 +130,41 @@ def prune_depth_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt, stream: bool = StreamOpt,
         stack: Optional[str] = StackOpt):
-    """Remove whole blocks chosen by a probe, repair the cut in closed form, save."""
+    """Remove whole blocks chosen by a probe, repair the cut in closed form, save (the
+    options of each --strategy and --recovery are listed under their own headings)."""
     from prunelab.pruning import depth_from_cli
 
+    flat = values(ctx).flat()
+    sleb_resume = flat.get("sleb_resume")
     if sleb_resume is not None and not sleb_resume.strip(" ,"):
         raise ConfigError("--sleb-resume is empty: give blocks (5,16) or sub-blocks "
                           "(5:attention,16:mlp)")
     cfg = depth_from_cli(remove=remove, target_params=target_params, probe=probe_name,
                          from_probe=str(from_probe) if from_probe else None,
-                         strategy=strategy, recovery=recovery, rank=rank,
-                         token_aware=token_aware, blocks=parse_blocks(blocks), window=window,
-                         sublayers=sublayers or (),
-                         blend_probe=blend_probe, beam_width=beam_width,
-                         beam_seeds=beam_seeds, beam_score=beam_score,
-                         sleb_score=sleb_score, sleb_resume=sleb_resume,
-                         protect_ends=protect_ends,
-                         val_metric=val_metric, val_width=val_width, val_options=val_options,
-                         granularity=granularity, recovery_in_loop=recovery_in_loop or None,
+                         strategy=strategy, recovery=recovery, blocks=parse_blocks(blocks),
+                         window=window, sublayers=sublayers or (), granularity=granularity,
+                         recovery_in_loop=recovery_in_loop or None,
                          recovery_holdout=recovery_holdout, bootstrap=bootstrap,
-                         search_windows=search_windows,
-                         max_instability=max_instability, seed=seed)
+                         search_windows=search_windows, max_instability=max_instability,
+                         seed=seed, **flat)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("calib_kl_before_recovery",
                             "calib_kl_after_recovery"),
-                   show=lambda lm, rep: _show_depth(lm, rep, model, out_dir, recovery))
+                   show=lambda lm, rep: show_depth(lm, rep, model, out_dir, recovery))
 
 
-@prune_app.command("sparsity")
+@prune_app.command("sparsity",
+                   cls=generated_command("sparsity_methods", "sparsity_allocations"))
 def prune_sparsity_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        method: str = typer.Option("wanda", help=_registry_help("sparsity")),
-        sparsity: Optional[float] = typer.Option(None, help="unstructured target (mean over "
-                                                 "layers; default 0.5)"),
-        pattern: Optional[str] = typer.Option(None, help="N:M pattern, e.g. 2:4 (instead of "
-                                              "--sparsity)"),
-        allocation: str = typer.Option("uniform", help=_registry_help("allocation")),
-        owl_m: Optional[float] = typer.Option(None, help="owl: outlier threshold M "
-                                              "(default 5)"),
-        owl_lambda: Optional[float] = typer.Option(None, help="owl: lambda (default 0.08)"),
-        pals_delta: Optional[float] = typer.Option(None, help="pals: delta (default 0.05)"),
-        ramp_span: Optional[float] = typer.Option(None, help="ramp: +- span around the "
-                                                  "target (default 0.1)"),
-        taper_slope: Optional[float] = typer.Option(
-            None, help="taper (sparsity / width allocation): kept density (width) of the "
-            "first block minus the last's (default 0.2)"),
-        ramp_down: bool = typer.Option(False, "--ramp-down", help="ramp: sparsity falls "
-                                       "with depth"),
-        group: Optional[str] = typer.Option(None, help="unstructured comparison group: row "
-                                            "(default) or layer"),
-        targets: Optional[str] = typer.Option(None, help="glob patterns of linears to prune"),
-        ignore: Optional[str] = typer.Option(None, help="glob patterns of linears to keep"),
-        propagate: Optional[str] = typer.Option(
-            None, help="modified or dense block outputs passed on (default: the method's; "
-            "dense for wanda, modified otherwise)"),
-        within_block: Optional[str] = typer.Option(
-            None, help="sequential (each sublayer group calibrated after the earlier ones "
-            "were pruned) or dense (the whole block calibrated dense); default: the "
-            "method's (dense for wanda, sequential otherwise)"),
-        scope: Optional[str] = typer.Option(None, help="qk-wanda: qk (default) or block"),
-        qk_variant: Optional[str] = typer.Option(None, help="qk-wanda: unmasked (default: "
-                                                 "every query-key pair) or causal (pairs "
-                                                 "the mask keeps)"),
-        no_reorder: bool = typer.Option(False, "--no-reorder", help="rose: no reordering"),
-        hessian_alpha: Optional[float] = typer.Option(None, help="sparsegpt/rose: Taylor "
-                                                      "blend (MOONSHOT; default 0)"),
-        mask_from: Optional[str] = typer.Option(None, help="admm/cactus: mask from wanda "
-                                                "(default), sparsegpt or magnitude"),
-        gradual: bool = typer.Option(False, "--gradual", help="admm/cactus: choose the mask "
-                                     "inside the ADMM iterations (cubic schedule)"),
-        iterations: Optional[int] = typer.Option(None, help="admm/cactus: ADMM iterations "
-                                                 "(default 20)"),
-        rank: Optional[int] = typer.Option(None, help="cactus: rank of the low-rank term L "
-                                           "(sparse + low-rank; checkpoint needs remote code)"),
-        fold_lowrank: bool = typer.Option(False, "--fold-lowrank", help="cactus: fold L into "
-                                          "S (a plain dense checkpoint, for quality "
-                                          "comparison only: it saves nothing)"),
+        method: str = typer.Option("wanda", help="{sparsity_methods}"),
+        allocation: str = typer.Option("uniform", help="{sparsity_allocations}"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the method's config (repeatable; "
             "e.g. --set percdamp=0.02, or the options of a method you registered)"),
@@ -274,52 +177,41 @@ def prune_sparsity_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt, stream: bool = StreamOpt):
     """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude, ADMM,
-    CACTUS)."""
+    CACTUS, and registered methods; each --method's and --allocation's options are listed
+    under their own headings)."""
     from prunelab.pruning.sparsity.config import ALLOCATIONS, sparsity_methods
 
     methods = sparsity_methods()
     if method not in methods:
         raise ConfigError(f"--method must be one of {', '.join(methods)}, got {method!r}")
-    cls = methods[method]
+    gen = values(ctx)
     alloc_cls = ALLOCATIONS.get(allocation)
-    alloc = build_config(alloc_cls, f"--allocation {allocation}", {
-        "m": ("--owl-m", owl_m), "lam": ("--owl-lambda", owl_lambda),
-        "delta": ("--pals-delta", pals_delta), "span": ("--ramp-span", ramp_span),
-        "increasing": ("--ramp-down", False if ramp_down else None),
-        "slope": ("--taper-slope", taper_slope)})
-    flat = {"sparsity": ("--sparsity", sparsity), "pattern": ("--pattern", pattern),
-            "group": ("--group", group), "targets": ("--targets", parse_list(targets) or None),
-            "ignore": ("--ignore", parse_list(ignore) or None),
-            "propagate": ("--propagate", propagate),
-            "within_block": ("--within-block", within_block),
-            "scope": ("--scope", scope), "variant": ("--qk-variant", qk_variant),
-            "reorder": ("--no-reorder", False if no_reorder else None),
-            "hessian_alpha": ("--hessian-alpha", hessian_alpha),
-            "mask_from": ("--mask-from", mask_from),
-            "gradual": ("--gradual", True if gradual else None),
-            "iterations": ("--iterations", iterations), "rank": ("--rank", rank),
-            "fold_lowrank": ("--fold-lowrank", True if fold_lowrank else None)}
-    cfg = build_config(cls, f"--method {method}", flat, settings, allocation=alloc)
+    alloc_opts = gen.piece("sparsity_allocations", allocation, f"--allocation {allocation}")
+    alloc = alloc_cls(**alloc_opts)
+    opts = {"allocation": alloc, **gen.piece("sparsity_methods", method, f"--method {method}")}
+    opts.update(parse_settings(settings, methods[method]))
+    cfg = methods[method](**opts)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("achieved_sparsity",),
-                   show=lambda lm, rep: _show_sparsity(lm, rep, model, out_dir, method))
+                   show=lambda lm, rep: show_sparsity(lm, rep, model, out_dir, method))
 
 
-@prune_app.command("width")
+@prune_app.command("width", cls=generated_command("width_scores", "width_allocations"))
 def prune_width_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         unit: str = typer.Option("ffn", help="heads | ffn | joint"),
-        score: str = typer.Option("wanda-sp", help=_choices("width scores")),
+        score: str = typer.Option("wanda-sp", help="{width_scores}"),
         ratio: Optional[float] = typer.Option(None, help="fraction of the unit's parameters "
                                               "removed"),
         target_params: Optional[float] = typer.Option(None, help="parameters the model keeps: "
                                                       "a fraction (<= 1) or a count"),
-        allocation: str = typer.Option("uniform", help=_choices("width allocations")),
+        allocation: str = typer.Option("uniform", help="{width_allocations}"),
         heads: str = typer.Option("groups", help="groups (KV groups; heads without GQA) | "
                                   "query (query heads inside every group)"),
         compensate: bool = typer.Option(False, "--compensate", help="least-squares refit of "
@@ -329,23 +221,6 @@ def prune_width_cmd(
         round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
         damp: float = typer.Option(1.0, help="refit ridge (times mean diag of X^T X), "
                                    "shrinking towards plain slicing"),
-        ablation_samples: Optional[int] = typer.Option(None, help="windows for ablation-kl "
-                                                       "/ cocurve (default 4)"),
-        channel_group: Optional[int] = typer.Option(None, help="FFN channels per ablation / "
-                                                    "cocurve unit (default 64)"),
-        rep_lie_steps: Optional[int] = typer.Option(None, help="rep-lie: LoRA fine-tune "
-                                                    "steps (default 20)"),
-        rep_lie_lr: Optional[float] = typer.Option(None, help="rep-lie: learning rate "
-                                                   "(default 2e-4)"),
-        lora_rank: Optional[int] = typer.Option(None, help="rep-lie: LoRA rank (default 8)"),
-        rep_lie_seed: Optional[int] = typer.Option(None, help="rep-lie: seed (default 0)"),
-        elastic_ranking: Optional[str] = typer.Option(
-            None, help="elastic: an elastic.json (default: the model's own, or fit one)"),
-        elastic_steps: Optional[int] = typer.Option(None, help="elastic: fit steps when no "
-                                                    "ranking is found (default 200)"),
-        taper_slope: Optional[float] = typer.Option(
-            None, help="--allocation taper: kept fraction of the first block minus the "
-            "last's (default 0.2)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling seed"),
@@ -356,110 +231,21 @@ def prune_width_cmd(
         offload: bool = OffloadOpt, stream: bool = StreamOpt,
         stack: Optional[str] = StackOpt):
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
-    physically (0-based blocks)."""
+    physically (0-based blocks; each --score's and --allocation's options are listed under
+    their own headings)."""
     from prunelab.pruning import width_from_cli
 
     cfg = width_from_cli(unit=unit, score=score, ratio=ratio, target_params=target_params,
                          allocation=allocation, heads=heads, compensate=compensate,
                          bias_compensation=not no_bias_compensation, round_to=round_to,
-                         damp=damp, ablation_samples=ablation_samples,
-                         channel_group=channel_group, rep_lie_steps=rep_lie_steps,
-                         rep_lie_lr=rep_lie_lr, lora_rank=lora_rank, rep_lie_seed=rep_lie_seed,
-                         elastic_ranking=elastic_ranking, elastic_steps=elastic_steps,
-                         taper_slope=taper_slope)
+                         damp=damp, **values(ctx).flat())
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("removed_params",),
-                   show=lambda lm, rep: _show_width(lm, rep, model, out_dir, unit, score,
+                   show=lambda lm, rep: show_width(lm, rep, model, out_dir, unit, score,
                                                     allocation))
-
-
-def _show_depth(lm, rep, model: str, out_dir: Path, recovery: str) -> None:
-    """Print what depth pruning did (0-based blocks)."""
-    t = Table(title=f"depth pruning of {model}", show_header=False)
-    div = "1 - cos (pooled)" if lm.is_encoder else "KL"
-    b, a = rep["size_before"], rep["size_after"]
-    hidden = {"beam", "selection_stability", "steps", "repaired_cuts", "repair_spans",
-              "layer_values"}
-    rows = [("removed blocks (0-based, original numbering)", str(rep["removed_blocks"])),
-            ("blocks", f"{rep['num_blocks_before']} -> {rep['num_blocks_after']}"),
-            ("selection", ", ".join(f"{k}={v}" for k, v in rep["selection"].items()
-                                    if v is not None and k not in hidden))]
-    if rep.get("removed_sublayers"):
-        rows.append(("removed sub-blocks (0-based, original numbering)",
-                     ", ".join(f"{i}:{'attn' if p == 'attention' else 'mlp'}"
-                               for i, p in rep["removed_sublayers"])))
-    stab = rep["selection"].get("selection_stability")
-    if stab:
-        rows.append(("selection stability", f"{stab['share_same']:.0%} of "
-                     f"{stab.get('resamples', stab.get('bootstrap', '?'))} resamples give "
-                     "the same blocks"))
-    rows += [
-            ("recovery", rep["recovery"]),
-            ("parameters", f"{b['params']:,} -> {a['params']:,} "
-                           f"({a['params'] / b['params']:.1%})"),
-            ("bytes", f"{fmt_bytes(b['bytes'])} -> {fmt_bytes(a['bytes'])}"),
-            (f"calibration {div} before recovery", f"{rep['calib_kl_before_recovery']:.5f}"),
-            (f"calibration {div} after recovery", f"{rep['calib_kl_after_recovery']:.5f}"),
-            ("checkpoint", str(out_dir))]
-    for k, v in rows:
-        t.add_row(k, v)
-    out.print(t)
-    if rep["needs_remote_code"]:
-        from prunelab.checkpoint.remote import load_hint
-
-        why = ("blocks that kept one branch" if rep.get("partial_blocks")
-               else f"{recovery} adds linear bridges")
-        out.print(f"note: {why}: load the checkpoint with {load_hint(lm.model)}")
-
-
-def _show_sparsity(lm, rep, model: str, out_dir: Path, method: str) -> None:
-    """Print what sparsity pruning did (0-based blocks)."""
-    t = Table(title=f"{method} sparsity of {model} (blocks 0-based)")
-    for col in ("block", "target", "achieved (mean over linears)"):
-        t.add_column(col)
-    for layer in rep["layers"]:
-        vals = list(layer["linears"].values())
-        t.add_row(str(layer["block"]), f"{layer['target']:.4f}",
-                  f"{sum(vals) / max(len(vals), 1):.4f}")
-    out.print(t)
-    out.print(f"achieved sparsity over pruned linears: {rep['achieved_sparsity']:.4f}; "
-              f"{rep['seconds']:.1f} s; checkpoint {out_dir} (plain transformers)")
-
-
-def _show_width(lm, rep, model: str, out_dir: Path, unit: str, score: str, allocation: str) -> None:
-    """Print what width pruning did (0-based blocks)."""
-    t = Table(title=f"width pruning of {model}: {unit} by {score}, {allocation} "
-                    "(blocks 0-based)")
-    for col in ("block", "heads (q/kv)", "ffn", "removed"):
-        t.add_column(col, overflow="fold")
-    for b in rep["blocks"]:
-        gone = []
-        if b.get("removed_groups"):
-            gone.append("groups " + ",".join(map(str, b["removed_groups"])))
-        if "kept_query_heads" in b:
-            gone.append("kept q heads " + str(b["kept_query_heads"]))
-        if b.get("removed_channels") is not None:
-            gone.append(f"{len(b['removed_channels'])} channels")
-        t.add_row(str(b["block"]), f"{b['heads_before']}/{b['kv_heads_before']} -> "
-                  f"{b['heads_after']}/{b['kv_heads_after']}",
-                  f"{b['ffn_before']} -> {b['ffn_after']}", "; ".join(gone) or "-")
-    out.print(t)
-    bf, af = rep["size_before"], rep["size_after"]
-    out.print(f"parameters {bf['params']:,} -> {af['params']:,} "
-              f"({af['params'] / bf['params']:.1%}); bytes {fmt_bytes(bf['bytes'])} -> "
-              f"{fmt_bytes(af['bytes'])}; compensation: "
-              f"{len(rep['compensation']['least_squares'])} least-squares refits, "
-              f"{len(rep['compensation']['bias'])} bias updates; {rep['seconds']:.1f} s")
-    if rep["needs_remote_code"]:
-        from prunelab.checkpoint.remote import load_hint
-
-        out.print(f"note: per-block widths ({'; '.join(rep['vanilla_problems'])}): load "
-                  f"{out_dir} with {load_hint(lm.model)}")
-    else:
-        out.print(f"checkpoint {out_dir} (plain transformers)")
 
 
 def ray_load_args(args: LoadArgs) -> dict:
@@ -470,7 +256,7 @@ def ray_load_args(args: LoadArgs) -> dict:
     return {"spec": d.pop("model"), **d}
 
 
-@sweep_app.command("depth")
+@sweep_app.command("depth", cls=generated_command())
 def sweep_depth_cmd(
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
@@ -478,8 +264,7 @@ def sweep_depth_cmd(
         probes: str = typer.Option("block-influence", help="comma-separated probes; "
                                    "last-n and random are baselines"),
         remove: str = typer.Option("1..4", help="N..M or a list N,M,..."),
-        recovery: str = typer.Option("none,foldable", help="comma-separated: " +
-                                     _choices("recoveries", describe=False)),
+        recovery: str = typer.Option("none,foldable", help="comma-separated: {recovery_names}"),
         out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
         strategy: Optional[str] = typer.Option(None, help="override the per-probe default"),
         window: int = typer.Option(1, help="pair probes: |i - j| <= W"),

@@ -82,7 +82,7 @@ def _save_token_pruned(lm, cfg, res: dict, out_dir: Path, overwrite: bool) -> No
     metrics = {k: res[k] for k in ("cls_cosine", "mean_cosine", "knn_agreement",
                                    "lfw_accuracy", "speedup") if k in res}
     api.save(lm, out_dir, overwrite=overwrite, operation="prune-tokens",
-                  config={"keep": cfg.keep, "layers": list(cfg.layers), "fuse": cfg.fuse,
-                          "modules": paths}, data=res.get("data"), metrics=metrics)
+             config={"keep": cfg.keep, "layers": list(cfg.layers), "fuse": cfg.fuse,
+                     "modules": paths}, data=res.get("data"), metrics=metrics)
     out.print(f"wrote {out_dir} (load with AutoModel.from_pretrained(path, "
               "trust_remote_code=True))")

@@ -3,8 +3,9 @@
 A command line is flat (``--strategy beam --beam-width 3 --recovery lra --rank 8``) while a
 config nests one registered piece per choice (``Depth(select=Beam(width=3),
 recovery=Lra(rank=8))``). Each field of a registered piece names its flat option in its
-dataclass metadata (``metadata={"cli": "beam_width", "help": "..."}``; default: the field
-name) and carries a one-line ``help``. :func:`piece_from_flat` builds the chosen piece from
+dataclass metadata (``metadata={"cli": "beam_width", "help": "..."}``, or a ``"flag"`` such
+as ``"--owl-m"``; default: the field name, see :func:`option_name`) and carries a one-line
+``help``. :func:`piece_from_flat` builds the chosen piece from
 the flat options that belong to it and refuses those that belong to another piece of the
 same registry; :func:`flat_options` lists every flat option of a registry for a CLI
 generator.
@@ -25,9 +26,20 @@ def piece_fields(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
 
 
+def option_name(name: str, metadata) -> str:
+    """The flat option name of a field called ``name`` with ``metadata``: its ``"cli"``
+    entry, else its ``"flag"`` without the dashes (``"--owl-m"`` -> ``owl_m``), else the
+    field name."""
+    if metadata.get("cli"):
+        return metadata["cli"]
+    if metadata.get("flag"):
+        return metadata["flag"].lstrip("-").replace("-", "_")
+    return name
+
+
 def flag_of(f: dataclasses.Field) -> str:
     """The flat option name of a piece field (``beam_width`` for ``Beam.width``)."""
-    return f.metadata.get("cli", f.name)
+    return option_name(f.name, f.metadata)
 
 
 def _given(f: dataclasses.Field, value: Any) -> bool:

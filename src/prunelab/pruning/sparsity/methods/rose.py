@@ -14,6 +14,7 @@ from prunelab.pruning.base import METHODS
 from prunelab.pruning.sparsity.config import find
 from prunelab.pruning.sparsity.methods.sparsegpt import SparseGPT
 from prunelab.pruning.sparsity.rose import rose_prune
+from prunelab.registry import check_range
 
 
 @METHODS.register("rose")
@@ -26,6 +27,10 @@ class Rose(SparseGPT):
         "help": "rose: no reordering", "flag": "--no-reorder", "negate": True})
     threshold: float = field(default=0.5, metadata={
         "help": "rose: a layer is columnar when its block-loss spread exceeds this"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("threshold", self.threshold)  # a finite number (nan / inf refused)
 
     def accumulators(self):
         return lambda name: [SumSquares(), Gram(torch.float32)]

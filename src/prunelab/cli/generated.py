@@ -1,0 +1,267 @@
+"""Command-line options generated from the registered configs' fields.
+
+A command declared with ``cls=generated_command("strategies", "recoveries")`` gets one
+option per flat option of those registries (from the catalog, :mod:`prunelab.cli.catalog`;
+see :mod:`prunelab.pruning.options` for the flat names): a field added to a registered
+config, or a method registered by a plugin, shows up in ``--help`` and is accepted on the
+command line with no change here. The options are added when click first asks the command
+for its parameters (parsing or help), so importing the CLI reads no catalog; placeholders
+such as ``{strategies}`` in a hand-written option's help are filled then too.
+
+The command function reads the values with :func:`values` (``ctx: typer.Context``):
+``{flat name: value}``, ``None`` for an option not given (a switch: ``True`` / ``False``
+when given), tuples for list fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Optional
+
+import typer
+import typer.core
+
+from prunelab.cli import catalog as _catalog
+from prunelab.cli.common import state
+from prunelab.errors import ConfigError
+
+_PREFIX = "gen__"
+_META = "prunelab.generated"
+#: the registry kinds, as the option that picks the piece names them in errors and panels
+CHOICE = {"strategies": "--strategy", "recoveries": "--recovery", "width_scores": "--score",
+          "width_allocations": "--allocation", "sparsity_methods": "--method",
+          "sparsity_allocations": "--allocation", "factor_methods": "--method"}
+_TYPES = {"int": int, "float": float, "str": str, "tuple": str}
+
+
+@dataclasses.dataclass
+class GenOption:
+    """One generated option: its flat name, flag, kind (``bool`` / ``int`` / ``float`` /
+    ``str`` / ``tuple``), the pieces owning it (``(kind, name) -> field``) and their
+    defaults, the help of its first owner, a switch's value when given."""
+
+    flat: str
+    flag: str
+    kind: str
+    help: str
+    owners: dict = dataclasses.field(default_factory=dict)
+    defaults: list = dataclasses.field(default_factory=list)
+    choices: list | None = None
+    range: list | None = None
+    switch_value: bool | None = None
+
+    def owned_by(self, kind: str, name: str) -> str | None:
+        return self.owners.get((kind, name))
+
+
+def gen_options(cat: dict, kinds: tuple[str, ...]) -> list[GenOption]:
+    """The options of the pieces of ``kinds`` (fields of kind ``other`` are left to
+    ``--set``)."""
+    out: dict[str, GenOption] = {}
+    for kind in kinds:
+        for e in cat["kinds"].get(kind, []):
+            for f in e["fields"]:
+                if f["kind"] == "other":
+                    continue
+                opt = out.get(f["flat"])
+                if opt is None:
+                    opt = out[f["flat"]] = GenOption(
+                        f["flat"], f["flag"], f["kind"], f["help"], choices=f["choices"],
+                        range=f["range"])
+                    if f["kind"] == "bool":  # a switch: --x sets True, --no-x False
+                        opt.switch_value = not (f["negate"] or f["default"] is True)
+                        if not opt.switch_value and not f["negate"]:
+                            opt.flag = "--no-" + opt.flag.lstrip("-")
+                opt.owners[(kind, e["name"])] = f["name"]
+                opt.defaults.append(f["default"])
+    return list(out.values())
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _help(opt: GenOption) -> str:
+    """The field's help, its default(s) added (``(default dense for wanda; modified
+    otherwise)`` where the pieces differ), escaped for rich markup."""
+    text = opt.help or opt.flat.replace("_", " ")
+    shown = [d for d in opt.defaults if d not in (None, "", [])]
+    if opt.kind != "bool" and "default" not in text and shown:
+        if len(shown) == len(opt.defaults) and all(d == shown[0] for d in shown):
+            text += f" (default {_show(shown[0])})"
+        elif len(shown) == len(opt.defaults):
+            common = max(map(_show, shown), key=[_show(d) for d in shown].count)
+            rare = [f"{_show(d)} for {name}" for (_, name), d
+                    in zip(opt.owners, opt.defaults, strict=True) if _show(d) != common]
+            text += f" (default {'; '.join(rare)}; {common} otherwise)"
+    if getattr(typer.core, "DEFAULT_MARKUP_MODE", None) is not None:
+        text = text.replace("[", "\\[")
+    return text
+
+
+def _checker(opt: GenOption):
+    """Choices / range check of a value (click's usage error, exit 2)."""
+    if not opt.choices and not opt.range:
+        return None
+
+    def check(value):
+        if value is None:
+            return value
+        if opt.choices and value not in opt.choices:
+            raise typer.BadParameter(f"must be one of {', '.join(map(str, opt.choices))}")
+        if opt.range:
+            lo, hi = opt.range
+            if (lo is not None and value < lo) or (hi is not None and value > hi):
+                raise typer.BadParameter(f"must be in [{lo}, {hi}]")
+        return value
+
+    return check
+
+
+def _click_params(opts: list[GenOption], panels: dict[str, str]) -> list:
+    """Click parameters of ``opts``, built by typer from a synthetic signature (so they
+    match the typer version in use)."""
+    params = []
+    for opt in opts:
+        panel = panels.get(next(iter(opt.owners))[0])
+        if opt.kind == "bool":
+            ann = bool
+            option = typer.Option(False, opt.flag, help=_help(opt), rich_help_panel=panel)
+        else:
+            ann = Optional[_TYPES[opt.kind]]
+            option = typer.Option(None, opt.flag, help=_help(opt), rich_help_panel=panel,
+                                  show_default=False, callback=_checker(opt))
+        params.append(inspect.Parameter(_PREFIX + opt.flat, inspect.Parameter.KEYWORD_ONLY,
+                                        default=option, annotation=ann))
+
+    def stub(**kwargs):  # pragma: no cover - never called
+        return kwargs
+
+    stub.__signature__ = inspect.Signature(params)
+    tmp = typer.Typer(add_completion=False)
+    tmp.command()(stub)
+    return list(typer.main.get_command(tmp).params)
+
+
+def fill_help(text: str, cat: dict) -> str:
+    """``text`` with the catalog placeholders (``{strategies}``, ``{recovery_names}``,
+    ``{width_scores}``, ``{sparsity_methods}``, ``{probes}``, ...) filled in."""
+    kinds = cat["kinds"]
+
+    def described(kind: str) -> str:
+        return " | ".join(f"{e['name']} ({e['doc']})" if e["doc"] else e["name"]
+                          for e in kinds[kind])
+
+    def plain(kind: str, sep: str = " | ") -> str:
+        return sep.join(e["name"] for e in kinds[kind])
+
+    def by_unit() -> str:
+        return "; ".join(f"{u}: " + " | ".join(e["name"] for e in kinds["width_scores"]
+                                               if u in e.get("units", ()))
+                         for u in ("heads", "ffn", "joint"))
+
+    fills = {"{strategies}": lambda: described("strategies"),
+             "{recoveries}": lambda: described("recoveries"),
+             "{recovery_names}": lambda: plain("recoveries"),
+             "{width_scores}": by_unit,
+             "{width_allocations}": lambda: described("width_allocations"),
+             "{sparsity_methods}": lambda: plain("sparsity_methods"),
+             "{sparsity_allocations}": lambda: plain("sparsity_allocations"),
+             "{probes}": lambda: plain("probes", ", "),
+             "{factor_methods}": lambda: described("factor_methods")}
+    for key, fill in fills.items():
+        if key in text:
+            text = text.replace(key, fill())
+    return text
+
+
+class GeneratedCommand(typer.core.TyperCommand):
+    """A typer command whose registry options and catalog-filled help are added lazily
+    (see the module docstring); subclasses set :attr:`kinds`. ``params`` includes the
+    generated options (the first read prepares them), so code that inspects a command's
+    parameters sees them as if declared by hand."""
+
+    kinds: tuple[str, ...] = ()
+    _gen: list[GenOption] = []
+    _all: list | None = None
+
+    @property
+    def params(self) -> list:
+        if self._all is None:
+            self._all = [*self._base, *self._generate()]
+        return self._all
+
+    @params.setter
+    def params(self, value: list) -> None:
+        self._base, self._all = list(value), None
+
+    def _generate(self) -> list:
+        needs_help = any("{" in (getattr(p, "help", None) or "") for p in self._base)
+        if not self.kinds and not needs_help:
+            return []
+        cat = _catalog.get(live=None if state.get("help") else True)
+        for p in self._base:
+            if "{" in (getattr(p, "help", None) or ""):
+                p.help = fill_help(p.help, cat)
+        taken = {o for p in self._base for o in (*p.opts, *p.secondary_opts)}
+        self._gen = [o for o in gen_options(cat, self.kinds) if o.flag not in taken]
+        panels = {k: f"{CHOICE.get(k, k)} options" for k in self.kinds}
+        return _click_params(self._gen, panels)
+
+    def invoke(self, ctx):
+        got = {k[len(_PREFIX):]: ctx.params.pop(k) for k in list(ctx.params)
+               if k.startswith(_PREFIX)}
+        ctx.meta[_META] = (self._gen, got)
+        return super().invoke(ctx)
+
+
+def generated_command(*kinds: str) -> type:
+    """A :class:`GeneratedCommand` class generating the options of ``kinds``."""
+    return type("GeneratedCommand_" + "_".join(kinds), (GeneratedCommand,),
+                {"kinds": tuple(kinds)})
+
+
+@dataclasses.dataclass
+class Values:
+    """The generated options of one invocation."""
+
+    options: list[GenOption]
+    given: dict[str, Any]
+
+    def flat(self) -> dict[str, Any]:
+        """``{flat name: value}``: ``None`` when not given; switches ``True`` / ``False``
+        when given; lists parsed from ``a,b,c`` into tuples."""
+        out = {}
+        for opt in self.options:
+            raw = self.given.get(opt.flat)
+            if opt.kind == "bool":
+                out[opt.flat] = opt.switch_value if raw else None
+            elif opt.kind == "tuple":
+                items = tuple(p.strip() for p in (raw or "").split(",") if p.strip())
+                out[opt.flat] = items or None
+            else:
+                out[opt.flat] = raw
+        return out
+
+    def piece(self, kind: str, name: str, label: str) -> dict[str, Any]:
+        """``{field: value}`` of the given options owned by the piece ``name`` of
+        ``kind``; a given option owned only by other pieces of ``kind`` is an error
+        (``--owl-m does not apply to --allocation uniform``)."""
+        flat = self.flat()
+        out = {}
+        for opt in self.options:
+            value = flat[opt.flat]
+            if value is None or not any(k == kind for k, _ in opt.owners):
+                continue
+            field = opt.owned_by(kind, name)
+            if field is None:
+                raise ConfigError(f"{opt.flag} does not apply to {label}")
+            out[field] = value
+        return out
+
+
+def values(ctx) -> Values:
+    """The generated options' values of the running command."""
+    gen, got = ctx.meta.get(_META, ([], {}))
+    return Values(gen, got)

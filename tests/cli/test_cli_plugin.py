@@ -1,0 +1,102 @@
+"""A user's method is one file: ``--plugin FILE.py`` / ``$PRUNELAB_PLUGINS`` import it,
+``prune sparsity --help`` lists it and its option (from the catalog, built in a child
+process), and a run uses the option; a missing or broken plugin is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import prunelab
+from prunelab.cli import cli_main, plugins
+from prunelab.pruning import METHODS
+
+from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "one_file_method.py"
+
+
+def cli(*args, env=None):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="200", **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"),
+                                                    os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+@pytest.fixture
+def forget_plugin():
+    yield
+    METHODS.unregister("input-power")
+    plugins._loaded.clear()
+    plugins.set_cli(None)
+
+
+def test_help_lists_the_plugin_method_and_its_option(tmp_path):
+    env = {"PRUNELAB_CACHE": str(tmp_path / "cache")}
+    res = cli("--plugin", str(EXAMPLE), "prune", "sparsity", "--help", env=env)
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    assert "input-power" in text and "--power" in text
+    assert "exponent p of the input norm" in text and "(default 1.0)" in text
+    # without the plugin neither shows; with it through the environment both do
+    res = cli("prune", "sparsity", "--help", env=env)
+    assert res.returncode == 0 and "input-power" not in res.stdout and "--power" not in res.stdout
+    res = cli("prune", "sparsity", "--help", env={**env, "PRUNELAB_PLUGINS": str(EXAMPLE)})
+    assert res.returncode == 0 and "input-power" in res.stdout and "--power" in res.stdout
+
+
+def test_a_run_uses_the_plugin_option(tmp_path, forget_plugin, capsys):
+    save_tiny_checkpoint("llama", tmp_path / "model")
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    common = ["--model", str(tmp_path / "model"), "--data", f"text:{tmp_path / 'text.txt'}",
+              "--samples", "2", "--seqlen", "16", "--batch-size", "2", "--sparsity", "0.5"]
+    for power in ("0", "4"):
+        assert cli_main(["--quiet", "--plugin", str(EXAMPLE), "prune", "sparsity", *common,
+                         "--method", "input-power", "--power", power,
+                         "--out", str(tmp_path / f"p{power}")]) == 0
+    capsys.readouterr()
+    configs = [json.loads((tmp_path / f"p{p}" / "manifest.json").read_text())
+               ["operations"][-1]["config"] for p in ("0", "4")]
+    assert [c["name"] for c in configs] == ["input-power"] * 2
+    assert [c["power"] for c in configs] == [0.0, 4.0]
+    w0, w4 = (prunelab.load(str(tmp_path / f"p{p}")).model.model.layers[0].self_attn
+              .q_proj.weight for p in ("0", "4"))
+    dense = prunelab.load(str(tmp_path / "model")).model.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(w0 != 0, w4 != 0)  # the exponent changed the mask
+    # power 0 is magnitude pruning per row: the larger half of |W| of each row is kept
+    kept = torch.zeros_like(dense, dtype=torch.bool)
+    kept.scatter_(1, torch.topk(dense.abs(), dense.shape[1] // 2, dim=1).indices, True)
+    assert torch.equal(w0 != 0, kept)
+    # the method's option belongs to it only
+    assert cli_main(["--plugin", str(EXAMPLE), "prune", "sparsity", *common, "--power", "2",
+                     "--out", str(tmp_path / "x")]) == 2
+    cap = capsys.readouterr()
+    assert "error: --power does not apply to --method wanda" in cap.out + cap.err
+
+
+def test_missing_or_broken_plugin_is_a_one_line_error(tmp_path):
+    res = cli("--plugin", str(tmp_path / "nope.py"), "prune", "sparsity", "--help")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [f"error: --plugin {tmp_path / 'nope.py'}: "
+                                               "no such file"]
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('boom')\n")
+    env = {"PRUNELAB_CACHE": str(tmp_path / "cache")}
+    for args in (["--plugin", str(bad), "info", "--model", "x"],
+                 ["--plugin", str(bad), "prune", "sparsity", "--help"]):
+        res = cli(*args, env=env)
+        assert res.returncode == 2, res.stdout + res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: cannot load plugin {bad}")
+        assert "RuntimeError: boom" in lines[0]
+    res = cli("info", "--model", "x", env={**env, "PRUNELAB_PLUGINS": "no_such_module_xyz"})
+    assert res.returncode == 2
+    assert res.stderr.strip() == "error: plugin no_such_module_xyz: no such module"
