@@ -5,8 +5,9 @@
         --power 2 --sparsity 0.5 --model DIR --out OUT
 
 (or ``PRUNELAB_PLUGINS=examples/one_file_method.py prunelab prune sparsity ...``). Its field
-``power`` becomes the option ``--power`` with the help text below; ``tests/test_cli_plugin.py``
-runs it.
+``power`` becomes the option ``--power`` with the help text below; ``tests/cli/test_cli_plugin.py``
+runs it; a recipe uses it with ``plugins: [one_file_method.py]``
+(``tests/workflow/test_workflow_recipe.py``).
 """
 from dataclasses import dataclass, field
 

@@ -263,3 +263,64 @@ def test_depth_reads_an_earlier_probe_stage(tiny, tmp_path):
     bad = text.replace("points/p/", "points/q/")
     with pytest.raises(ConfigError, match="from_probe"):
         run_recipe(bad, tmp_path / "o2")
+
+
+# ------------------------------------------------------------------ plugins
+@pytest.fixture
+def plugin_recipe(tiny, tmp_path):
+    """A recipe folder with the one-file method of examples/ beside the recipe."""
+    import shutil
+
+    from prunelab import plugins
+    from prunelab.pruning import METHODS
+
+    shutil.copy(ROOT / "examples" / "one_file_method.py", tmp_path / "my_method.py")
+    text = (f"model: {tiny / 'model'}\ndata: text:{tiny / 'text.txt'}\n"
+            f"test: text:{tiny / 'text.txt'}\nsamples: 2\nseqlen: 16\nbatch_size: 2\n"
+            "plugins: [my_method.py]\nstages:\n"
+            "  - prune: {id: p0, method: input-power, power: 0.0, sparsity: 0.5}\n"
+            "  - prune: {id: p4, from: dense, method: input-power, power: 4.0, sparsity: 0.5}\n")
+    (tmp_path / "r.yaml").write_text(text)
+    yield tmp_path
+    METHODS.unregister("input-power")
+    plugins.imported.clear()
+
+
+def test_recipe_plugins_register_a_one_file_method(plugin_recipe, tmp_path):
+    """A recipe names the user's method file; its method and option are then a stage's
+    method and keys, the run uses the option, and the plugin's code is in the stage hash."""
+    rec = load_recipe(plugin_recipe / "r.yaml")
+    assert rec.plugins == (str((plugin_recipe / "my_method.py").resolve()),)
+    assert [s.options.method.power for s in rec.stages] == [0.0, 4.0]
+    before = stage_hashes(rec)
+    run_recipe(rec, tmp_path / "out")
+    w0 = load_file(str(tmp_path / "out" / "points" / "p0" / "model" / "model.safetensors"))
+    w4 = load_file(str(tmp_path / "out" / "points" / "p4" / "model" / "model.safetensors"))
+    key = next(k for k in w0 if k.endswith("mlp.up_proj.weight"))
+    assert (w0[key] == 0).float().mean() == pytest.approx(0.5, abs=0.02)
+    assert not torch.equal(w0[key] == 0, w4[key] == 0)  # the power changed the masks
+    # editing the plugin's code changes every stage's hash (the rerun is not skipped)
+    with open(plugin_recipe / "my_method.py", "a") as f:
+        f.write("\n# changed\n")
+    after = stage_hashes(load_recipe(plugin_recipe / "r.yaml"))
+    assert all(after[k] != before[k] for k in before)
+
+
+def test_recipe_without_plugins_keeps_its_hashes(tiny):
+    """``plugins`` is left out of the top fields when not given (hashes as before)."""
+    rec = load_recipe({"model": str(tiny / "model"),
+                       "stages": [{"prune": {"method": "wanda", "sparsity": 0.5}}]})
+    assert rec.plugins == () and "plugins" not in rec.top()
+
+
+@pytest.mark.parametrize("plugins, message", [
+    ("[missing.py]", "plugin .*missing.py: no such file"),
+    ("[no_such_module_xyz]", "plugin no_such_module_xyz: no such module"),
+    ("7", "plugins: a list of Python files or module names"),
+    ("[[a.py]]", "plugins: a list of Python files or module names"),
+])
+def test_recipe_plugin_errors(tiny, tmp_path, plugins, message):
+    (tmp_path / "r.yaml").write_text(f"model: {tiny / 'model'}\nplugins: {plugins}\nstages:\n"
+                                     "  - prune: {method: wanda, sparsity: 0.5}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(tmp_path / "r.yaml")

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab.errors import ConfigError
+from prunelab.plugins import import_plugin, is_file_spec, source_digest
 from prunelab.registry import check_range, to_dict
 from prunelab.workflow.stages import MODEL_STAGES, parse_stage
 
@@ -54,6 +55,9 @@ class Recipe:
     dtype: str = _opt("float32", "float32 | bfloat16 | float16 | auto")
     device: str = _opt("cpu", "cpu | cuda[:N] | auto")
     trust_remote_code: bool = _opt(False, "allow model code from the checkpoint")
+    plugins: tuple = _opt((), "Python files (relative to the recipe's folder) or module names "
+                          "imported before the stages are read: they register your own "
+                          "methods, probes, recoveries, scores")
     stages: tuple = _opt((), "the stages, in order")
 
     def __post_init__(self) -> None:
@@ -69,8 +73,10 @@ class Recipe:
 
     # ------------------------------------------------------------------ views
     def top(self) -> dict:
-        """The top-level fields (everything but the stages)."""
-        return {k: v for k, v in to_dict(self).items() if k != "stages"}
+        """The top-level fields (everything but the stages; ``plugins`` only when given, so
+        that a recipe without plugins hashes as it always did)."""
+        return {k: v for k, v in to_dict(self).items()
+                if k != "stages" and not (k == "plugins" and not v)}
 
     def to_dict(self) -> dict:
         return {**self.top(), "stages": [s.to_dict() for s in self.stages]}
@@ -89,8 +95,28 @@ class Recipe:
 _TOP = {f for f in Recipe.__dataclass_fields__}
 
 
-def parse_recipe(raw: Any) -> Recipe:
-    """A checked :class:`Recipe` from a parsed YAML mapping."""
+def _plugins(raw: Any, base: Path | None) -> tuple[str, ...]:
+    """The recipe's ``plugins`` (files resolved against ``base``, the recipe's folder, else
+    the working folder), each imported so that what it registers can be parsed below."""
+    if raw is None:
+        return ()
+    items = [raw] if isinstance(raw, str) else raw
+    if not isinstance(items, list) or not all(isinstance(p, str) and p for p in items):
+        raise ConfigError(f"plugins: a list of Python files or module names, got {raw!r}")
+    out = []
+    for item in items:
+        spec = item
+        if is_file_spec(item):
+            path = Path(item).expanduser()
+            spec = str((path if path.is_absolute() else (base or Path.cwd()) / path).resolve())
+        import_plugin(spec)
+        out.append(spec)
+    return tuple(dict.fromkeys(out))
+
+
+def parse_recipe(raw: Any, base: Path | None = None) -> Recipe:
+    """A checked :class:`Recipe` from a parsed YAML mapping (``base``: the folder relative
+    plugin paths are read from)."""
     if not isinstance(raw, dict):
         raise ConfigError("a recipe is a YAML mapping with model, data, seed and stages")
     unknown = [k for k in raw if k not in _TOP]
@@ -100,10 +126,11 @@ def parse_recipe(raw: Any) -> Recipe:
     stages_raw = raw.get("stages")
     if not isinstance(stages_raw, list) or not stages_raw:
         raise ConfigError("stages: a recipe needs a non-empty list of stages")
+    plugins = _plugins(raw.get("plugins"), base)
     stages = tuple(parse_stage(i, s) for i, s in enumerate(stages_raw))
-    top = {k: v for k, v in raw.items() if k != "stages"}
+    top = {k: v for k, v in raw.items() if k not in ("stages", "plugins")}
     try:
-        recipe = Recipe(**top, stages=stages)
+        recipe = Recipe(**top, plugins=plugins, stages=stages)
     except TypeError as exc:
         raise ConfigError(f"recipe: {str(exc).splitlines()[0]}") from None
     resolve_sources(stages)
@@ -117,11 +144,11 @@ def load_recipe(source: str | Path | dict) -> Recipe:
     if isinstance(source, dict):
         return parse_recipe(source)
     text = str(source)
-    path = Path(text)
+    path, base = Path(text), None
     if "\n" not in text and (path.suffix in (".yaml", ".yml") or path.exists()):
         if not path.is_file():
             raise ConfigError(f"recipe {text} does not exist")
-        text = path.read_text()
+        text, base = path.read_text(), path.resolve().parent
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -129,7 +156,7 @@ def load_recipe(source: str | Path | dict) -> Recipe:
         at = f" at line {where.line + 1}" if where is not None else ""
         raise ConfigError(f"recipe is not valid YAML{at}: "
                           f"{getattr(exc, 'problem', None) or type(exc).__name__}") from None
-    return parse_recipe(raw)
+    return parse_recipe(raw, base)
 
 
 def resolve_sources(stages) -> dict[str, str]:
@@ -177,6 +204,8 @@ def stage_hashes(recipe: Recipe) -> dict[str, str]:
     hash of the model it starts from (so a change upstream reruns everything below).
     A report stage also depends on every earlier stage."""
     top = recipe.top()
+    if recipe.plugins:  # a plugin's code is part of what its stages compute
+        top["plugins"] = [[p, source_digest(p)] for p in recipe.plugins]
     models = {"dense": model_digest(recipe)}
     out: dict[str, str] = {}
     inputs = recipe.inputs()
