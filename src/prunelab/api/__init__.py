@@ -350,15 +350,18 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     pruner = pruner_for(config)
     pruner.precheck(lm, config)  # user errors before any tokenisation or calibration
-    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
+    batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib") \
+        if pruner.needs_data else None
     start = time.perf_counter()
     before = model_size(lm.model)
     from prunelab.calib.streamed import streamed_prune
 
     with streamed_prune(lm, config):  # a streamed model: pruned blocks go to disk
-        details = pruner.run(lm, config, batches.input_ids, batch_size=batch_size)
+        details = pruner.run(lm, config, None if batches is None else batches.input_ids,
+                             batch_size=batch_size)
     report = PruneReport(operation=pruner.operation, method=method_name(config),
-                         config=config_dict(config), data=batches.to_dict(),
+                         config=config_dict(config),
+                         data=None if batches is None else batches.to_dict(),
                          size_before=before, size_after=model_size(lm.model),
                          seconds=time.perf_counter() - start, details=details)
     lm.history.append({"operation": pruner.operation, "method": report.method,

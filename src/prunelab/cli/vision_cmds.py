@@ -75,14 +75,12 @@ def prune_tokens_cmd(
 
 
 def _save_token_pruned(lm, cfg, res: dict, out_dir: Path, overwrite: bool) -> None:
+    """Install the token pruners through the one pruning verb and save the checkpoint."""
     from prunelab import api
-    from prunelab.pruning.tokens import install_token_pruning
 
-    paths = install_token_pruning(lm, cfg)
+    api.prune(lm, cfg)  # no calibration data: installs the modules, records the operation
     metrics = {k: res[k] for k in ("cls_cosine", "mean_cosine", "knn_agreement",
                                    "lfw_accuracy", "speedup") if k in res}
-    api.save(lm, out_dir, overwrite=overwrite, operation="prune-tokens",
-             config={"keep": cfg.keep, "layers": list(cfg.layers), "fuse": cfg.fuse,
-                     "modules": paths}, data=res.get("data"), metrics=metrics)
+    api.save(lm, out_dir, overwrite=overwrite, data=res.get("data"), metrics=metrics)
     out.print(f"wrote {out_dir} (load with AutoModel.from_pretrained(path, "
               "trust_remote_code=True))")

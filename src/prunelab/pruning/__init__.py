@@ -76,13 +76,18 @@ from prunelab.pruning.width import (
 )
 from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
 
+# isort: off
+from prunelab.pruning.tokens import TokenPruning  # registers "tokens" (listed last)
+# isort: on
+
 __all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",
            "WIDTH_SCORES", "Beam", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
            "DictReport", "FactorConfig", "Foldable", "Ghost", "Iterative", "LastN", "Lra",
            "Gates", "GatesPruner", "Magnitude", "factor_methods",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
            "Pruner", "PrunePath", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
-           "Sleb", "SparsityConfig", "Span", "Strategy", "Uniform", "Wanda", "Width",
+           "Sleb", "SparsityConfig", "Span", "Strategy", "TokenPruning", "Uniform", "Wanda",
+           "Width",
            "WidthAllocation", "WidthPruner", "WidthReport", "WidthScore", "config_from_dict",
            "depth_from_cli", "pruner_for", "register_pruner", "sparsity_methods",
            "width_from_cli"]

@@ -73,6 +73,8 @@ class Pruner(abc.ABC):
 
     #: recorded as the history's ``operation`` ("prune-depth", "prune-sparsity", ...)
     operation: ClassVar[str] = "prune"
+    #: ``False``: the method reads no calibration data (``run`` gets ``input_ids=None``)
+    needs_data: ClassVar[bool] = True
 
     def precheck(self, lm, config) -> None:  # noqa: B027 - optional hook, no-op default
         """Raise the errors a user can cause before any data is read (default: none)."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers as tf
 
+import prunelab
 from prunelab.errors import ConfigError
 from prunelab.models.loading import wrap
 from prunelab.pruning.tokens import TokenPrunedEncoder, TokenPruning, install_token_pruning
@@ -74,3 +75,35 @@ def test_cli_prune_tokens_out_writes_a_reloadable_checkpoint(tmp_path):
     assert torch.equal(hidden(again, x), want)
     # an existing --out is refused before any work
     assert cli_main(["prune", "tokens", "--model", str(ckpt), "--out", str(out)]) == 2
+
+
+def test_prune_verb_installs_token_pruning_without_data():
+    """``prunelab.prune(lm, TokenPruning(...))`` goes through the method registry like every
+    method: no calibration data read, the operation recorded, the model then prunes its own
+    tokens exactly as the runtime wrapper does."""
+    from prunelab.pruning import METHODS, pruner_for
+    from prunelab.workflow.recipe import load_recipe
+
+    dense = tiny_vision()
+    cfg = TokenPruning(keep=0.5, layers=(1,))
+    want = TokenPrunedEncoder(wrap(copy.deepcopy(dense)), cfg)(pixels(2).input_ids)
+    lm = wrap(dense)
+    rep = prunelab.prune(lm, cfg, data="no-such-spec:never-read")
+    assert rep["operation"] == "prune-tokens" and rep["method"] == "tokens"
+    assert rep["data"] is None and rep["modules"] == ["encoder.layer.1.token_pruner"]
+    assert lm.history[-1]["modules"] == rep["modules"]
+    assert torch.equal(hidden(lm.model, pixels(2).input_ids), want)
+    assert METHODS.get("tokens") is TokenPruning and pruner_for(cfg).needs_data is False
+    # a recipe stage names it like any method
+    rec = load_recipe({"model": "dinov2-small", "stages": [
+        {"prune": {"method": "tokens", "keep": 0.5, "layers": [1]}}]})
+    assert rec.stages[0].options.method == cfg
+
+
+def test_prune_verb_refuses_token_pruning_on_a_text_model():
+    from prunelab.errors import PrunelabError
+
+    from tiny_models import tiny_model
+
+    with pytest.raises(PrunelabError):
+        prunelab.prune(wrap(tiny_model("llama")), TokenPruning(keep=0.5, layers=(1,)))

@@ -11,8 +11,10 @@ from prunelab.pruning.tokens.head import (
     lfw_gated_accuracy,
     train_gated_head,
 )
+from prunelab.pruning.tokens.pruner import TokenPruningPruner
 from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning, cls_attention
 
-__all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruner", "TokenPruning", "cls_attention",
+__all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruner", "TokenPruning",
+           "TokenPruningPruner", "cls_attention",
            "depth_features", "evaluate_token_pruning", "lfw_gated_accuracy",
            "install_token_pruning", "train_gated_head"]

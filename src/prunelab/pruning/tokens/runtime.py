@@ -15,31 +15,52 @@ tokens kept, multi-depth feature recovery and a gated task head: 35 % less compu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from prunelab.errors import ConfigError, UnsupportedArchitectureError
+from prunelab.pruning.base import METHODS
 from prunelab.pruning.tokens.checkpoint import TokenPruner
 from prunelab.registry import check_range
 
 
+@METHODS.register("tokens")
 @dataclass(frozen=True)
 class TokenPruning:
-    """``keep``: share of the current patch tokens kept at each of ``layers`` (0-based
-    blocks, pruning before the block runs); ``fuse``: merge the dropped tokens into one."""
+    """Patch-token pruning of a vision encoder by CLS attention (TAP-Path; EViT fusion):
+    ``keep`` of the current patch tokens at each of ``layers`` (0-based blocks, pruning
+    before the block runs); ``fuse`` merges the dropped tokens into one."""
 
-    keep: float = 0.7
-    layers: tuple = (3,)
-    fuse: bool = True
+    keep: float = field(default=0.7, metadata={
+        "help": "share of the patch tokens kept at each layer"})
+    layers: tuple = field(default=(3,), metadata={
+        "help": "0-based blocks before which tokens are pruned"})
+    fuse: bool = field(default=True, metadata={
+        "help": "fuse the dropped tokens into one (EViT) or drop them"})
 
     def __post_init__(self):
         check_range("keep", self.keep, 1e-6, 1.0)
-        layers = tuple(sorted({int(x) for x in self.layers}))
+        raw = self.layers
+        if isinstance(raw, str):
+            raw = [x for x in raw.split(",") if x.strip()]
+        elif isinstance(raw, int) and not isinstance(raw, bool):
+            raw = [raw]
+        try:
+            layers = tuple(sorted({_block_index(x) for x in raw}))
+        except (TypeError, ValueError):
+            raise ConfigError(f"token pruning layers: 0-based block indices, got {self.layers!r}"
+                              ) from None
         if any(x < 0 for x in layers):
             raise ConfigError(f"token pruning layers must be >= 0, got {list(self.layers)}")
         object.__setattr__(self, "layers", layers)
+
+
+def _block_index(x) -> int:
+    if isinstance(x, bool) or (isinstance(x, float) and not x.is_integer()):
+        raise ValueError(x)
+    return int(x)
 
 
 @torch.no_grad()
