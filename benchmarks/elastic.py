@@ -30,8 +30,8 @@ import time
 import prunelab
 from prunelab.api import tokens_for
 from prunelab.models.loading import wrap
-from prunelab.pruning.width.elastic import ElasticRanking, elastic
 from prunelab.pruning.width import Width
+from prunelab.pruning.width.elastic import ElasticRanking, elastic
 
 BASELINES = ("wanda-sp", "magnitude-profile", "flap")
 

@@ -44,8 +44,8 @@ import transformers
 import prunelab
 from prunelab.eval.perplexity import score_windows
 from prunelab.heal import HealConfig, heal
-from prunelab.train.lora import zero_count
 from prunelab.models.loading import wrap
+from prunelab.train.lora import zero_count
 
 ROWS = ("depth6-ce", "depth6-kd", "depth6-hidden", "wanda50", "ffn20-wanda-sp",
         "ffn20-rep-lie", "depth6-bi", "depth6-cascadeflow", "span6-fold-ce", "span6-ghost-ce")

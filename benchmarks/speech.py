@@ -35,9 +35,9 @@ import torch
 import prunelab
 from prunelab.data.speech import feature_batches, load_speech
 from prunelab.eval.speech import speech_scores
-from prunelab.train.encoder_distill import EncoderDistill, distill_encoder
 from prunelab.probes.ablation import LeaveOneOut
 from prunelab.pruning import Depth
+from prunelab.train.encoder_distill import EncoderDistill, distill_encoder
 
 
 def _scores(lm, data) -> dict:
