@@ -31,6 +31,7 @@ from prunelab.probes.base import PROBES, STREAMABLE_PROBES, make_config, options
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.depth.recoveries import RECOVERIES, Recovery
 from prunelab.pruning.depth.search_budget import check_search_options
+from prunelab.pruning.depth.selection import parse_sublayers
 from prunelab.pruning.depth.strategies import STRATEGIES, SelectJob, Strategy
 from prunelab.pruning.options import piece_from_flat
 from prunelab.registry import check_range, strict_kwargs
@@ -44,7 +45,6 @@ def _help(text: str, default=None, **kw):
 
 #: strategies that score candidate removals on the calibration windows (``search_windows``)
 SEARCH_STRATEGIES = ("sleb", "beam", "iterative")
-
 
 
 #: Depth recoveries fitted block by block (or none).
@@ -197,31 +197,6 @@ def depth_from_cli(*, strategy: str | None = None, recovery: str | None = None,
     rest = {k: v for k, v in flat.items() if k not in owned_s | owned_r and v is not None}
     strict_kwargs(Depth, rest, "prune depth")
     return Depth(select=select, recovery=rec, **rest)
-
-
-PART_NAMES = {"attention": "attention", "attn": "attention", "mlp": "mlp", "ffn": "mlp"}
-
-
-def parse_sublayers(value) -> tuple:
-    """``((block, "attention" | "mlp"), ...)``, sorted, from pairs (``[5, "attention"]``, as
-    a depth report's ``removed_sublayers`` lists them) or from text ``"5:attention,16:mlp"``
-    (``attn`` / ``ffn`` accepted); a malformed or repeated entry is a ConfigError."""
-    if isinstance(value, str):
-        value = [p.strip() for p in value.split(",") if p.strip()]
-    out = []
-    for item in value:
-        pair = item.split(":") if isinstance(item, str) else list(item)
-        try:
-            block, part = int(str(pair[0]).strip()), PART_NAMES[str(pair[1]).strip().lower()]
-            if len(pair) != 2 or block < 0:
-                raise ValueError
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise ConfigError("--sublayers takes 0-based BLOCK:PART entries, PART attention "
-                              f"or mlp, e.g. 5:attention,16:mlp; got {item!r}") from None
-        out.append((block, part))
-    if len(set(out)) != len(out):
-        raise ConfigError(f"--sublayers repeats an entry: {sorted(out)}")
-    return tuple(sorted(out))
 
 
 def blocks_to_remove(lm, cfg: Depth) -> int:

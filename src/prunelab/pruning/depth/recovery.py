@@ -16,11 +16,19 @@ stream; families with post-sublayer norms (gemma2, gemma3, bert) are refused.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from prunelab.calib.runner import BlockRunner
 from prunelab.errors import UnsupportedOperationError
 from prunelab.lstsq import NormalEquations
 from prunelab.models.linear import set_weight_out_in, weight_out_in
+from prunelab.pruning.depth.selection import contiguous_spans
+
+if TYPE_CHECKING:  # annotations only
+    from prunelab.probes import ProbeContext
+    from prunelab.pruning.depth.config import Depth
 
 
 def check_additive(adapter, index: int, recovery: str) -> None:
@@ -96,3 +104,38 @@ def fit_boundary(runner, index: int, inputs, targets, ridge: float = 1e-6) -> di
     _refit_projection(runner, index, inputs, targets, ad.attn_projections(index)["o"], ridge)
     _refit_projection(runner, index, inputs, targets, ad.mlp_projections(index)["down"], ridge)
     return {"error_before": before, "error_after": _error(runner, index, inputs, targets)}
+
+
+def recover(lm, cfg: Depth, ctx: ProbeContext, removed: list[int], batch_size: int,
+            spans: list | None = None) -> list:
+    """Fit ``cfg.recovery`` at every cut of the (already shortened) model, in order;
+    returns one record per cut (span, where, fit statistics). ``spans``: repair only these
+    half-open ``[s, e)`` spans (recovery in the loop: where the repair helped)."""
+    recovery = cfg.recovery
+    cuts = {}  # new index of the last kept block before the cut -> dense target
+    keep = None if spans is None else {tuple(sp) for sp in spans}
+    for s, e in contiguous_spans(removed):
+        if keep is not None and (s, e) not in keep:
+            continue
+        k = s - 1 - sum(1 for r in removed if r < s)
+        cuts[k] = (s, e, ctx.boundary(e))
+    for k in sorted(cuts):
+        recovery.check(lm.adapter, k)
+    runner = BlockRunner(lm, ctx.input_ids, batch_size=batch_size)
+    runner.capture()
+    records = []
+    if -1 in cuts:  # span starting at block 0: repair the embeddings' output
+        s, e, y = cuts.pop(-1)
+        runner.inputs, stats = recovery.at_embeddings(runner, runner.inputs, y)
+        records.append({"span": [s, e], "after": "embeddings", **stats})
+    if not cuts:
+        return records
+
+    def on_block(i, inputs):
+        if i in cuts:
+            s, e, y = cuts[i]
+            stats = recovery.at_block(runner, i, inputs, y)
+            records.append({"span": [s, e], "after": f"block {i} (new numbering)", **stats})
+
+    runner.run(on_block=on_block, propagate="modified", until=max(cuts), desc="recovery")
+    return records

@@ -33,11 +33,9 @@ def check_search_options(cfg) -> None:
     """Refuse combinations of ``granularity`` / ``recovery_in_loop`` with the strategy and
     recovery that do not apply (one-line :class:`ConfigError`)."""
     from prunelab.pruning.depth.recoveries import RECOVERIES
-    from prunelab.pruning.depth.strategies import STRATEGIES
-
     if cfg.granularity not in GRANULARITIES:
         raise ConfigError(f"granularity must be block or sublayer, got {cfg.granularity!r}")
-    name = None if cfg.select is None else STRATEGIES.name_of(cfg.select)
+    name = None if cfg.select is None else type(cfg.select).registry_name
     rec = RECOVERIES.name_of(cfg.recovery)
     if cfg.recovery_in_loop:
         if name not in IN_LOOP_STRATEGIES:

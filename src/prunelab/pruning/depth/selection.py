@@ -111,3 +111,28 @@ def contiguous_spans(blocks: list[int]) -> list[tuple[int, int]]:
         else:
             spans.append([b, b + 1])
     return [(s, e) for s, e in spans]
+
+
+PART_NAMES = {"attention": "attention", "attn": "attention", "mlp": "mlp", "ffn": "mlp"}
+
+
+def parse_sublayers(value) -> tuple:
+    """``((block, "attention" | "mlp"), ...)``, sorted, from pairs (``[5, "attention"]``, as
+    a depth report's ``removed_sublayers`` lists them) or from text ``"5:attention,16:mlp"``
+    (``attn`` / ``ffn`` accepted); a malformed or repeated entry is a ConfigError."""
+    if isinstance(value, str):
+        value = [p.strip() for p in value.split(",") if p.strip()]
+    out = []
+    for item in value:
+        pair = item.split(":") if isinstance(item, str) else list(item)
+        try:
+            block, part = int(str(pair[0]).strip()), PART_NAMES[str(pair[1]).strip().lower()]
+            if len(pair) != 2 or block < 0:
+                raise ValueError
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ConfigError("--sublayers takes 0-based BLOCK:PART entries, PART attention "
+                              f"or mlp, e.g. 5:attention,16:mlp; got {item!r}") from None
+        out.append((block, part))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"--sublayers repeats an entry: {sorted(out)}")
+    return tuple(sorted(out))

@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from prunelab.calib.runner import BlockRunner
 from prunelab.log import info
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext
 from prunelab.pruning.base import MethodReport, Pruner, register_pruner
 from prunelab.pruning.depth.config import Depth, blocks_to_remove, select
 from prunelab.pruning.depth.recoveries import RECOVERIES
-from prunelab.pruning.depth.selection import contiguous_spans
+from prunelab.pruning.depth.recovery import recover
 
 
 @dataclass
@@ -42,41 +41,6 @@ class DepthReport(MethodReport):
 
     def history(self) -> dict:
         return {"removed_blocks": self.removed_blocks, "recovery": self.recovery}
-
-
-def recover(lm, cfg: Depth, ctx: ProbeContext, removed: list[int], batch_size: int,
-            spans: list | None = None) -> list:
-    """Fit ``cfg.recovery`` at every cut of the (already shortened) model, in order;
-    returns one record per cut (span, where, fit statistics). ``spans``: repair only these
-    half-open ``[s, e)`` spans (recovery in the loop: where the repair helped)."""
-    recovery = cfg.recovery
-    cuts = {}  # new index of the last kept block before the cut -> dense target
-    keep = None if spans is None else {tuple(sp) for sp in spans}
-    for s, e in contiguous_spans(removed):
-        if keep is not None and (s, e) not in keep:
-            continue
-        k = s - 1 - sum(1 for r in removed if r < s)
-        cuts[k] = (s, e, ctx.boundary(e))
-    for k in sorted(cuts):
-        recovery.check(lm.adapter, k)
-    runner = BlockRunner(lm, ctx.input_ids, batch_size=batch_size)
-    runner.capture()
-    records = []
-    if -1 in cuts:  # span starting at block 0: repair the embeddings' output
-        s, e, y = cuts.pop(-1)
-        runner.inputs, stats = recovery.at_embeddings(runner, runner.inputs, y)
-        records.append({"span": [s, e], "after": "embeddings", **stats})
-    if not cuts:
-        return records
-
-    def on_block(i, inputs):
-        if i in cuts:
-            s, e, y = cuts[i]
-            stats = recovery.at_block(runner, i, inputs, y)
-            records.append({"span": [s, e], "after": f"block {i} (new numbering)", **stats})
-
-    runner.run(on_block=on_block, propagate="modified", until=max(cuts), desc="recovery")
-    return records
 
 
 def run_depth(lm, cfg: Depth, input_ids, batch_size: int = 8, ctx: ProbeContext | None = None,

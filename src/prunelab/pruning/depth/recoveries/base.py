@@ -2,7 +2,7 @@
 
 A recovery is a frozen dataclass registered in :data:`RECOVERIES` under its CLI name; its
 fields are its own parameters (``metadata={"help": ...}``). After the blocks are deleted,
-:func:`prunelab.pruning.depth.surgery.recover` walks the shortened model block by block on the
+:func:`prunelab.pruning.depth.recovery.recover` walks the shortened model block by block on the
 calibration windows and, at each cut, calls :meth:`Recovery.at_block` (the last kept block
 before the cut, new numbering) or :meth:`Recovery.at_embeddings` (a cut starting at block
 0) with that module's inputs and the dense model's hidden state after the removed span

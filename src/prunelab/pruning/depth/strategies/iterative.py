@@ -13,6 +13,7 @@ import copy
 from dataclasses import dataclass
 
 from prunelab.errors import UnsupportedOperationError
+from prunelab.pruning.depth.recovery import recover
 from prunelab.pruning.depth.strategies.base import STRATEGIES, SelectJob, Strategy
 
 
@@ -37,8 +38,6 @@ def _work_copy(job: SelectJob, removed: list[int], how: dict):
     if removed:
         work.adapter.delete_blocks(sorted(removed))
     if removed and job.cfg.recovery_in_loop:
-        from prunelab.pruning.depth.surgery import recover
-
         try:
             recover(work, job.cfg, job.ctx, sorted(removed),
                     job.ctx.runner.batches[0].shape[0])

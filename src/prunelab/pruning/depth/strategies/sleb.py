@@ -76,7 +76,7 @@ def parse_resume(text: str) -> tuple:
         return blocks
     if any(":" not in p for p in items):
         raise ConfigError(f"--sleb-resume mixes blocks and sub-blocks: {text!r}")
-    from prunelab.pruning.depth.config import parse_sublayers
+    from prunelab.pruning.depth.selection import parse_sublayers
 
     try:
         return parse_sublayers(items)

@@ -19,7 +19,7 @@ copy), restored afterwards.
 
 **Recovery in the loop** (``Depth(recovery_in_loop=True, recovery=...)``): each candidate is
 also scored after its closed-form recovery, fitted exactly as the applied model will be
-(:func:`prunelab.pruning.depth.surgery.recover` on a copy of the model without the candidate's
+(:func:`prunelab.pruning.depth.recovery.recover` on a copy of the model without the candidate's
 blocks, on the calibration windows), so the search picks the blocks that *recover* best.
 Least squares at the cut does not maximise the task metric, and can lower it: a candidate's
 value is the better of its raw and repaired scores, and the chosen set is repaired only when
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
 from prunelab.log import progress
+from prunelab.pruning.depth.recovery import recover
 from prunelab.pruning.depth.strategies.base import STRATEGIES, SelectJob, Strategy
 from prunelab.registry import check_range
 
@@ -95,11 +96,10 @@ class Validation(Strategy):
 
 def repaired_copy(lm, cfg, ctx, removed) -> object | None:
     """A copy of ``lm`` without blocks ``removed`` (0-based), repaired by ``cfg.recovery``
-    on ``ctx``'s calibration windows as :func:`prunelab.pruning.depth.surgery.run_depth` repairs
-    the applied model; ``None`` when the recovery cannot repair these cuts."""
+    on ``ctx``'s calibration windows as :func:`prunelab.pruning.depth.surgery.run_depth`
+    repairs the applied model; ``None`` when the recovery cannot repair these cuts."""
     from prunelab.errors import UnsupportedOperationError
     from prunelab.models.loading import wrap
-    from prunelab.pruning.depth.surgery import recover
 
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
     work.offload_to = getattr(lm, "offload_to", None)
