@@ -43,6 +43,18 @@ def _fields(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init and not f.name.startswith("_")]
 
 
+def field_metadata(cls, f: dataclasses.Field) -> dict:
+    """``f``'s metadata on ``cls``; a field a subclass overrides without ``help`` keeps the
+    metadata of the nearest base that declares it."""
+    meta = dict(f.metadata)
+    for base in cls.__mro__[1:]:
+        if "help" in meta or not dataclasses.is_dataclass(base):
+            break
+        inherited = {g.name: g for g in dataclasses.fields(base)}.get(f.name)
+        meta = {**(dict(inherited.metadata) if inherited else {}), **meta}
+    return meta
+
+
 def strict_kwargs(cls, options: dict, what: str | None = None) -> None:
     """Raise :class:`ConfigError` if ``options`` has a key ``cls`` does not take."""
     valid = _fields(cls)

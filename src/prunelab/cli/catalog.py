@@ -27,6 +27,7 @@ from pathlib import Path
 
 from prunelab.cli import plugins
 from prunelab.errors import ConfigError
+from prunelab.registry import field_metadata
 
 VERSION = 1
 #: the kinds of piece the catalog lists, in the order --help shows them
@@ -72,13 +73,7 @@ def _hints(cls) -> dict:
 
 def _metadata(cls, f: dataclasses.Field) -> dict:
     """A field's metadata; a field overridden without ``help`` keeps its base's."""
-    meta = dict(f.metadata)
-    for base in cls.__mro__[1:]:
-        if "help" in meta or not dataclasses.is_dataclass(base):
-            break
-        inherited = {g.name: g for g in dataclasses.fields(base)}.get(f.name)
-        meta = {**(dict(inherited.metadata) if inherited else {}), **meta}
-    return meta
+    return field_metadata(cls, f)
 
 
 def type_spec(tp) -> tuple[str, bool, list | None]:

@@ -32,7 +32,7 @@ import torch
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.sparsity import masks
-from prunelab.registry import Registry, check_range, to_dict
+from prunelab.registry import Registry, check_range, field_metadata, to_dict
 
 #: Layerwise (per-block) sparsity allocations by name.
 ALLOCATIONS = Registry("allocation")
@@ -338,12 +338,7 @@ def config_options(cls: type) -> list[dict]:
     for f in dataclasses.fields(cls):
         if not f.init or f.name.startswith("_"):
             continue
-        meta = dict(f.metadata)
-        for base in cls.__mro__[1:]:
-            if "help" in meta or not dataclasses.is_dataclass(base):
-                break
-            inherited = {g.name: g for g in dataclasses.fields(base)}.get(f.name)
-            meta = {**(dict(inherited.metadata) if inherited else {}), **meta}
+        meta = field_metadata(cls, f)
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         out.append({"name": f.name, "type": hints.get(f.name), "default": default, **meta})
