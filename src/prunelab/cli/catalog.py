@@ -29,7 +29,7 @@ from prunelab.cli import plugins
 from prunelab.errors import ConfigError
 from prunelab.registry import field_metadata
 
-VERSION = 1
+VERSION = 2
 #: the kinds of piece the catalog lists, in the order --help shows them
 KINDS = ("strategies", "recoveries", "width_scores", "width_allocations", "sparsity_methods",
          "sparsity_allocations", "probes", "factor_methods")
@@ -127,7 +127,8 @@ def field_entry(cls, f: dataclasses.Field, hints: dict) -> dict:
             "flag": meta.get("flag") or "--" + flat.replace("_", "-"),
             "kind": kind, "optional": optional, "choices": choices,
             "default": _jsonable(default), "help": str(meta.get("help", "")),
-            "negate": bool(meta.get("negate")), "range": list(rng) if rng else None}
+            "negate": bool(meta.get("negate")), "range": list(rng) if rng else None,
+            "budget": meta.get("budget")}
 
 
 def entry(name: str, cls) -> dict:

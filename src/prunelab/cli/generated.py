@@ -57,12 +57,12 @@ class GenOption:
 
 def gen_options(cat: dict, kinds: tuple[str, ...]) -> list[GenOption]:
     """The options of the pieces of ``kinds`` (fields of kind ``other`` are left to
-    ``--set``)."""
+    ``--set``; a field whose metadata names a ``budget`` kind is set by ``--budget``)."""
     out: dict[str, GenOption] = {}
     for kind in kinds:
         for e in cat["kinds"].get(kind, []):
             for f in e["fields"]:
-                if f["kind"] == "other":
+                if f["kind"] == "other" or f.get("budget"):  # budgets: --budget KIND:VALUE
                     continue
                 opt = out.get(f["flat"])
                 if opt is None:
