@@ -2,7 +2,7 @@
 
     prunelab --plugin examples/one_file_method.py prune sparsity --help
     prunelab --plugin examples/one_file_method.py prune sparsity --method input-power \\
-        --power 2 --sparsity 0.5 --model DIR --out OUT
+        --power 2 --budget remove-weights:0.5 --model DIR --out OUT
 
 (or ``PRUNELAB_PLUGINS=examples/one_file_method.py prunelab prune sparsity ...``). Its field
 ``power`` becomes the option ``--power`` with the help text below; ``tests/cli/test_cli_plugin.py``

@@ -96,7 +96,8 @@ def test_the_cli_runs_the_registered_methods(ex, tmp_path, capsys):
                      "--out", str(tmp_path / "p")]) == 0
     assert (tmp_path / "p" / "weight-norm.json").is_file()
     assert cli_main(["--quiet", "prune", "width", *common, "--unit", "ffn", "--score",
-                     "column-norm", "--ratio", "0.25", "--out", str(tmp_path / "w")]) == 0
+                     "column-norm", "--budget", "remove-units:0.25", "--out",
+                     str(tmp_path / "w")]) == 0
     capsys.readouterr()
 
 

@@ -124,10 +124,10 @@ def test_prune_commands(tiny_dir):
     assert lm.offload_to == torch.device("cpu") and runner.offload
     assert runner.store_device == torch.device("cpu")
     depth = tiny_dir / "depth"
-    res = cli(*base, "depth", *data, "--remove", "1", "--recovery", "foldable",
+    res = cli(*base, "depth", *data, "--budget", "remove-blocks:1", "--recovery", "foldable",
               "--offload", "--out", str(depth))
     assert res.returncode == 0, res.stderr
     man = json.loads((depth / "manifest.json").read_text())
     assert len(man["report"]["removed_blocks"]) == 1 and man["num_blocks"] == 3
-    assert_one_line_error(cli(*base, "depth", *data, "--remove", "9", "--out",
+    assert_one_line_error(cli(*base, "depth", *data, "--budget", "remove-blocks:9", "--out",
                               str(tiny_dir / "y")), "cannot remove")

@@ -33,7 +33,7 @@ BASE = {
     "eval": ["eval", "--model", M, *DATA, "--samples", "1"],
     "probe": ["probe", "--model", M, "--out", O, *DATA, "--probe", "gradient-flow"],
     "compare": ["compare", "--model", M, "--calib", f"text:{T}", "--test", f"text:{T}",
-                "--methods", "wanda", "--budget", "sparsity:0.5", "--out", O, "--ray",
+                "--methods", "wanda", "--budget", "remove-weights:0.5", "--out", O, "--ray",
                 "auto"],
     "prune depth": ["prune", "depth", "--model", M, "--out", O, *DATA],
     "prune sparsity": ["prune", "sparsity", "--model", M, "--out", O, *DATA],
@@ -46,7 +46,8 @@ BASE = {
                      "--size", "28", "--lfw-size", "28"],
     "run": ["run", "{r}", "--out", O, "--ray", "auto"],
     "sweep depth": ["sweep", "depth", "--model", M, "--out", O, *DATA, "--test",
-                    f"text:{T}", "--test-seqlen", "16", "--remove", "1..2", "--ray", "auto"],
+                    f"text:{T}", "--test-seqlen", "16", "--budget", "remove-blocks:1..2", "--ray",
+                    "auto"],
 }
 
 # companions an option needs to apply (without them it is refused for another reason)
@@ -81,7 +82,8 @@ NEEDS = {
 }
 
 # the size each command needs unless the swept option is the size itself
-SIZE = {"prune depth": ["--remove", "1"], "prune width": ["--ratio", "0.2"],
+SIZE = {"prune depth": ["--budget", "remove-blocks:1"],
+        "prune width": ["--budget", "remove-units:0.2"],
         "prune factor": ["--ratio", "0.2"]}
 SIZE_OPTIONS = {"--target-params", "--ratio"}
 

@@ -41,7 +41,7 @@ def _run(argv, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(prune_cmds, "prune_and_save", fake)
     code = cli_main(["prune", "depth", "--model", "m", "--out", str(tmp_path / "o"),
-                     "--remove", "1", *argv])
+                     "--budget", "remove-blocks:1", *argv])
     cap = capsys.readouterr()
     return code, seen.get("cfg"), cap.out + cap.err
 

@@ -57,7 +57,8 @@ def test_a_run_uses_the_plugin_option(tmp_path, forget_plugin, capsys):
     save_tiny_checkpoint("llama", tmp_path / "model")
     (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
     common = ["--model", str(tmp_path / "model"), "--data", f"text:{tmp_path / 'text.txt'}",
-              "--samples", "2", "--seqlen", "16", "--batch-size", "2", "--sparsity", "0.5"]
+              "--samples", "2", "--seqlen", "16", "--batch-size", "2", "--budget",
+              "remove-weights:0.5"]
     for power in ("0", "4"):
         assert cli_main(["--quiet", "--plugin", str(EXAMPLE), "prune", "sparsity", *common,
                          "--method", "input-power", "--power", power,

@@ -172,7 +172,8 @@ def test_cli_stream(ckpt, tmp_path, capsys):
     common = ["--data", data, "--seqlen", "16", "--samples", "4", "--batch-size", "2"]
     for flag, out in (([], "dense"), (["--stream"], "streamed")):
         code, err = _cli(capsys, "prune", "sparsity", "--model", model, "--method", "wanda",
-                         "--sparsity", "0.5", "--out", str(tmp_path / out), *common, *flag)
+                         "--budget", "remove-weights:0.5", "--out", str(tmp_path / out), *common,
+                         *flag)
         assert code == 0, err
     _same_checkpoints(tmp_path / "dense", tmp_path / "streamed")
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # staging removed

@@ -104,7 +104,8 @@ def test_cli_probe_and_prune_depth_on_a_bert_checkpoint(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "1 - cos" in (tmp_path / "probes" / "leave-one-out.json").read_text()
     r = cli("--quiet", "prune", "depth", "--model", str(tmp_path / "bert"), "--data", data,
-            "--remove", "1", "--probe", "leave-one-out", "--samples", "4", "--seqlen", "32",
+            "--budget", "remove-blocks:1", "--probe", "leave-one-out", "--samples", "4",
+            "--seqlen", "32",
             "--out", str(tmp_path / "pruned"))
     assert r.returncode == 0, r.stderr
     assert "1 - cos (pooled)" in r.stdout

@@ -33,19 +33,21 @@ def _kw(tiny):
 
 
 def test_parse_budget_lists():
-    assert parse_budgets("blocks:2,4,6") == [Budget("blocks", n) for n in (2, 4, 6)]
-    assert parse_budgets("params:0.9, 0.8") == [Budget("params", 0.9), Budget("params", 0.8)]
-    assert parse_budgets("sparsity:0.5") == [Budget("sparsity", 0.5)]
+    assert parse_budgets("remove-blocks:2,4,6") == [Budget("remove", "blocks", n)
+                                                    for n in (2, 4, 6)]
+    assert parse_budgets("keep-params:0.9, 0.8") == [Budget("keep", "params", 0.9),
+                                                     Budget("keep", "params", 0.8)]
+    assert parse_budgets("remove-weights:0.5") == [Budget("remove", "weights", 0.5)]
 
 
 @pytest.mark.parametrize("text, words", [
-    ("blocks:2,x", ["'blocks:2,x'", "'x' is not a number"]),
-    ("blocks:2,params:0.8", ["one kind", "'params:0.8'"]),
-    ("params:0.8,sparsity:0.5", ["one kind"]),
-    ("blocks:2,4,2", ["blocks:2 is listed twice"]),
-    ("params:0.8,0.80", ["params:0.8 is listed twice"]),
-    ("params:0.9,1.5", ["0 < F < 1", "1.5"]),
-    ("blocks:2,,4", ["empty value"]),
+    ("remove-blocks:2,x", ["'remove-blocks:2,x'", "'x' is not a number"]),
+    ("remove-blocks:2,keep-params:0.8", ["one kind", "'keep-params:0.8'"]),
+    ("keep-params:0.8,remove-weights:0.5", ["one kind"]),
+    ("remove-blocks:2,4,2", ["remove-blocks:2 is listed twice"]),
+    ("keep-params:0.8,0.80", ["keep-params:0.8 is listed twice"]),
+    ("keep-params:0.9,1.5", ["a fraction <= 1 or a count", "1.5"]),
+    ("remove-blocks:2,,4", ["empty value"]),
     ("depth:2,4", ["--budget takes"]),
 ])
 def test_bad_budget_lists_are_one_line(text, words):
@@ -59,12 +61,12 @@ def test_bad_budget_lists_are_one_line(text, words):
 
 def test_two_budgets_give_the_rows_of_two_single_runs(tiny, tmp_path):
     model, kw = str(tiny / "model"), _kw(tiny)
-    both = compare(model, ["depth", "magnitude"], "blocks:1,2", tmp_path / "both", **kw)
-    singles = {n: compare(model, ["depth", "magnitude"], f"blocks:{n}", tmp_path / f"b{n}",
+    both = compare(model, ["depth", "magnitude"], "remove-blocks:1,2", tmp_path / "both", **kw)
+    singles = {n: compare(model, ["depth", "magnitude"], f"remove-blocks:{n}", tmp_path / f"b{n}",
                           **kw) for n in (1, 2)}
     got = [(r["method"], r.get("budget")) for r in both["rows"]]
-    assert got == [("dense", None), ("depth", "blocks:1"), ("depth", "blocks:2"),
-                   ("magnitude", "blocks:1"), ("magnitude", "blocks:2")]
+    assert got == [("dense", None), ("depth", "remove-blocks:1"), ("depth", "remove-blocks:2"),
+                   ("magnitude", "remove-blocks:1"), ("magnitude", "remove-blocks:2")]
     for row in both["rows"][1:]:
         n = int(row["budget"].split(":")[1])
         alone = {r["method"]: r for r in singles[n]["rows"]}[row["method"]]
@@ -73,14 +75,16 @@ def test_two_budgets_give_the_rows_of_two_single_runs(tiny, tmp_path):
             assert row[k] == alone[k], (row["method"], n, k)
     assert both["rows"][0]["perplexity"] == singles[1]["dense"]["perplexity"]
     depth = {r["budget"]: r for r in both["rows"] if r["method"] == "depth"}
-    assert depth["blocks:1"]["blocks_removed"] == 1 and depth["blocks:2"]["blocks_removed"] == 2
+    assert depth["remove-blocks:1"]["blocks_removed"] == 1
+    assert depth["remove-blocks:2"]["blocks_removed"] == 2
     with open(tmp_path / "both" / "leaderboard.csv") as fh:
         table = list(csv.DictReader(fh))
     assert list(table[0])[:3] == ["method", "budget", "achieved"]
     assert [(t["method"], t["budget"]) for t in table][1:] == got[1:]
-    assert float(table[2]["perplexity"]) == pytest.approx(depth["blocks:2"]["perplexity"])
+    assert float(table[2]["perplexity"]) == pytest.approx(depth["remove-blocks:2"]["perplexity"])
     assert (tmp_path / "b1" / "leaderboard.csv").read_text().startswith("method,achieved,")
-    assert "| depth | blocks:2 | blocks 2 |" in (tmp_path / "both" / "leaderboard.md").read_text()
+    board = (tmp_path / "both" / "leaderboard.md").read_text()
+    assert "| depth | remove-blocks:2 | remove-blocks 2 |" in board
     png = tmp_path / "both" / "budget_curves.png"
     assert str(png) in both["plots"] and not (tmp_path / "b1" / "budget_curves.png").exists()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -89,9 +93,9 @@ def test_two_budgets_give_the_rows_of_two_single_runs(tiny, tmp_path):
     pixels = imread(png)
     assert pixels.ndim == 3 and pixels.shape[0] > 200 and pixels.std() > 0.01
     # resumable: a rerun with one more budget runs only the new points
-    stamp = (tmp_path / "both" / "points" / "depth.blocks=2" / "result.json").stat().st_mtime_ns
-    more = compare(model, ["depth", "magnitude"], "blocks:1,2,3", tmp_path / "both", **kw)
-    assert (tmp_path / "both" / "points" / "depth.blocks=2" / "result.json").stat() \
+    stamp = (tmp_path / "both" / "points" / "depth.remove-blocks=2" / "result.json").stat().st_mtime_ns
+    more = compare(model, ["depth", "magnitude"], "remove-blocks:1,2,3", tmp_path / "both", **kw)
+    assert (tmp_path / "both" / "points" / "depth.remove-blocks=2" / "result.json").stat() \
         .st_mtime_ns == stamp
     assert [r["perplexity"] for r in more["rows"][1:3]] == \
         [r["perplexity"] for r in both["rows"][1:3]]
@@ -104,7 +108,7 @@ def test_budget_list_cli_errors(tiny, tmp_path, capsys):
     data = f"text:{tiny / 'text.txt'}"
     args = ["compare", "--model", str(tiny / "model"), "--calib", data, "--test", data,
             "--methods", "magnitude", "--no-speed"]
-    for bad in ("blocks:2,x", "blocks:1,params:0.5", "blocks:1,1"):
+    for bad in ("remove-blocks:2,x", "remove-blocks:1,keep-params:0.5", "remove-blocks:1,1"):
         assert cli_main([*args, "--budget", bad, "--out", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: --budget") and "\n" not in err, err

@@ -29,14 +29,15 @@ def _kw(tiny):
                 test_seqlen=16)
 
 
-@pytest.mark.parametrize("text, budget", [("params:0.8", Budget("params", 0.8)),
-                                          ("sparsity:0.5", Budget("sparsity", 0.5)),
-                                          ("blocks:2", Budget("blocks", 2))])
+@pytest.mark.parametrize("text, budget", [("keep-params:0.8", Budget("keep", "params", 0.8)),
+                                          ("remove-weights:0.5", Budget("remove", "weights", 0.5)),
+                                          ("remove-blocks:2", Budget("remove", "blocks", 2))])
 def test_parse_budget(text, budget):
     assert parse_budget(text) == budget and str(budget) == text
 
 
-@pytest.mark.parametrize("text", ["params:1.2", "sparsity:0", "blocks:0", "blocks:1.5",
+@pytest.mark.parametrize("text", ["keep-params:1.2", "remove-weights:0", "remove-blocks:0",
+                                  "remove-blocks:1.5",
                                   "flops:0.5", "params"])
 def test_bad_budgets(text):
     with pytest.raises(ConfigError, match="--budget"):
@@ -47,16 +48,16 @@ def test_budget_conversion_by_hand():
     from prunelab.pruning import Depth, Wanda, Width
 
     dense = {"params": 1000, "linear_params": 800, "block_params": 200, "blocks": 4}
-    assert apply_budget(Wanda(sparsity=0.5), Budget("params", 0.8), dense).sparsity == 0.25
-    assert apply_budget(Wanda(sparsity=0.5), Budget("blocks", 2), dense).sparsity == 0.5
-    assert apply_budget(Depth(remove=1), Budget("blocks", 3), dense).remove == 3
-    assert apply_budget(Depth(remove=1), Budget("params", 0.8), dense).remove == 1
-    w = apply_budget(Width(ratio=0.1), Budget("sparsity", 0.5), dense)
+    assert apply_budget(Wanda(sparsity=0.5), Budget("keep", "params", 0.8), dense).sparsity == 0.25
+    assert apply_budget(Wanda(sparsity=0.5), Budget("remove", "blocks", 2), dense).sparsity == 0.5
+    assert apply_budget(Depth(remove=1), Budget("remove", "blocks", 3), dense).remove == 3
+    assert apply_budget(Depth(remove=1), Budget("keep", "params", 0.8), dense).remove == 1
+    w = apply_budget(Width(ratio=0.1), Budget("remove", "weights", 0.5), dense)
     assert w.target_params == pytest.approx(0.6) and w.ratio is None
     after = {"params": 900, "nonzero_params": 700, "linear_params": 800,
              "nonzero_linear_params": 500, "block_params": 200, "blocks": 4}
-    got = achieved(after, dense, Budget("sparsity", 0.5))
-    assert got["achieved"] == "sparsity 0.375" and got["params_kept"] == 0.7
+    got = achieved(after, dense, Budget("remove", "weights", 0.5))
+    assert got["achieved"] == "remove-weights 0.375" and got["params_kept"] == 0.7
 
 
 def test_leaderboard_rows_match_separate_evaluations(tiny, tmp_path):
@@ -67,7 +68,7 @@ def test_leaderboard_rows_match_separate_evaluations(tiny, tmp_path):
 
     out = tmp_path / "cmp"
     kw = _kw(tiny)
-    res = compare(str(tiny / "model"), ["magnitude", "wanda"], "sparsity:0.5", out,
+    res = compare(str(tiny / "model"), ["magnitude", "wanda"], "remove-weights:0.5", out,
                   speed=False, **kw)
     rows = {r["method"]: r for r in res["rows"]}
     assert list(rows) == ["dense", "magnitude", "wanda"]
@@ -80,7 +81,7 @@ def test_leaderboard_rows_match_separate_evaluations(tiny, tmp_path):
         for key in ("perplexity", "kl_to_reference", "top1_agreement", "nonzero_params"):
             assert rows[name][key] == pytest.approx(alone[key], rel=1e-9), (name, key)
         assert rows[name]["sparsity"] == pytest.approx(0.5, abs=0.01)
-        assert rows[name]["achieved"].startswith("sparsity 0.5")
+        assert rows[name]["achieved"].startswith("remove-weights 0.5")
     dense = api.evaluate(ref, data=kw["test"], seqlen=16, samples=4, batch_size=2)
     assert rows["dense"]["perplexity"] == pytest.approx(dense["perplexity"], rel=1e-9)
     with open(out / "leaderboard.csv") as fh:
@@ -91,7 +92,7 @@ def test_leaderboard_rows_match_separate_evaluations(tiny, tmp_path):
     assert (out / "quality_vs_params.png").stat().st_size > 1000
     # a rerun reads every point back
     stamp = (out / "points" / "wanda" / "result.json").stat().st_mtime_ns
-    again = compare(str(tiny / "model"), ["magnitude", "wanda"], "sparsity:0.5", out,
+    again = compare(str(tiny / "model"), ["magnitude", "wanda"], "remove-weights:0.5", out,
                     speed=False, **kw)
     assert (out / "points" / "wanda" / "result.json").stat().st_mtime_ns == stamp
     assert [r["perplexity"] for r in again["rows"]] == [r["perplexity"] for r in res["rows"]]
@@ -102,10 +103,10 @@ def test_structured_methods_state_what_they_reach(tiny, tmp_path):
     recipe = tmp_path / "depth-foldable.yaml"
     recipe.write_text("model: x\nstages:\n  - prune: {method: depth, remove: 1, "
                       "recovery: foldable, bootstrap: 0}\n")
-    res = compare(str(tiny / "model"), ["width", str(recipe)], "blocks:1", out, speed=True,
+    res = compare(str(tiny / "model"), ["width", str(recipe)], "remove-blocks:1", out, speed=True,
                   **_kw(tiny))
     rows = {r["method"]: r for r in res["rows"]}
-    assert rows["depth-foldable"]["achieved"] == "blocks 1"
+    assert rows["depth-foldable"]["achieved"] == "remove-blocks 1"
     assert rows["depth-foldable"]["blocks_removed"] == 1
     dense = sizes(__import__("prunelab").api.load(str(tiny / "model"), dtype="float32"))
     want = 1 - dense["block_params"] / dense["params"]
@@ -118,9 +119,9 @@ def test_structured_methods_state_what_they_reach(tiny, tmp_path):
 
 def test_compare_errors(tiny, tmp_path):
     with pytest.raises(ConfigError, match="unknown pruning method 'nope'"):
-        compare(str(tiny / "model"), ["nope"], "params:0.8", tmp_path / "x", **_kw(tiny))
+        compare(str(tiny / "model"), ["nope"], "keep-params:0.8", tmp_path / "x", **_kw(tiny))
     with pytest.raises(ConfigError, match="takes no budget"):
-        compare(str(tiny / "model"), ["prunepath"], "params:0.8", tmp_path / "y", **_kw(tiny))
+        compare(str(tiny / "model"), ["prunepath"], "keep-params:0.8", tmp_path / "y", **_kw(tiny))
 
 
 def test_compare_command(tiny, tmp_path, capsys):
@@ -138,9 +139,9 @@ def test_compare_command(tiny, tmp_path, capsys):
     other = tmp_path / "other"
     other.mkdir()
     (other / "x.txt").write_text("x")
-    assert cli_main([*args, "--methods", "magnitude", "--budget", "sparsity:0.5",
+    assert cli_main([*args, "--methods", "magnitude", "--budget", "remove-weights:0.5",
                      "--out", str(other)]) == 2
     assert "not a prunelab run" in capsys.readouterr().err
-    assert cli_main(["-q", *args, "--methods", "magnitude", "--budget", "sparsity:0.5",
+    assert cli_main(["-q", *args, "--methods", "magnitude", "--budget", "remove-weights:0.5",
                      "--out", str(tmp_path / "b")]) == 0
-    assert "| magnitude | sparsity 0.5" in capsys.readouterr().out
+    assert "| magnitude | remove-weights 0.5" in capsys.readouterr().out

@@ -29,10 +29,12 @@ def chain(tmp_path_factory):
     (root / "text.txt").write_text(SAMPLE_TEXT * 3)
     data = f"text:{root / 'text.txt'}"
     calib = ["--data", data, "--samples", "4", "--seqlen", "16", "--dtype", "float32"]
-    assert cli_main(["-q", "prune", "depth", "--model", str(root / "model"), "--remove", "1",
+    assert cli_main(["-q", "prune", "depth", "--model", str(root / "model"), "--budget",
+                     "remove-blocks:1",
                      "--bootstrap", "0", *calib, "--out", str(root / "d")]) == 0
     assert cli_main(["-q", "prune", "sparsity", "--model", str(root / "d"), "--method",
-                     "wanda", "--sparsity", "0.5", *calib, "--out", str(root / "w")]) == 0
+                     "wanda", "--budget", "remove-weights:0.5", *calib, "--out",
+                     str(root / "w")]) == 0
     assert cli_main(["-q", "heal", "--model", str(root / "w"), "--teacher",
                      str(root / "model"), "--loss", "kd", "--steps", "2", "--batch-size", "2",
                      "--seqlen", "16", "--eval-every", "0", "--lr", "0.001", "--data", data,

@@ -71,12 +71,27 @@ def cli_main(argv: list[str] | None = None) -> int:
             return 0
         ctx = getattr(exc, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        return _fail(exc.format_message() + hint, 2, exc)
+        return _fail(_retired(exc) or exc.format_message() + hint, 2, exc)
     except abort:
         return _interrupted()
     if rv == 130:  # typer turns a Ctrl-C inside a command into a return value
         return _interrupted()
     return rv if isinstance(rv, int) else 0
+
+
+def _retired(exc) -> str | None:
+    """``--remove was replaced by --budget remove-blocks:N`` for a flag of an earlier
+    version (:data:`prunelab.budget.RETIRED`) that the command no longer has; ``None``
+    for any other usage error."""
+    from prunelab.budget import retired_hint
+
+    name = getattr(exc, "option_name", None)
+    if type(exc).__name__ != "NoSuchOption" or not name:
+        return None
+    ctx = getattr(exc, "ctx", None)
+    path = ctx.command_path.removeprefix("prunelab").strip() if ctx is not None else ""
+    new = retired_hint(path, name)
+    return f"{name} was replaced by {new}" if new else None
 
 
 def _first_command(args: list[str]) -> int:

@@ -45,6 +45,22 @@ CpusOpt = typer.Option(1.0, "--cpus-per-point", help="with --ray: CPUs per point
 GpusOpt = typer.Option(0.0, "--gpus-per-point", help="with --ray: GPUs per point")
 
 
+def BudgetOpt(kinds: str, default: str | None = None):  # noqa: N802 - an option factory
+    """The ``--budget KIND:VALUE`` option (:mod:`prunelab.budget`); ``kinds`` lists what
+    the command takes, e.g. ``remove-blocks:N | keep-params:F``."""
+    return typer.Option(default, "--budget", metavar="KIND:VALUE",
+                        help=f"how much to remove: {kinds}")
+
+
+def budget_fields(cls: type, text: str | list | None, label: str) -> dict:
+    """The config fields of ``cls`` a ``--budget`` sets (``{}`` when not given)."""
+    if not text:
+        return {}
+    from prunelab.budget import budget_options
+
+    return budget_options(cls, text, label)
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadArgs:
     """How to load ``model`` (the options every model-reading command takes)."""

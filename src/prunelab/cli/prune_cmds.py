@@ -12,6 +12,7 @@ from prunelab import log
 from prunelab.cli.apps import prune_app, sweep_app
 from prunelab.cli.common import (
     BatchOpt,
+    BudgetOpt,
     CpusOpt,
     DeviceOpt,
     DtypeOpt,
@@ -25,6 +26,7 @@ from prunelab.cli.common import (
     RemoteOpt,
     StackOpt,
     StreamOpt,
+    budget_fields,
     check_positive,
     parse_blocks,
     parse_list,
@@ -87,9 +89,8 @@ def prune_depth_cmd(
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        remove: Optional[int] = typer.Option(None, help="number of blocks to remove"),
-        target_params: Optional[float] = typer.Option(None, help="parameters to keep: a "
-                                                      "fraction (<= 1) or a count"),
+        budget: Optional[str] = BudgetOpt("remove-blocks:N (blocks removed) | keep-params:F "
+                                          "(parameters kept: a fraction <= 1 or a count)"),
         probe_name: str = typer.Option("block-influence", "--probe", help="probe that ranks "
                                        "blocks (run on the calibration data)"),
         from_probe: Optional[Path] = typer.Option(None, help="a saved DIR/NAME.json instead"),
@@ -139,7 +140,9 @@ def prune_depth_cmd(
     if sleb_resume is not None and not sleb_resume.strip(" ,"):
         raise ConfigError("--sleb-resume is empty: give blocks (5,16) or sub-blocks "
                           "(5:attention,16:mlp)")
-    cfg = depth_from_cli(remove=remove, target_params=target_params, probe=probe_name,
+    from prunelab.pruning import Depth
+
+    cfg = depth_from_cli(**budget_fields(Depth, budget, "prune depth"), probe=probe_name,
                          from_probe=str(from_probe) if from_probe else None,
                          strategy=strategy, recovery=recovery, blocks=parse_blocks(blocks),
                          window=window, sublayers=sublayers or (), granularity=granularity,
@@ -164,6 +167,8 @@ def prune_sparsity_cmd(
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         method: str = typer.Option("wanda", help="{sparsity_methods}"),
+        budget: Optional[str] = BudgetOpt("remove-weights:F (of the blocks' linear weights; "
+                                          "default 0.5; none with --pattern N:M)"),
         allocation: str = typer.Option("uniform", help="{sparsity_allocations}"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the method's config (repeatable; "
@@ -189,6 +194,7 @@ def prune_sparsity_cmd(
     alloc_opts = gen.piece("sparsity_allocations", allocation, f"--allocation {allocation}")
     alloc = alloc_cls(**alloc_opts)
     opts = {"allocation": alloc, **gen.piece("sparsity_methods", method, f"--method {method}")}
+    opts.update(budget_fields(methods[method], budget, f"prune sparsity --method {method}"))
     opts.update(parse_settings(settings, methods[method]))
     cfg = methods[method](**opts)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
@@ -207,10 +213,9 @@ def prune_width_cmd(
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         unit: str = typer.Option("ffn", help="heads | ffn | joint"),
         score: str = typer.Option("wanda-sp", help="{width_scores}"),
-        ratio: Optional[float] = typer.Option(None, help="fraction of the unit's parameters "
-                                              "removed"),
-        target_params: Optional[float] = typer.Option(None, help="parameters the model keeps: "
-                                                      "a fraction (<= 1) or a count"),
+        budget: Optional[str] = BudgetOpt("remove-units:F (of the unit's parameters) | "
+                                          "keep-params:F (of the model's: a fraction <= 1 or "
+                                          "a count)"),
         allocation: str = typer.Option("uniform", help="{width_allocations}"),
         heads: str = typer.Option("groups", help="groups (KV groups; heads without GQA) | "
                                   "query (query heads inside every group)"),
@@ -233,9 +238,9 @@ def prune_width_cmd(
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks; each --score's and --allocation's options are listed under
     their own headings)."""
-    from prunelab.pruning import width_from_cli
+    from prunelab.pruning import Width, width_from_cli
 
-    cfg = width_from_cli(unit=unit, score=score, ratio=ratio, target_params=target_params,
+    cfg = width_from_cli(**budget_fields(Width, budget, "prune width"), unit=unit, score=score,
                          allocation=allocation, heads=heads, compensate=compensate,
                          bias_compensation=not no_bias_compensation, round_to=round_to,
                          damp=damp, **values(ctx).flat())
@@ -263,7 +268,8 @@ def sweep_depth_cmd(
         test: str = typer.Option("wiki-vital:test", help="test data spec"),
         probes: str = typer.Option("block-influence", help="comma-separated probes; "
                                    "last-n and random are baselines"),
-        remove: str = typer.Option("1..4", help="N..M or a list N,M,..."),
+        budget: str = BudgetOpt("remove-blocks:N..M or remove-blocks:N,M,... (the points of "
+                                "the curve)", default="remove-blocks:1..4"),
         recovery: str = typer.Option("none,foldable", help="comma-separated: {recovery_names}"),
         out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
         strategy: Optional[str] = typer.Option(None, help="override the per-probe default"),
@@ -285,7 +291,7 @@ def sweep_depth_cmd(
     from prunelab.report.folder import record_command
     from prunelab.workflow.sweep import parse_range, sweep_depth
 
-    removes = parse_range(remove)
+    removes = parse_range(budget)
     if ray is None and (cpus_per_point != 1.0 or gpus_per_point != 0.0):
         raise ConfigError("--cpus-per-point and --gpus-per-point need --ray")
     from prunelab.workflow.ray_backend import check_resources

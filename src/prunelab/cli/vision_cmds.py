@@ -13,7 +13,16 @@ import typer
 from rich.table import Table
 
 from prunelab.cli.apps import prune_app
-from prunelab.cli.common import DeviceOpt, DtypeOpt, LoadArgs, ModelOpt, out, writing
+from prunelab.cli.common import (
+    BudgetOpt,
+    DeviceOpt,
+    DtypeOpt,
+    LoadArgs,
+    ModelOpt,
+    budget_fields,
+    out,
+    writing,
+)
 
 
 def _ints(text: Optional[str]) -> tuple[int, ...]:
@@ -30,7 +39,8 @@ def _ints(text: Optional[str]) -> tuple[int, ...]:
 @prune_app.command("tokens")
 def prune_tokens_cmd(
         model: str = ModelOpt,
-        keep: float = typer.Option(0.7, help="share of the patch tokens kept at each layer"),
+        budget: Optional[str] = BudgetOpt("keep-tokens:F (share of the patch tokens kept at "
+                                          "each layer; default 0.7)"),
         layers: str = typer.Option("3", help="0-based blocks before which tokens are pruned"),
         fuse: bool = typer.Option(True, "--fuse/--drop", help="fuse the dropped tokens "
                                   "into one (EViT) or drop them"),
@@ -50,7 +60,8 @@ def prune_tokens_cmd(
     from prunelab.io.files import check_output_path, write_json
     from prunelab.pruning.tokens import TokenPruning, evaluate_token_pruning
 
-    cfg = TokenPruning(keep=keep, layers=_ints(layers), fuse=fuse)
+    cfg = TokenPruning(**budget_fields(TokenPruning, budget, "prune tokens"),
+                       layers=_ints(layers), fuse=fuse)
     if out_dir is not None and json_path is not None:
         check_output_path(json_path, kind="file", overwrite=overwrite)
     guard = writing(out_dir, "checkpoint", overwrite) if out_dir is not None else \
@@ -59,7 +70,8 @@ def prune_tokens_cmd(
         lm = LoadArgs(model, dtype, device, False, False, False).load()
         res = evaluate_token_pruning(lm, cfg, _ints(depths), samples=samples, size=size,
                                      lfw_size=lfw_size, batch_size=batch_size)
-        t = Table(title=f"token pruning of {model}: keep {keep:.0%} at {list(cfg.layers)}",
+        t = Table(title=f"token pruning of {model}: keep {cfg.keep:.0%} at "
+                  f"{list(cfg.layers)}",
                   show_header=False)
         for k in ("cls_cosine", "mean_cosine", "knn_agreement", "lfw_accuracy",
                   "lfw_gated_accuracy", "token_share", "images_per_s", "dense_images_per_s",

@@ -15,7 +15,7 @@ A press changes how a loaded model runs on one input, never its weights (see
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from prunelab.errors import ConfigError
@@ -24,6 +24,9 @@ from prunelab.registry import Registry, check_range
 PRESSES = Registry("press")
 
 POOLINGS = ("max", "mean")
+#: the ``ratio`` of a press is what ``--budget remove-cache:F`` sets
+CACHE_BUDGET = {"help": "fraction of the prompt's tokens removed from the cache",
+                "budget": "remove-cache"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class StreamingLLM(Press):
     Sinks" (ICLR 2024). ``every > 0``: also shrink the cache back to its post-prefill size
     every ``every`` decode steps (a rolling window)."""
 
-    ratio: float = 0.5
+    ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
     sinks: int = 4
     every: int = 0
 
@@ -69,7 +72,7 @@ class H2O(Press):
     Models" (NeurIPS 2023). ``every > 0``: accumulate during decoding and evict back to the
     post-prefill size every ``every`` decode steps."""
 
-    ratio: float = 0.5
+    ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
     recent: float = 0.5
     every: int = 0
 
@@ -87,7 +90,7 @@ class SnapKV(Press):
     over the query heads of each KV group; keep the window and the top tokens. Li et al.
     2024, "SnapKV: LLM Knows What You are Looking for Before Generation"."""
 
-    ratio: float = 0.5
+    ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
     window: int = 32
     kernel: int = 5
     pooling: str = "max"
@@ -113,7 +116,7 @@ class LazyLLM(Press):
     no revival of pruned tokens)."""
 
     kind: ClassVar[str] = "prefill"
-    ratio: float = 0.5
+    ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
     layer: int = 1
 
     def __post_init__(self) -> None:
@@ -146,7 +149,7 @@ class EntroPrefill(Press):
     mix: float = 0.5
     alpha: float = 2.0
     keep_scale: float = 1.0
-    max_ratio: float = 0.9
+    max_ratio: float = field(default=0.9, metadata=CACHE_BUDGET)
     adaptive: bool = False
     stability: float = 0.8
 
@@ -175,8 +178,8 @@ def press_for(name: str, ratio: float | None = None, **options) -> Press:
     ``max_ratio`` (its cut is decided by the mass bound under that cap)."""
     cls = PRESSES.get(name)
     if ratio is not None:
-        field = "max_ratio" if cls is EntroPrefill else "ratio"
-        if field in options:
-            raise ConfigError(f"press {name!r}: give the ratio once (ratio or {field})")
-        options[field] = ratio
+        key = "max_ratio" if cls is EntroPrefill else "ratio"
+        if key in options:
+            raise ConfigError(f"press {name!r}: give the ratio once (ratio or {key})")
+        options[key] = ratio
     return PRESSES.make(name, **options)

@@ -49,12 +49,12 @@ eviction (derivative-free search).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from prunelab.errors import ConfigError
-from prunelab.inference.config import PRESSES, Press
+from prunelab.inference.config import CACHE_BUDGET, PRESSES, Press
 from prunelab.inference.scores import attention_rows, group_heads, n_removed, smooth
 from prunelab.registry import check_range
 
@@ -78,7 +78,7 @@ class DecayEviction(Press):
     accumulated over all prompt queries (``mix > 0`` needs every query's attention row
     in the prefill, as H2O)."""
 
-    ratio: float = 0.5
+    ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
     window: int = 8
     weights: tuple[float, ...] | None = None
     observe: int = 0

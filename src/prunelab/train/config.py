@@ -23,8 +23,8 @@ FLOW_MEASURES = ("params", "residual")
 DEFAULT_STEPS = 100
 
 
-def _help(text: str, default=None):
-    return field(default=default, metadata={"help": text})
+def _help(text: str, default=None, **more):
+    return field(default=default, metadata={"help": text, **more})
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,15 @@ class HealConfig:
     quiet: bool = _help("no progress output", False)
     prune: str | None = _help("prune while tuning: rep-lie | cascadeflow")
     unit: str = _help("rep-lie: ffn | heads (KV groups)", "ffn")
-    ratio: float = _help("rep-lie: fraction of the unit's channels / groups removed", 0.2)
+    ratio: float = _help("rep-lie: fraction of the unit's channels / groups removed", 0.2,
+                         budget="remove-units")
     prune_every: int = _help("prune events every K steps", 10)
     prune_fraction: float = _help("rep-lie: fraction of the original units per event", 0.05)
     stability: float = _help("rep-lie: a unit is stably unimportant when it sat among the "
                              "event's lowest in at least this fraction of the steps", 0.5)
     round_to: int = _help("rep-lie: FFN widths kept are multiples of this", 8)
-    remove: int = _help("cascadeflow: blocks removed (one per event)", 1)
+    remove: int = _help("cascadeflow: blocks removed (one per event)", 1,
+                        budget="remove-blocks")
     flow_measure: str = _help("cascadeflow: params (block's trainable parameters' gradient "
                               "norm) | residual (gradient norm of the stream at its output)",
                               "params")

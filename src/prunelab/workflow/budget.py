@@ -1,11 +1,13 @@
-"""Matched budgets: one figure (``params:0.8``, ``sparsity:0.5``, ``blocks:6``) turned into
-each method's own option, and the figure a pruned model actually reaches.
+"""Matched budgets: one figure (``keep-params:0.8``, ``remove-weights:0.5``,
+``remove-blocks:6``; the vocabulary of :mod:`prunelab.budget`) turned into each method's
+own option, and the figure a pruned model actually reaches.
 
-Definitions (counted on the model, tied tensors once): ``params:p`` keeps a fraction
+Definitions (counted on the model, tied tensors once): ``keep-params:p`` keeps a fraction
 ``p`` of the dense model's parameters, an exactly-zero weight counting as removed;
-``sparsity:s`` removes a fraction ``s`` of the weights of the blocks' linear maps (a
-removed block or channel removes its weights); ``blocks:n`` removes the parameters of
-``n`` whole blocks. A method takes the budget through the first field it has among
+``remove-weights:s`` removes a fraction ``s`` of the weights of the blocks' linear maps (a
+removed block or channel removes its weights); ``remove-blocks:n`` removes the parameters
+of ``n`` whole blocks (``remove-params:F`` and ``keep-weights:F`` are the same figures
+counted the other way). A method takes the budget through the first field it has among
 ``remove`` (depth: blocks), ``target_params`` (structured and factorization methods:
 fraction of parameters kept) and ``sparsity`` (unstructured), converted with the dense
 model's counts; what it reaches is measured afterwards (:func:`achieved`).
@@ -14,67 +16,44 @@ model's counts; what it reaches is measured afterwards (:func:`achieved`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
+from prunelab.budget import Budget, parse_budget_list
+from prunelab.budget import parse_budget as _parse_one
 from prunelab.errors import ConfigError
 
-KINDS = ("params", "sparsity", "blocks")
+#: what a matched comparison counts, each in the direction it is reported
+CANONICAL = {"params": "keep", "weights": "remove", "blocks": "remove"}
+KINDS = tuple(f"{a}-{q}" for q, a in CANONICAL.items())
 
 
-@dataclass(frozen=True)
-class Budget:
-    kind: str
-    value: float
-
-    def __str__(self) -> str:
-        v = int(self.value) if self.kind == "blocks" else self.value
-        return f"{self.kind}:{v}"
+def _canonical(b: Budget, text: str) -> Budget:
+    if b.quantity not in CANONICAL:
+        raise ConfigError(f"compare --budget takes keep-params:F, remove-weights:F or "
+                          f"remove-blocks:N (the figures every method can be matched on), "
+                          f"got {text!r}")
+    return b.to(CANONICAL[b.quantity])
 
 
-def parse_budget(text: str) -> Budget:
-    """``params:0.8`` (fraction kept, in (0, 1)), ``sparsity:0.5`` (in (0, 1)) or
-    ``blocks:6`` (a positive integer)."""
-    kind, sep, value = str(text).partition(":")
-    if not sep or kind not in KINDS:
-        raise ConfigError(f"--budget takes params:F, sparsity:F or blocks:N, got {text!r}")
-    try:
-        v = int(value) if kind == "blocks" else float(value)
-    except ValueError:
-        raise ConfigError(f"--budget {text!r}: {value!r} is not a number") from None
-    if kind == "blocks" and v < 1:
-        raise ConfigError(f"--budget blocks:N needs N >= 1, got {v}")
-    if kind != "blocks" and not 0.0 < v < 1.0:
-        raise ConfigError(f"--budget {kind}:F needs 0 < F < 1, got {v}")
-    return Budget(kind, v)
+def parse_budget(text: str | Budget) -> Budget:
+    """``keep-params:0.8`` (fraction kept, in (0, 1)), ``remove-weights:0.5`` (in (0, 1))
+    or ``remove-blocks:6`` (a positive integer); the reverse spellings of the two
+    fractions are accepted and turned round."""
+    b = text if isinstance(text, Budget) else _parse_one(text)
+    b = _canonical(b, str(text))
+    if b.quantity == "blocks" and b.value < 1:
+        raise ConfigError(f"--budget remove-blocks:N needs N >= 1, got {int(b.value)}")
+    if b.quantity != "blocks" and not (b.is_fraction and 0.0 < b.value < 1.0):
+        raise ConfigError(f"--budget {b.kind}:F needs 0 < F < 1, got {b.value}")
+    return b
 
 
 def parse_budgets(text: str) -> list[Budget]:
-    """One budget or a list of one kind: ``blocks:2,4,6``, ``params:0.9,0.8,0.7`` (each
-    value checked as in :func:`parse_budget`, in the order given); a second kind, a
-    value that is not a number or a value given twice is a one-line :class:`ConfigError`."""
-    kind, sep, values = str(text).partition(":")
-    if not sep or kind not in KINDS:
-        raise ConfigError(f"--budget takes params:F, sparsity:F or blocks:N (or a list of "
-                          f"one kind, blocks:2,4,6), got {text!r}")
-    items = [v.strip() for v in values.split(",")]
-    out: list[Budget] = []
-    for item in items:
-        if ":" in item:
-            raise ConfigError(f"--budget {text!r}: one kind per list ({kind}:...), got "
-                              f"{item!r}")
-        if not item:
-            raise ConfigError(f"--budget {text!r}: an empty value in the list")
-        try:
-            b = parse_budget(f"{kind}:{item}")
-        except ConfigError as exc:
-            if len(items) == 1:
-                raise
-            why = str(exc).split(": ", 1)[-1] if "is not a number" in str(exc) else \
-                str(exc).removeprefix("--budget ")
-            raise ConfigError(f"--budget {text!r}: {why}") from None
-        if b in out:
-            raise ConfigError(f"--budget {text!r}: {b} is listed twice")
-        out.append(b)
+    """One budget or a list of one kind: ``remove-blocks:2,4,6``, ``keep-params:0.9,0.8``
+    (each checked as in :func:`parse_budget`, in the order given); a second kind, a value
+    that is not a number or a value given twice is a one-line :class:`ConfigError`."""
+    out = [parse_budget(b) for b in parse_budget_list(text)]
+    if len(set(out)) != len(out):
+        raise ConfigError(f"--budget {text!r}: a value is listed twice")
     return out
 
 
@@ -115,12 +94,13 @@ def apply_budget(config, budget: Budget, dense: dict):
     """``config`` with the budget set in its budget field (see the module docstring); a
     config without one is a :class:`ConfigError`."""
     fields = {f.name for f in dataclasses.fields(config)}
+    budget = parse_budget(budget)
     removed_params = {"params": (1 - budget.value) * dense["params"],
-                      "sparsity": budget.value * dense["linear_params"],
-                      "blocks": budget.value * dense["block_params"]}[budget.kind]
+                      "weights": budget.value * dense["linear_params"],
+                      "blocks": budget.value * dense["block_params"]}[budget.quantity]
     name = getattr(config, "registry_name", type(config).__name__)
     if "remove" in fields and "target_params" in fields:  # depth
-        if budget.kind == "blocks":
+        if budget.quantity == "blocks":
             return dataclasses.replace(config, remove=int(budget.value), target_params=None)
         n = max(1, round(removed_params / dense["block_params"]))
         return dataclasses.replace(config, remove=n, target_params=None)
@@ -147,9 +127,9 @@ def achieved(after: dict, dense: dict, budget: Budget) -> dict:
     sparsity = 1.0 - after["nonzero_linear_params"] / dense.get("nonzero_linear_params",
                                                                 dense["linear_params"])
     blocks = (base - after["nonzero_params"]) / dense["block_params"]
-    value = {"params": kept, "sparsity": sparsity, "blocks": blocks}[budget.kind]
-    exact = dense["blocks"] - after["blocks"] if budget.kind == "blocks" else None
-    label = (f"blocks {exact}" if exact and abs(exact - blocks) < 0.5 else
+    value = {"params": kept, "weights": sparsity, "blocks": blocks}[budget.quantity]
+    exact = dense["blocks"] - after["blocks"] if budget.quantity == "blocks" else None
+    label = (f"remove-blocks {exact}" if exact and abs(exact - blocks) < 0.5 else
              f"{budget.kind} {value:.3f}")
     return {"achieved": label, "achieved_value": value, "params_kept": kept,
             "sparsity": sparsity, "blocks_removed": dense["blocks"] - after["blocks"]}

@@ -90,7 +90,7 @@ def _key(label: str) -> str:
 
 def _budgets(budget) -> list[Budget]:
     if isinstance(budget, Budget):
-        return [budget]
+        return [parse_budget(budget)]
     if isinstance(budget, (list, tuple)):
         out = [b if isinstance(b, Budget) else parse_budget(b) for b in budget]
         if not out or len(set(out)) != len(out) or len({b.kind for b in out}) != 1:
@@ -100,7 +100,7 @@ def _budgets(budget) -> list[Budget]:
 
 
 def budget_text(budgets: list[Budget]) -> str:
-    """``blocks:2,4,6`` (the CLI spelling of a list; one budget as :class:`Budget`)."""
+    """``remove-blocks:2,4,6`` (the CLI spelling of a list; one budget as :class:`Budget`)."""
     return budgets[0].kind + ":" + ",".join(str(b).partition(":")[2] for b in budgets)
 
 
@@ -114,7 +114,7 @@ def compare(model: str, methods: list[str], budget: str | Budget | list, out: st
     """Run ``methods`` at ``budget`` on ``model``; returns ``{"rows": [...], "dense":
     {...}, **paths}`` (rows in the order of ``methods``, dense first).
 
-    ``budget``: one budget, or several of one kind (``blocks:2,4,6`` or a list of
+    ``budget``: one budget, or several of one kind (``remove-blocks:2,4,6`` or a list of
     :class:`Budget`): every method runs at every budget (points ``METHOD.KIND=VALUE``),
     the rows are ``(method, budget)`` in the order of ``methods`` then budgets (each
     with a ``budget`` entry), and ``budget_curves.png`` draws test perplexity against

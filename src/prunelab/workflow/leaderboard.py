@@ -132,15 +132,16 @@ def plot_leaderboard(rows: list[dict], dense: dict | None, out: Path) -> list[Pa
 
 
 #: x axis of the budget curves: (row key, label) per budget kind
-CURVE_AXES = {"blocks": ("achieved_value", "blocks removed (parameter-equivalent)"),
-              "params": ("achieved_value", "parameters kept (fraction of dense)"),
-              "sparsity": ("achieved_value", "sparsity of the blocks' linear maps")}
+CURVE_AXES = {"remove-blocks": ("achieved_value", "blocks removed (parameter-equivalent)"),
+              "keep-params": ("achieved_value", "parameters kept (fraction of dense)"),
+              "remove-weights": ("achieved_value", "sparsity of the blocks' linear maps")}
 
 
 def plot_curves(rows: list[dict], kind: str, out: Path) -> Path | None:
     """``budget_curves.png``: test perplexity (log scale) against the budget reached, one
-    line per method over its budgets (``blocks``: the depth pruning curve; ``params`` /
-    ``sparsity``: quality against parameters kept / sparsity); the dense model is a dashed
+    line per method over its budgets (``remove-blocks``: the depth pruning curve;
+    ``keep-params`` / ``remove-weights``: quality against parameters kept / sparsity of the
+    linears); the dense model is a dashed
     line. ``None`` when no row has both."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter

@@ -30,6 +30,7 @@ import copy
 import json
 from pathlib import Path
 
+from prunelab.budget import parse_budget_list
 from prunelab.errors import ConfigError, OutputExistsError
 from prunelab.eval.perplexity import score_windows
 from prunelab.io.files import write_json
@@ -49,17 +50,15 @@ OWN_FILES = ("points.json", "dense.json", "curve.csv", "curve.md", "curve.png")
 
 
 def parse_range(text: str) -> list[int]:
-    """``"1..6"`` or ``"1,2,4"`` -> sorted distinct ints."""
-    try:
-        if ".." in text:
-            lo, hi = text.split("..")
-            values = list(range(int(lo), int(hi) + 1))
-        else:
-            values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise ConfigError(f"--remove takes N..M or a list N,M,..., got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise ConfigError(f"--remove needs values >= 1, got {text!r}")
+    """``"remove-blocks:1..6"`` or ``"remove-blocks:1,2,4"`` (``--budget``) -> sorted
+    distinct block counts, each >= 1."""
+    budgets = parse_budget_list(text)
+    if budgets[0].kind != "remove-blocks":
+        raise ConfigError(f"sweep depth takes --budget remove-blocks:N..M or "
+                          f"remove-blocks:N,M,...; got {text!r}")
+    values = [int(b.value) for b in budgets]
+    if min(values) < 1:
+        raise ConfigError(f"--budget {text!r}: remove at least 1 block")
     return sorted(set(values))
 
 

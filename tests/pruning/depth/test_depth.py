@@ -364,9 +364,11 @@ def test_sweep_is_resumable(tmp_path, monkeypatch):
     again = sweep_depth(lm, ["block-influence", "last-n"], [1, 2], ["none", "ghost"], IDS,
                         test_ids, tmp_path, batch_size=2)
     assert again == points
-    assert parse_range("1..3") == [1, 2, 3] and parse_range("4,2") == [2, 4]
-    with pytest.raises(ConfigError):
-        parse_range("x")
+    assert parse_range("remove-blocks:1..3") == [1, 2, 3]
+    assert parse_range("remove-blocks:4,2") == [2, 4]
+    for bad in ("x", "1..3", "keep-params:0.8", "remove-blocks:0..2", "remove-blocks:3..1"):
+        with pytest.raises(ConfigError):
+            parse_range(bad)
 
 
 def test_dense_model_unchanged_by_sweep(tmp_path):

@@ -108,7 +108,7 @@ def test_cli_search_windows_errors(tmp_path, capsys):
     for extra, msg in ((["--search-windows", "2"], "--search-windows applies to --strategy"),
                        (["--strategy", "sleb", "--search-windows", "0"], "search_windows")):
         code = cli_main(["prune", "depth", "--model", str(tmp_path / "m"), "--out", str(out),
-                         "--remove", "1", *extra])
+                         "--budget", "remove-blocks:1", *extra])
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and msg in err[0]
         assert not out.exists()

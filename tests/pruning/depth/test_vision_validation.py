@@ -101,7 +101,8 @@ def test_cli_validation_flags_reach_the_strategy(tmp_path):
     ckpt = tmp_path / "tiny"
     tiny_vision().save_pretrained(ckpt)
     out = tmp_path / "pruned"
-    rc = cli_main(["prune", "depth", "--model", str(ckpt), "--remove", "2", "--strategy",
+    rc = cli_main(["prune", "depth", "--model", str(ckpt), "--budget", "remove-blocks:2",
+                   "--strategy",
                    "validation", "--val-metric", "knn-agree", "--val-width", "2",
                    "--val-options", f"samples=4,size={SIZE},k=2", "--recovery", "foldable",
                    "--recovery-in-loop", "--samples", "3", "--bootstrap", "0",
@@ -111,7 +112,7 @@ def test_cli_validation_flags_reach_the_strategy(tmp_path):
     for piece in ('"metric": "knn-agree"', '"width": 2', '"recovery_in_loop": true',
                   '"values_without_recovery"'):
         assert piece in man
-    assert cli_main(["prune", "depth", "--model", str(ckpt), "--remove", "1",
+    assert cli_main(["prune", "depth", "--model", str(ckpt), "--budget", "remove-blocks:1",
                      "--val-width", "2", "--out", str(tmp_path / "x")]) == 2
 
 

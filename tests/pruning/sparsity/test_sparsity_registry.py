@@ -95,7 +95,8 @@ def test_the_cli_runs_a_user_method(tmp_path):
     res = CliRunner().invoke(app, [
         "--quiet", "prune", "sparsity", "--model", str(tmp_path / "model"), "--data",
         f"text:{tmp_path / 'text.txt'}", "--samples", "2", "--seqlen", "16",
-        "--method", "random-scaled-magnitude", "--set", "scale_seed=3", "--sparsity", "0.5",
+        "--method", "random-scaled-magnitude", "--set", "scale_seed=3", "--budget",
+        "remove-weights:0.5",
         "--out", str(out)])
     assert res.exit_code == 0, res.output
     man = json.loads((out / "manifest.json").read_text())

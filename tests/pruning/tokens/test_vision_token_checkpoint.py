@@ -62,7 +62,8 @@ def test_cli_prune_tokens_out_writes_a_reloadable_checkpoint(tmp_path):
     dense = tiny_vision()
     dense.save_pretrained(ckpt)
     out = tmp_path / "tokens"
-    rc = cli_main(["prune", "tokens", "--model", str(ckpt), "--keep", "0.5", "--layers", "1",
+    rc = cli_main(["prune", "tokens", "--model", str(ckpt), "--budget", "keep-tokens:0.5",
+                   "--layers", "1",
                    "--samples", "3", "--size", "56", "--lfw-size", "28", "--out", str(out),
                    "--json", str(tmp_path / "r.json")])
     assert rc == 0

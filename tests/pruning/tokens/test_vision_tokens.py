@@ -104,7 +104,8 @@ def test_cli_prune_tokens_writes_json_and_rejects_bad_layers(tmp_path):
     ckpt = tmp_path / "tiny"
     tiny_vision().save_pretrained(ckpt)
     out = tmp_path / "tokens.json"
-    rc = cli_main(["prune", "tokens", "--model", str(ckpt), "--keep", "0.5", "--layers", "1",
+    rc = cli_main(["prune", "tokens", "--model", str(ckpt), "--budget", "keep-tokens:0.5",
+                   "--layers", "1",
                    "--depths", "1,3", "--samples", "3", "--size", "56", "--lfw-size", "28",
                    "--json", str(out)])
     assert rc == 0
@@ -124,7 +125,8 @@ def test_cli_prune_depth_on_a_vision_checkpoint_reloads_in_transformers(tmp_path
     ckpt = tmp_path / "tiny"
     tiny_vision().save_pretrained(ckpt)
     out = tmp_path / "pruned"
-    rc = cli_main(["prune", "depth", "--model", str(ckpt), "--remove", "1", "--recovery",
+    rc = cli_main(["prune", "depth", "--model", str(ckpt), "--budget", "remove-blocks:1",
+                   "--recovery",
                    "foldable", "--samples", "4", "--bootstrap", "0", "--out", str(out)])
     assert rc == 0
     man = json.loads((out / "manifest.json").read_text())

@@ -540,7 +540,8 @@ def test_cli_prune_width(tmp_path):
     data = ["--model", str(tmp_path / "model"), "--data", f"text:{tmp_path / 't.txt'}",
             "--samples", "4", "--seqlen", "16", "--batch-size", "2"]
     out = tmp_path / "w"
-    res = _cli("prune", "width", *data, "--unit", "ffn", "--score", "flap", "--ratio", "0.3",
+    res = _cli("prune", "width", *data, "--unit", "ffn", "--score", "flap", "--budget",
+               "remove-units:0.3",
                "--compensate", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "48 -> 32" in res.stdout and "plain transformers" in res.stdout
@@ -548,14 +549,17 @@ def test_cli_prune_width(tmp_path):
     assert man["operations"][-1]["operation"] == "prune-width"
     assert [len(b["removed_channels"]) for b in man["report"]["blocks"]] == [16] * 4
     assert man["size_after"]["params"] < man["size_before"]["params"]
-    _one_line_error(_cli("prune", "width", *data, "--ratio", "0.3", "--out", str(out)),
+    _one_line_error(_cli("prune", "width", *data, "--budget", "remove-units:0.3", "--out",
+                         str(out)),
                     "--overwrite")
-    res = _cli("prune", "width", *data, "--unit", "ffn", "--ratio", "0.3", "--allocation",
+    res = _cli("prune", "width", *data, "--unit", "ffn", "--budget", "remove-units:0.3",
+               "--allocation",
                "global", "--round-to", "1", "--out", str(tmp_path / "g"))
     assert res.returncode == 0, res.stderr
     assert "trust_remote_code=True" in res.stdout
     _one_line_error(_cli("prune", "width", *data, "--unit", "heads", "--score", "cocurve",
-                         "--ratio", "0.3", "--out", str(tmp_path / "x")), "score for unit")
+                         "--budget", "remove-units:0.3", "--out", str(tmp_path / "x")),
+                         "score for unit")
     # multi-query: refused in one line before calibration
     cfg = tiny_config("llama")
     cfg.num_key_value_heads = 1
@@ -563,7 +567,7 @@ def test_cli_prune_width(tmp_path):
     mqa.save_pretrained(tmp_path / "mqa")
     char_tokenizer().save_pretrained(tmp_path / "mqa")
     _one_line_error(_cli("prune", "width", "--model", str(tmp_path / "mqa"), "--data",
-                         "nope:x", "--unit", "heads", "--ratio", "0.5", "--out",
+                         "nope:x", "--unit", "heads", "--budget", "remove-units:0.5", "--out",
                          str(tmp_path / "y")), "multi-query")
 
 

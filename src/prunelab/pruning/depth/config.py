@@ -37,10 +37,11 @@ from prunelab.pruning.options import piece_from_flat
 from prunelab.registry import check_range, strict_kwargs
 
 
-def _help(text: str, default=None, **kw):
+def _help(text: str, default=None, budget: str | None = None, **kw):
+    meta = {"help": text, **({"budget": budget} if budget else {})}
     if "default_factory" in kw:
-        return field(metadata={"help": text}, **kw)
-    return field(default=default, metadata={"help": text})
+        return field(metadata=meta, **kw)
+    return field(default=default, metadata=meta)
 
 
 #: strategies that score candidate removals on the calibration windows (``search_windows``)
@@ -61,8 +62,9 @@ class Depth:
     name. ``window`` and ``seed`` go to the probes (``seed`` also seeds ``random``).
     ``bootstrap`` / ``max_instability``: see :func:`check_selection`."""
 
-    remove: int | None = _help("number of blocks to remove")
-    target_params: float | None = _help("parameters to keep: a fraction (<= 1) or a count")
+    remove: int | None = _help("number of blocks to remove", budget="remove-blocks")
+    target_params: float | None = _help("parameters to keep: a fraction (<= 1) or a count",
+                                        budget="keep-params")
     probe: str = _help("probe that ranks blocks (run on the calibration data)",
                        "block-influence")
     from_probe: str | None = _help("a saved DIR/NAME.json instead")
@@ -98,9 +100,9 @@ class Depth:
         given = [self.remove is not None, self.target_params is not None, bool(self.blocks),
                  bool(self.sublayers)]
         if sum(given) != 1:
-            raise ConfigError("give exactly one of remove (--remove), target_params "
-                              "(--target-params), blocks (--blocks) and sublayers "
-                              "(--sublayers)")
+            raise ConfigError("give exactly one of remove (--budget remove-blocks:N), "
+                              "target_params (--budget keep-params:F), blocks (--blocks) "
+                              "and sublayers (--sublayers)")
         if self.sublayers:
             object.__setattr__(self, "granularity", "sublayer")
         if self.remove is not None:

@@ -20,8 +20,8 @@ from prunelab.pruning.base import DictReport, Pruner, register_pruner
 from prunelab.registry import check_range
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, **more) -> dict:
+    return {"help": text, **more}
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,8 @@ class FactorConfig:
     """
 
     target_params: float | None = field(default=None, metadata=_help(
-        "fraction of the model's parameters to keep, everything stored counted"))
+        "fraction of the model's parameters to keep, everything stored counted",
+        budget="keep-params"))
 
     def __post_init__(self) -> None:
         if self.target_params is not None:

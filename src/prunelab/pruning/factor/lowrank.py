@@ -247,8 +247,8 @@ def factorize_model(lm, input_ids: torch.Tensor, ranks: dict[str, int], *,
 
 
 # ---------------------------------------------------------------------- the method
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, **more) -> dict:
+    return {"help": text, **more}
 
 
 @METHODS.register("svd-llm")
@@ -260,7 +260,8 @@ class SvdLlm(FactorConfig):
     the kept fraction of the whole model (not both)."""
 
     ratio: float | None = field(default=None, metadata=_help(
-        "fraction of the targeted linears' parameters removed, in (0, 1); default 0.2"))
+        "fraction of the targeted linears' parameters removed, in (0, 1); default 0.2",
+        budget="remove-weights"))
     allocation: str = field(default="uniform", metadata=_help(
         "uniform (every linear keeps the same fraction) or spectrum (ranks chosen "
         "globally by the whitened spectra)"))

@@ -219,8 +219,8 @@ def _expanded(cs, atoms, rank: int):
 
 
 # ------------------------------------------------------------------ methods
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, **more) -> dict:
+    return {"help": text, **more}
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,8 @@ class _SharedConfig(FactorConfig):
     """Options shared by the two dictionary methods (see the module docstring)."""
 
     ratio: float = field(default=0.2, metadata=_help(
-        "fraction of the targeted linears' weights removed, each dictionary counted once"))
+        "fraction of the targeted linears' weights removed, each dictionary counted once",
+        budget="remove-weights"))
     rank: int | None = field(default=None, metadata=_help(
         "rank of every dictionary (overrides --ratio; capped at min(in, sum of outs))"))
     types: str = field(default=DEFAULT_TYPES, metadata=_help(

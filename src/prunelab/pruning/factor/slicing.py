@@ -72,8 +72,8 @@ SHORTCUT_ATTR = "prunelab_shortcut"
 __all__ = ["SliceGPT", "stream_boundaries", "pca_basis", "width_for_ratio", "params_at"]
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, **more) -> dict:
+    return {"help": text, **more}
 
 
 @METHODS.register("slicegpt")
@@ -89,7 +89,8 @@ class SliceGPT(FactorConfig):
         "per-layer: one rotation per boundary with shortcut maps (remote code); global: one "
         "rotation for the whole stream (a plain checkpoint where the family allows)"))
     ratio: float = field(default=0.25, metadata=_help(
-        "fraction of the hidden size removed (d' rounded to a multiple of --multiple)"))
+        "fraction of the hidden size removed (d' rounded to a multiple of --multiple)",
+        budget="remove-hidden"))
     multiple: int = field(default=8, metadata=_help("the kept hidden size is a multiple of this"))
     basis: str = field(default="pca", metadata=_help(
         "pca: keep the stream's principal directions; sensitivity: weight them by the "

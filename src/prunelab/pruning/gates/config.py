@@ -62,8 +62,8 @@ SELECTS = ("per-flop", "order")
 POSITIONS = ("all", "last")
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, **more) -> dict:
+    return {"help": text, **more}
 
 
 @METHODS.register("gates")
@@ -73,7 +73,8 @@ class Gates:
     gates fall below the cut that skips ``budget`` of the sublayer compute."""
 
     budget: float = field(default=0.2, metadata=_help(
-        "fraction of the sublayer compute (FLOPs per token) skipped, in [0, 1)"))
+        "fraction of the sublayer compute (FLOPs per token) skipped, in [0, 1)",
+        budget="remove-compute"))
     ema: float = field(default=0.9, metadata=_help(
         "EMA decay over the measurement rounds, in [0, 1)"))
     rank_weight: float = field(default=1.0, metadata=_help(

@@ -26,8 +26,8 @@ CLUSTERINGS = ("kmeans", "coactivation")
 ROUTERS = ("fitted", "centroid")
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
+def _help(text: str, **more) -> dict:
+    return {"help": text, **more}
 
 
 @METHODS.register("prunepath")
@@ -48,7 +48,7 @@ class PrunePath:
         "centroid (training-free: gate-row centroids, one temperature per block)"))
     mass: float = field(default=0.9, metadata=_help(
         "routing mass p in (0, 1]: a token uses the fewest experts whose probabilities "
-        "reach p (1 = dense); a runtime knob of the checkpoint"))
+        "reach p (1 = dense); a runtime knob of the checkpoint", budget="keep-mass"))
     router_steps: int = field(default=300, metadata=_help(
         "Adam steps of the fitted router (0: keep the centroid router)"))
     router_lr: float = field(default=0.01, metadata=_help(

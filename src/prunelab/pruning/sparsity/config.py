@@ -198,7 +198,7 @@ class SparsityConfig:
     """
 
     sparsity: float | None = field(default=None, metadata=_help(
-        "unstructured target (mean over layers); default 0.5"))
+        "unstructured target (mean over layers); default 0.5", budget="remove-weights"))
     pattern: str | None = field(default=None, metadata=_help("N:M pattern, e.g. 2:4"))
     allocation: Allocation = field(default_factory=Uniform, metadata=_help(
         "uniform | owl | pals | ramp"))

@@ -34,7 +34,7 @@ class TokenPruning:
     before the block runs); ``fuse`` merges the dropped tokens into one."""
 
     keep: float = field(default=0.7, metadata={
-        "help": "share of the patch tokens kept at each layer"})
+        "help": "share of the patch tokens kept at each layer", "budget": "keep-tokens"})
     layers: tuple = field(default=(3,), metadata={
         "help": "0-based blocks before which tokens are pruned"})
     fuse: bool = field(default=True, metadata={

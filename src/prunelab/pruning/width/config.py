@@ -24,8 +24,9 @@ from prunelab.registry import check_range, strict_kwargs
 UNITS = ("heads", "ffn", "joint")
 
 
-def _help(text: str, default=None):
-    return field(default=default, metadata={"help": text})
+def _help(text: str, default=None, budget: str | None = None):
+    return field(default=default,
+                 metadata={"help": text, **({"budget": budget} if budget else {})})
 
 
 def scores_for(unit: str) -> list[str]:
@@ -66,9 +67,10 @@ class Width:
 
     unit: str = _help("heads | ffn | joint", "ffn")
     score: WidthScore | str = _help("how units are ranked", "wanda-sp")
-    ratio: float | None = _help("fraction of the unit's parameters removed")
+    ratio: float | None = _help("fraction of the unit's parameters removed",
+                                budget="remove-units")
     target_params: float | None = _help("parameters the model keeps: a fraction (<= 1) or "
-                                        "a count")
+                                        "a count", budget="keep-params")
     allocation: WidthAllocation | str = _help("uniform (plain config) | global (per-block "
                                               "widths, needs trust_remote_code)", "uniform")
     heads: str = _help("groups (KV groups; heads without GQA) | query (query heads inside "
@@ -93,8 +95,8 @@ class Width:
                               f"{', '.join(allowed)}, got {name!r}")
         object.__setattr__(self, "score", WIDTH_SCORES.make(self.score))
         if (self.ratio is None) == (self.target_params is None):
-            raise ConfigError("give exactly one of ratio (--ratio) and target_params "
-                              "(--target-params)")
+            raise ConfigError("give exactly one of ratio (--budget remove-units:F) and "
+                              "target_params (--budget keep-params:F)")
         if self.ratio is not None:
             check_range("ratio", self.ratio, 0.0, 0.95)
         if self.target_params is not None:

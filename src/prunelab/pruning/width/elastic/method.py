@@ -27,8 +27,8 @@ from prunelab.pruning.width.elastic.fit import FORMAT, fit_ranking
 from prunelab.registry import check_range, to_dict
 
 
-def _help(text: str, default):
-    return field(default=default, metadata={"help": text})
+def _help(text: str, default, **more):
+    return field(default=default, metadata={"help": text, **more})
 
 
 @METHODS.register("elastic")
@@ -39,8 +39,8 @@ class ElasticRanking:
     weights stay dense (an elastic checkpoint)."""
 
     budget_min: float = _help("smallest removal budget trained (fraction of the units' "
-                              "parameters)", 0.1)
-    budget_max: float = _help("largest removal budget trained", 0.6)
+                              "parameters)", 0.1, budget="remove-units")
+    budget_max: float = _help("largest removal budget trained", 0.6, budget="remove-units")
     steps: int = _help("optimisation steps", 200)
     lr: float = _help("Adam learning rate of the scores", 0.05)
     budgets_per_step: int = _help("budgets drawn per step", 2)
