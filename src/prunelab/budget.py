@@ -241,9 +241,13 @@ def accepted_kinds(cls) -> list[str]:
     """The kinds ``--budget`` takes for ``cls``, as ``remove-blocks:N`` /
     ``keep-params:F`` (a fraction also the other way round)."""
     out: list[str] = []
+    spans = _spans(cls)
     for kind in dict.fromkeys(budget_fields(cls).values()):
         action, _, quantity = kind.partition("-")
         unit = QUANTITIES[quantity].unit
+        if kind in spans:
+            out.append(f"{kind}:LOW..HIGH")
+            continue
         out.append(f"{kind}:{'N' if unit == 'count' else 'F'}")
         if unit != "count":
             other = "remove" if action == "keep" else "keep"
@@ -251,30 +255,58 @@ def accepted_kinds(cls) -> list[str]:
     return out
 
 
+def _spans(cls) -> dict[str, tuple[str, str]]:
+    """``{kind: (low field, high field)}`` of the ranges ``cls`` trains over (metadata
+    ``span="low"`` / ``"high"`` beside ``budget``)."""
+    ends: dict[str, dict[str, str]] = {}
+    for f in dataclasses.fields(cls):
+        meta = field_metadata(cls, f)
+        if meta.get("budget") and meta.get("span") in ("low", "high"):
+            ends.setdefault(meta["budget"], {})[meta["span"]] = f.name
+    return {k: (v["low"], v["high"]) for k, v in ends.items() if len(v) == 2}
+
+
 def budget_options(cls, budgets, label: str) -> dict:
     """``{field: value}`` setting ``budgets`` (a :class:`Budget`, a ``KIND:VALUE`` string,
-    a list of them or ``None``) on config class ``cls``. A budget ``cls`` does not count,
-    two budgets for one field, or a count where the field takes a fraction is a one-line
+    a list of them or ``None``) on config class ``cls``. A config that trains over a range
+    (fields marked ``span``) takes ``KIND:LOW..HIGH``. A budget ``cls`` does not count, two
+    budgets for one field, or a count where the field takes a fraction is a one-line
     :class:`ConfigError` naming what ``label`` accepts."""
     if budgets is None:
         return {}
     if isinstance(budgets, (str, Budget)):
         budgets = [budgets]
-    fields = budget_fields(cls)
-    by_quantity: dict[str, list[tuple[str, str]]] = {}
-    for name, kind in fields.items():
-        action, _, quantity = kind.partition("-")
-        by_quantity.setdefault(quantity, []).append((name, action))
+    spans = _spans(cls)
     took = ", ".join(accepted_kinds(cls)) or "no budget"
     out: dict = {}
     for b in budgets:
+        if isinstance(b, str) and ".." in b:
+            lo, hi = parse_budget_span(b)
+            ends = spans.get(f"{lo.action}-{lo.quantity}") or \
+                spans.get(f"{'keep' if lo.action == 'remove' else 'remove'}-{lo.quantity}")
+            if ends is None:
+                raise ConfigError(f"{label} takes --budget {took}; a range {b} is for "
+                                  f"methods trained over a range of budgets")
+            action = next(k for k, v in spans.items() if v == ends).partition("-")[0]
+            lo, hi = sorted((lo.to(action).value, hi.to(action).value))
+            out.update({ends[0]: lo, ends[1]: hi})
+            continue
         b = b if isinstance(b, Budget) else parse_budget(b)
-        if b.quantity not in by_quantity:
+        name = _field_for(cls, b, spans)
+        if name is None:
             raise ConfigError(f"{label} takes --budget {took}; got {b}")
-        name, action = by_quantity[b.quantity][0]
-        value = b.to(action).value
+        action = budget_fields(cls)[name].partition("-")[0]
         if name in out:
             raise ConfigError(f"{label}: --budget given twice for {b.quantity} "
                               f"({b} and an earlier one); give one")
-        out[name] = value
+        out[name] = b.to(action).value
     return out
+
+
+def _field_for(cls, b: Budget, spans: dict) -> str | None:
+    """The field of ``cls`` that budget ``b`` sets (a field of a range is set by a range)."""
+    in_span = {name for ends in spans.values() for name in ends}
+    for name, kind in budget_fields(cls).items():
+        if kind.partition("-")[2] == b.quantity and name not in in_span:
+            return name
+    return None

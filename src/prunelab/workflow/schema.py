@@ -13,6 +13,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from prunelab.registry import field_metadata
+
 BEGIN, END = "<!-- schema:begin -->", "<!-- schema:end -->"
 
 
@@ -43,7 +45,10 @@ def fields_table(cls: type, skip: tuple = ()) -> str:
     for f in dataclasses.fields(cls):
         if not f.init or f.name.startswith("_") or f.name in skip:
             continue
-        text = " ".join(str(f.metadata.get("help", "")).split()).replace("|", "\\|")
+        meta = field_metadata(cls, f)
+        text = " ".join(str(meta.get("help", "")).split()).replace("|", "\\|")
+        if meta.get("budget"):
+            text += f" (set by `budget: {meta['budget']}:VALUE`)"
         rows.append(f"| `{f.name}` | {_type(f)} | {_default(f)} | {text} |")
     return "\n".join(rows) + "\n"
 
@@ -91,10 +96,13 @@ def render_schema() -> str:
         parts.append(f"### `{kind}`\n\n{_first_line(cls)}\n")
         if kind == "prune":
             parts.append("Options: `method` (a name below) plus that method's fields, and "
-                         "`calib`.\n")
+                         "`calib`. `budget: KIND:VALUE` (the `--budget` of the command line, "
+                         "e.g. `remove-blocks:6`) sets the field the tables below mark with "
+                         "its kind; giving that field too is an error.\n")
         elif kind == "heal":
             parts.append(fields_table(HealStage, skip=("config",)))
-            parts.append("plus every field of `HealConfig`:\n\n" + fields_table(HealConfig))
+            parts.append("plus every field of `HealConfig` (and `budget: KIND:VALUE` for the "
+                         "fields marked with a kind):\n\n" + fields_table(HealConfig))
             continue
         parts.append(fields_table(cls, skip=("method",)))
     parts.append("### `calib` (probe and prune stages)\n\n" + fields_table(Calib))

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from prunelab.budget import budget_options
 from prunelab.errors import ConfigError
 from prunelab.registry import check_range, strict_kwargs, to_dict
 
@@ -245,7 +246,23 @@ def _build_prune(opts: dict) -> PruneStage:
     if not isinstance(name, str):
         raise ConfigError(f"method must name a pruning method ({', '.join(METHODS.names())})"
                           f", got {name!r}")
+    budget = opts.pop("budget", None)
+    if budget is not None:
+        opts.update(_budget(METHODS.get(name), budget, f"method {name}", opts))
     return PruneStage(METHODS.from_dict({"name": name, **opts}), calib)
+
+
+def _budget(cls: type, budget: Any, label: str, opts: dict) -> dict:
+    """The fields ``budget: KIND:VALUE`` sets on ``cls`` (as ``--budget`` does); a field
+    also given by its own name is an error (one figure, said once)."""
+    if not isinstance(budget, str):
+        raise ConfigError(f"budget must be a string KIND:VALUE (e.g. remove-blocks:6), "
+                          f"got {budget!r}")
+    fields = budget_options(cls, budget, label)
+    both = sorted(set(fields) & set(opts))
+    if both:
+        raise ConfigError(f"budget {budget!r} and {both[0]}: give the figure once")
+    return fields
 
 
 def _build_heal(opts: dict) -> HealStage:
@@ -253,6 +270,9 @@ def _build_heal(opts: dict) -> HealStage:
 
     own = {k: opts.pop(k) for k in ("teacher", "train_samples", "eval_samples", "data",
                                     "eval_data") if k in opts}
+    budget = opts.pop("budget", None)
+    if budget is not None:
+        opts.update(_budget(HealConfig, budget, "heal", opts))
     strict_kwargs(HealConfig, opts, "heal")
     hints = {f.name: f.type for f in dataclasses.fields(HealConfig)}
     for k, v in opts.items():  # YAML writes 1 for 1.0

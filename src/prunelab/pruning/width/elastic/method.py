@@ -39,8 +39,9 @@ class ElasticRanking:
     weights stay dense (an elastic checkpoint)."""
 
     budget_min: float = _help("smallest removal budget trained (fraction of the units' "
-                              "parameters)", 0.1, budget="remove-units")
-    budget_max: float = _help("largest removal budget trained", 0.6, budget="remove-units")
+                              "parameters)", 0.1, budget="remove-units", span="low")
+    budget_max: float = _help("largest removal budget trained", 0.6, budget="remove-units",
+                              span="high")
     steps: int = _help("optimisation steps", 200)
     lr: float = _help("Adam learning rate of the scores", 0.05)
     budgets_per_step: int = _help("budgets drawn per step", 2)
