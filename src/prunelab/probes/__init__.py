@@ -5,6 +5,11 @@ Importing this package registers every probe in :data:`PROBES` (name -> typed co
 data, window=1)`` are the same run.
 """
 
+from prunelab.registry import import_submodules
+
+# registration order = the order of CLI lists and error messages
+import_submodules(__name__)
+
 from prunelab.probes.ablation import LeaveOneOut, SublayerAblation
 from prunelab.probes.attribution import DLA
 from prunelab.probes.base import (

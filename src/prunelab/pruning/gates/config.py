@@ -54,7 +54,7 @@ from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64
 from prunelab.models.custom import flops_per_token
 from prunelab.models.sublayer import PARTS, branch_paths, remove_sublayers
-from prunelab.pruning.base import METHODS, DictReport, Pruner, register_pruner
+from prunelab.pruning.base import METHODS, PRUNERS, DictReport, Pruner
 from prunelab.pruning.gates.fit import bootstrap_rounds, cover_budget, ema_smooth, fit_gates
 from prunelab.registry import check_range
 
@@ -301,7 +301,7 @@ def apply_plan(lm, plan: Plan) -> dict:
 
 
 # ---------------------------------------------------------------------- the method
-@register_pruner(Gates)
+@PRUNERS.register(Gates)
 class GatesPruner(Pruner):
     """CausalGate: measure, fit, cover the budget, remove; reports sizes before/after."""
 
