@@ -20,7 +20,6 @@ from prunelab.probes.base import (
     options_for,
     probe_names,
     probe_spec,
-    register,
     route_options,
 )
 from prunelab.probes.context import ProbeContext
@@ -38,5 +37,5 @@ __all__ = ["CKA", "DLA", "PROBES", "BlockInfluence", "Contraction", "GradientFlo
            "HeadAblation", "Induction", "Interchange", "Interval", "StableRank",
            "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
            "SpanAngular", "SublayerAblation", "WeightRedundancy", "make_config",
-           "options_for", "probe_names", "probe_spec", "register", "route_options",
+           "options_for", "probe_names", "probe_spec", "route_options",
            "run_probes"]

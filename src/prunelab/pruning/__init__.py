@@ -25,7 +25,7 @@ from prunelab.registry import import_submodules
 
 # every piece registers (in the order the CLI and the docs list methods in: depth, width
 # (then elastic), then the other packages by name; tokens sorts last)
-import_submodules(__name__, first=())
+import_submodules(__name__, first=("depth", "width"))
 
 from prunelab.pruning.depth.config import Depth, depth_from_cli
 from prunelab.pruning.depth.recoveries import (

@@ -8,11 +8,6 @@ from prunelab.registry import import_submodules
 # registration order = the order of CLI lists and error messages
 import_submodules(__name__, first=("lowrank", "shared", "slicing"))
 
-from prunelab.pruning.factor import (
-    lowrank,  # noqa: F401 - registers "svd-llm"
-    shared,  # noqa: F401 - registers its methods
-    slicing,  # noqa: F401 - registers "slicegpt"
-)
 from prunelab.pruning.factor.config import FactorConfig, factor_methods, factorized_modules
 
 __all__ = ["FactorConfig", "factor_methods", "factorized_modules"]

@@ -266,9 +266,9 @@ def plan_probe_greedy(meas: Measurement, budget: float) -> Plan:
 
 def block_scores(ctx, probe: str = "block-influence") -> list[float]:
     """Per-block score of a layer-kind depth probe on ``ctx`` (ascending = removable)."""
-    from prunelab.probes.base import make_config, probe_spec
+    from prunelab.probes.base import make_config
 
-    res = probe_spec(probe).handler(make_config(probe), ctx)
+    res = make_config(probe).run(ctx)
     if res.kind != "layer":
         raise ConfigError(f"block baseline needs a per-block probe, {probe} is {res.kind}")
     return [float(v) for v in res.layer_values()]

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prunelab.registry import import_submodules
 
 # registration order = the order the CLI lists them in (then the other modules by name)
-import_submodules(__name__, first=())
+import_submodules(__name__, first=("magnitude", "wanda", "sparsegpt", "rose", "qk_wanda"))
 
 from prunelab.pruning.sparsity.methods.magnitude import Magnitude
 from prunelab.pruning.sparsity.methods.qk_wanda import QKWanda
