@@ -1,6 +1,6 @@
-"""Registries: one per kind of pluggable piece (pruning methods, depth selections and
-recoveries, width scores, allocations, presses, probes, pruners, task metrics, custom
-modules), and :func:`import_submodules`, the one way a package finds its pieces.
+"""Registries of pluggable pieces, one per kind (pruning methods, depth selections and
+recoveries, width scores, allocations, presses, probes, pruners, task metrics), and
+``import_submodules``, the one way a package finds its pieces.
 
 Every piece is registered the same way, with the decorator ``@REGISTRY.register(key,
 **meta)`` of its kind's :class:`Registry`:

@@ -2,8 +2,8 @@
 
 Adding one: a new module with a frozen dataclass registered with
 ``@RECOVERIES.register("name")`` deriving from :class:`Recovery` (implement ``at_block``;
-``check`` and ``at_embeddings`` where it applies), imported below (or from anywhere
-before use).
+``check`` and ``at_embeddings`` where it applies); the package imports it (or import it
+from anywhere before use).
 """
 
 from prunelab.registry import import_submodules

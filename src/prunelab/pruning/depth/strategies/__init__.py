@@ -3,7 +3,7 @@
 Adding one: a new module with a frozen dataclass registered with
 ``@STRATEGIES.register("name")`` that derives from :class:`Strategy` (implement
 ``choose``) or :class:`ScoredStrategy` (implement ``pick`` over the probe's per-block
-values), imported below (or from anywhere before use).
+values); the package imports it (or import it from anywhere before use).
 """
 
 from prunelab.registry import import_submodules

@@ -3,7 +3,7 @@
 Adding one: a new module with a frozen dataclass registered with
 ``@WIDTH_SCORES.register("name")`` deriving from :class:`ColumnScore` (implement
 ``columns``) or :class:`WidthScore` (``block_scores`` or ``plan``), declaring its
-``units`` and what it needs, imported below (or from anywhere before use).
+``units`` and what it needs; the package imports it (or import it from anywhere before use).
 """
 
 from prunelab.registry import import_submodules
