@@ -172,7 +172,8 @@ def test_listing_orders_of_the_builtin_registries():
     from prunelab.probes import PROBES
     from prunelab.pruning import METHODS, RECOVERIES, STRATEGIES
 
-    assert METHODS.names() == [
+    listed = [n for n in METHODS.names() if METHODS.get(n).__module__.startswith("prunelab.")]
+    assert listed == [
         "depth", "width", "elastic", "svd-llm", "basis-sharing", "shared-dict", "slicegpt",
         "gates", "prunepath", "magnitude", "wanda", "sparsegpt", "rose", "qk-wanda", "admm",
         "cactus", "tokens"]
