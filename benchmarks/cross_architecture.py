@@ -41,7 +41,7 @@ from prunelab.data import make_batches
 from prunelab.eval.embedding import sentence_batch
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext
-from prunelab.probes.base import make_config, options_for, probe_spec
+from prunelab.probes.base import make_config, options_for
 from prunelab.pruning import Depth
 from prunelab.pruning.depth.config import select
 from prunelab.pruning.depth.surgery import prune_depth
@@ -81,7 +81,7 @@ def run_model(name: str, args) -> dict:
         probes = {}
         for probe in ("block-influence", "interchange", "replacement"):
             cfg = make_config(probe, **options_for(probe, window=1))
-            probes[probe] = probe_spec(probe).handler(cfg, ctx)
+            probes[probe] = cfg.run(ctx)
         inter = {tuple(s["layers"]): s["value"] for s in probes["interchange"].scores}
         repl = {tuple(s["layers"]): s["value"] for s in probes["replacement"].scores}
         pairs = sorted(inter)

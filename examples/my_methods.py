@@ -8,7 +8,7 @@ import torch
 
 from prunelab.calib.stats import SumSquares
 from prunelab.errors import UnsupportedOperationError
-from prunelab.probes import ProbeResult, register
+from prunelab.probes import PROBES, ProbeResult
 from prunelab.pruning import METHODS, SparsityConfig
 from prunelab.pruning.depth.recoveries import RECOVERIES, Recovery
 from prunelab.pruning.width.scoring.base import WIDTH_SCORES, ColumnScore
@@ -31,17 +31,16 @@ class WandaPower(SparsityConfig):
 
 
 # a probe: forward-free, one value per block (low = removable)
+@PROBES.register("weight-norm", forward=False)
 @dataclass(frozen=True)
 class WeightNorm:
     """Frobenius norm of each block's parameters"""
 
-
-@register("weight-norm", WeightNorm, forward=False)
-def weight_norm(cfg, ctx):
-    scores = [{"layers": [i], "value": float(torch.cat(
-        [p.detach().flatten() for p in ctx.adapter.block(i).parameters()]).norm())}
-        for i in range(ctx.num_blocks)]
-    return ProbeResult("weight-norm", {}, scores, kind="layer", num_blocks=ctx.num_blocks)
+    def run(self, ctx):
+        scores = [{"layers": [i], "value": float(torch.cat(
+            [p.detach().flatten() for p in ctx.adapter.block(i).parameters()]).norm())}
+            for i in range(ctx.num_blocks)]
+        return ProbeResult("weight-norm", {}, scores, kind="layer", num_blocks=ctx.num_blocks)
 
 
 # a depth recovery: add the mean residual change of the removed span after the cut

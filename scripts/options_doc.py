@@ -27,7 +27,7 @@ taken by recipes the same way (see [adding-methods.md](adding-methods.md)).
 def registries():
     """(title, registry) pairs, in reading order."""
     import prunelab.inference
-    import prunelab.pruning  # noqa: F401 - registers every method
+    import prunelab.pruning  # noqa: F401 - importing the package registers every method
     from prunelab.inference.config import PRESSES
     from prunelab.probes.base import PROBES
     from prunelab.pruning.base import METHODS

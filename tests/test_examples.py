@@ -106,15 +106,14 @@ def test_a_new_family_with_its_own_pruner_goes_through_the_one_wrapper():
     returning a DictReport; api.prune adds the shared fields and the history."""
     from dataclasses import dataclass
 
-    from prunelab.pruning import DictReport, Pruner, register_pruner
-    from prunelab.pruning.base import _PRUNERS
+    from prunelab.pruning import PRUNERS, DictReport, Pruner
 
     @METHODS.register("drop-first")
     @dataclass(frozen=True)
     class DropFirst:
         remove: int = 1
 
-    @register_pruner(DropFirst)
+    @PRUNERS.register(DropFirst)
     class DropFirstPruner(Pruner):
         operation = "prune-depth"
 
@@ -136,4 +135,4 @@ def test_a_new_family_with_its_own_pruner_goes_through_the_one_wrapper():
         assert METHODS.from_dict(lm.history[-1]["config"]) == DropFirst(remove=2)
     finally:
         METHODS.unregister("drop-first")
-        _PRUNERS.pop(DropFirst, None)
+        PRUNERS.unregister(DropFirst)

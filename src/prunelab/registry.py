@@ -1,5 +1,14 @@
-"""Registries of typed configs: one per kind of pluggable piece (sparsity methods, depth
-selections and recoveries, width scores, allocations, probes, pruners).
+"""Registries of pluggable pieces, one per kind (pruning methods, depth selections and
+recoveries, width scores, allocations, presses, probes, pruners, task metrics), and
+``import_submodules``, the one way a package finds its pieces.
+
+Every piece is registered the same way, with the decorator ``@REGISTRY.register(key,
+**meta)`` of its kind's :class:`Registry`:
+
+* a config registry (the default) holds frozen dataclasses by name;
+* ``Registry(kind, configs=False)`` holds any object (a function, a class) by name;
+* ``Registry(kind, by_type=True)`` holds handlers by config *type*:
+  :meth:`Registry.for_config` returns the one registered for the nearest base class.
 
 A piece is a frozen dataclass registered under a name with :meth:`Registry.register`.
 Configs are strict: an option a config does not take is a :class:`ConfigError` naming the
@@ -17,7 +26,10 @@ Registration is open: a user registers a new piece from outside the package, e.g
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
+import pkgutil
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,48 +78,87 @@ def strict_kwargs(cls, options: dict, what: str | None = None) -> None:
 
 
 class Registry:
-    """Name -> config class, for one kind of piece (``kind`` names it in errors)."""
+    """Key -> registered piece, for one kind of piece (``kind`` names it in errors).
 
-    def __init__(self, kind: str):
+    ``configs`` (default): pieces are dataclasses registered by name (each gets
+    ``registry_name``); ``configs=False``: any object by name. ``by_type``: keys are config
+    types, looked up along the MRO by :meth:`for_config`; ``instantiate`` registers an
+    instance of the decorated class (a handler with no state of its own); ``missing``
+    makes the one-line message of a failed :meth:`for_config` from the config's class.
+    ``replace=False``: registering a taken key is a ``ValueError``.
+    """
+
+    def __init__(self, kind: str, *, configs: bool = True, by_type: bool = False,
+                 instantiate: bool = False, missing: Callable[[type], str] | None = None,
+                 replace: bool = True):
         self.kind = kind
-        self._classes: dict[str, type] = {}
-        self._meta: dict[str, dict] = {}
+        self.configs = configs and not by_type
+        self.by_type = by_type
+        self.instantiate = instantiate
+        self.replace = replace
+        self._missing = missing
+        self._classes: dict[Any, Any] = {}
+        self._meta: dict[Any, dict] = {}
 
-    def register(self, name: str, **meta) -> Callable[[type], type]:
-        """Class decorator: register ``cls`` as ``name``; ``meta`` is free per-kind data
-        (read back with :meth:`meta`). Sets ``cls.registry_name``."""
-        def wrap(cls: type) -> type:
-            if not dataclasses.is_dataclass(cls):
-                raise TypeError(f"{cls.__name__}: a registered {self.kind} must be a "
+    def register(self, key: Any, **meta) -> Callable[[Any], Any]:
+        """Decorator: register the decorated piece under ``key`` (a name, or a config type
+        for a ``by_type`` registry); ``meta`` is free per-kind data (read back with
+        :meth:`meta`). A config gets ``registry_name``; returns the piece unchanged."""
+        if self.by_type and not isinstance(key, type):
+            raise TypeError(f"a {self.kind} is registered for a config type, got {key!r}")
+
+        def wrap(obj: Any) -> Any:
+            if self.configs and not dataclasses.is_dataclass(obj):
+                raise TypeError(f"{obj.__name__}: a registered {self.kind} must be a "
                                 "dataclass")
-            cls.registry_name = name
-            self._classes[name] = cls
-            self._meta[name] = dict(meta)
-            return cls
+            if not self.replace and key in self._classes \
+                    and self._classes[key] is not obj:
+                raise ValueError(f"{self.kind} {key!r} is already registered")
+            if self.configs:
+                obj.registry_name = key
+            self._classes[key] = obj() if self.instantiate else obj
+            self._meta[key] = dict(meta)
+            return obj
         return wrap
 
-    def unregister(self, name: str) -> None:
-        self._classes.pop(name, None)
-        self._meta.pop(name, None)
+    def unregister(self, key: Any) -> None:
+        self._classes.pop(key, None)
+        self._meta.pop(key, None)
 
-    def names(self) -> list[str]:
+    def names(self) -> list:
+        """The keys, in registration order."""
         return list(self._classes)
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._classes
+    def __contains__(self, key: object) -> bool:
+        return key in self._classes
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator:
         return iter(self._classes)
 
-    def get(self, name: str) -> type:
+    def __len__(self) -> int:
+        return len(self._classes)
+
+    def get(self, name: Any) -> Any:
         if name not in self._classes:
             raise ConfigError(f"unknown {self.kind} {name!r}; available: "
-                              f"{', '.join(self._classes) or '(none)'}")
+                              f"{', '.join(map(str, self._classes)) or '(none)'}")
         return self._classes[name]
 
-    def meta(self, name: str) -> dict:
+    def meta(self, name: Any) -> dict:
         self.get(name)
         return self._meta[name]
+
+    def for_config(self, config: Any) -> Any:
+        """The piece registered for ``type(config)`` (or ``config`` itself when it is a
+        class) or its nearest base class (``by_type`` registries)."""
+        cls = config if isinstance(config, type) else type(config)
+        for base in cls.__mro__:
+            if base in self._classes:
+                return self._classes[base]
+        if self._missing is not None:
+            raise ConfigError(self._missing(cls))
+        raise ConfigError(f"no {self.kind} for {cls.__name__}; registered for: "
+                          f"{', '.join(c.__name__ for c in self._classes) or '(none)'}")
 
     def name_of(self, obj: Any) -> str:
         """The registered name of a config instance or class."""
@@ -175,3 +226,44 @@ def _encode(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_encode(v) for v in value]
     return value
+
+
+_REGISTERS = re.compile(r"^@[A-Za-z_][\w.]*\.register\(", re.MULTILINE)
+
+
+def _registers(path: str) -> bool:
+    """True when the module (or any module of the package) at ``path`` registers a piece:
+    a line starting with ``@<REGISTRY>.register(``."""
+    import os
+
+    if os.path.isdir(path):
+        return any(_registers(os.path.join(root, f))
+                   for root, _, files in os.walk(path) for f in files if f.endswith(".py"))
+    with open(path, encoding="utf-8") as fh:
+        return bool(_REGISTERS.search(fh.read()))
+
+
+def import_submodules(package_name: str, first: tuple[str, ...] = ()) -> list[str]:
+    """Import the submodules of ``package_name`` that register pieces, so that importing a
+    package registers everything in it: a new piece is one new file.
+
+    The modules (or subpackages) named in ``first`` are imported first, in that order (the
+    order a registry lists its pieces in: ``--help``, docs, error messages); then every
+    other submodule or subpackage whose source has a line starting with
+    ``@<REGISTRY>.register(``, by name. A subpackage registers its own modules the same way
+    from its ``__init__``. Returns the imported submodule names, in import order.
+    """
+    import os
+
+    package = importlib.import_module(package_name)
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        base = os.path.join(info.module_finder.path, info.name)
+        found[info.name] = base if info.ispkg else base + ".py"
+    missing = [name for name in first if name not in found]
+    if missing:
+        raise ImportError(f"{package_name} has no submodule {missing[0]!r}")
+    order = list(first) + sorted(n for n in found if n not in first and _registers(found[n]))
+    for name in order:
+        importlib.import_module(f"{package_name}.{name}")
+    return order

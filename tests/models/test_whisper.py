@@ -234,11 +234,11 @@ def test_leave_one_out_by_a_registered_metric():
     left (lower is better) gives exactly -(i + 1)^2."""
     import prunelab
     from prunelab.data import TokenBatches
-    from prunelab.eval.task_metric import TASK_METRICS, TaskMetric, register_task_metric
+    from prunelab.eval.task_metric import TASK_METRICS, TaskMetric
     from prunelab.models.loading import wrap
 
     if "test-block-squares" not in TASK_METRICS:
-        @register_task_metric("test-block-squares", "test only")
+        @TASK_METRICS.register("test-block-squares", description="test only")
         def _factory(lm, **_):
             return TaskMetric("test-block-squares", lambda m: float(sum(
                 (b._tag + 1) ** 2 for b in m.adapter.blocks())), higher_is_better=False)

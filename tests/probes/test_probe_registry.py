@@ -33,7 +33,6 @@ from prunelab.probes import (
     WeightRedundancy,
     make_config,
     probe_spec,
-    register,
     route_options,
     run_probes,
 )
@@ -144,20 +143,20 @@ class WeightNorm:
 
     squared: bool = False
 
-
-def run_weight_norm(cfg: WeightNorm, ctx) -> ProbeResult:
-    scores = []
-    for i in range(ctx.num_blocks):
-        sq = sum(float(torch.linalg.vector_norm(p.detach().double()) ** 2)
-                 for p in ctx.adapter.block(i).parameters())
-        scores.append({"layers": [i], "value": sq if cfg.squared else math.sqrt(sq)})
-    return ProbeResult("weight-norm", {"squared": cfg.squared}, scores, kind="layer",
-                       num_blocks=ctx.num_blocks)
+    def run(self, ctx) -> ProbeResult:
+        scores = []
+        for i in range(ctx.num_blocks):
+            sq = sum(float(torch.linalg.vector_norm(p.detach().double()) ** 2)
+                     for p in ctx.adapter.block(i).parameters())
+            scores.append({"layers": [i], "value": sq if self.squared else math.sqrt(sq)})
+        return ProbeResult("weight-norm", {"squared": self.squared}, scores, kind="layer",
+                           num_blocks=ctx.num_blocks)
 
 
 @pytest.fixture()
 def weight_norm():
-    register("weight-norm", WeightNorm, forward=False)(run_weight_norm)
+    # the decorator applied here rather than on the class, so the test can unregister it
+    PROBES.register("weight-norm", forward=False)(WeightNorm)
     yield WeightNorm
     PROBES.unregister("weight-norm")
 

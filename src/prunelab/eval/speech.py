@@ -23,7 +23,7 @@ import torch
 
 from prunelab.data.speech import RATE, SpeechSet, feature_extractor, load_speech
 from prunelab.errors import ConfigError
-from prunelab.eval.task_metric import TaskMetric, register_task_metric
+from prunelab.eval.task_metric import TASK_METRICS, TaskMetric
 
 WINDOW = 30 * RATE
 _PUNCT = re.compile(r"[^\w\s']|_")
@@ -134,7 +134,8 @@ def speech_rows(res: dict) -> list[tuple[str, str]]:
     return rows
 
 
-@register_task_metric("wer", "word error rate of greedy transcription (speech models)")
+@TASK_METRICS.register(
+    "wer", description="word error rate of greedy transcription (speech models)")
 def wer_metric(lm, data: str | SpeechSet = "speech:synth-calib", samples: int | None = None,
                batch_size: int = 8) -> TaskMetric:
     """``wer`` bound to a speech set (loaded once): ``fn(lm) -> WER``. The default data is

@@ -7,8 +7,9 @@ the dense model (so references such as the dense embeddings or transcripts are c
 once) and the metric's options; the factory returns a :class:`TaskMetric` whose ``fn`` is
 then called on the modified model, as many times as the search needs.
 
-Families register their metrics in their own modules (speech: ``wer``; vision:
-``embed-cos``, ``knn-agree``, ``lfw-acc``; text: ``perplexity``).
+Families register their metrics in their own modules of :mod:`prunelab.eval` with
+``@TASK_METRICS.register(name, description=...)`` (speech: ``wer``; vision: ``embed-cos``,
+``knn-agree``, ``lfw-acc``); ``perplexity`` is built into the validation strategy.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prunelab.errors import ConfigError
+from prunelab.registry import Registry, import_submodules
 
 
 @dataclass(frozen=True)
@@ -36,33 +38,14 @@ class TaskMetric:
         return -value if self.higher_is_better else value
 
 
-# name -> (factory(lm, **options) -> TaskMetric, one-line description, module it lives in)
-TASK_METRICS: dict[str, tuple[Callable[..., TaskMetric], str]] = {}
-
-
-def register_task_metric(name: str, description: str):
-    """Decorator: register ``factory(lm, **options) -> TaskMetric`` under ``name``."""
-
-    def deco(factory):
-        if name in TASK_METRICS:
-            raise ValueError(f"task metric {name!r} is already registered")
-        TASK_METRICS[name] = (factory, description)
-        return factory
-
-    return deco
+#: name -> ``factory(lm, **options) -> TaskMetric``, registered with
+#: ``@TASK_METRICS.register(name, description="one line")`` (meta ``description``).
+TASK_METRICS = Registry("task metric", configs=False, replace=False)
 
 
 def _load_builtin() -> None:
-    # Importing the family modules registers their metrics; each import is optional so a
-    # family whose extra packages are missing only loses its own metrics.
-    import importlib
-
-    for mod in ("prunelab.eval.metrics_text", "prunelab.eval.speech", "prunelab.eval.vision"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if not (exc.name or "").startswith("prunelab"):
-                raise
+    """Import the family modules of this package that register metrics (speech, vision)."""
+    import_submodules("prunelab.eval")
 
 
 def make_task_metric(name: str, lm, **options) -> TaskMetric:
@@ -71,4 +54,4 @@ def make_task_metric(name: str, lm, **options) -> TaskMetric:
     if name not in TASK_METRICS:
         known = ", ".join(sorted(TASK_METRICS)) or "none"
         raise ConfigError(f"unknown task metric {name!r} (known: {known})")
-    return TASK_METRICS[name][0](lm, **options)
+    return TASK_METRICS.get(name)(lm, **options)

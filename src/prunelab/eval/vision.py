@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from prunelab.data.images import images_for, lfw_images, lfw_split, lfw_tensor
-from prunelab.eval.task_metric import TaskMetric, register_task_metric
+from prunelab.eval.task_metric import TASK_METRICS, TaskMetric
 
 PHOTO_SIZE = 224
 LFW_SIZE = 112
@@ -201,22 +201,25 @@ def _photo_metric(name: str, pick, lm, data: str = "images:calib", samples: int 
                       higher_is_better=True)
 
 
-@register_task_metric("embed-cos", "mean cosine of CLS and mean-pooled embeddings to the "
-                      "dense model on photos (vision)")
+@TASK_METRICS.register(
+    "embed-cos", description="mean cosine of CLS and mean-pooled embeddings to the dense "
+                             "model on photos (vision)")
 def _embed_cos(lm, **options) -> TaskMetric:
     return _photo_metric("embed-cos", lambda f: (f["cls_cosine"] + f["mean_cosine"]) / 2,
                          lm, **options)
 
 
-@register_task_metric("knn-agree", "k-nearest-neighbour agreement with the dense model on "
-                      "photos (vision)")
+@TASK_METRICS.register(
+    "knn-agree", description="k-nearest-neighbour agreement with the dense model on photos "
+                             "(vision)")
 def _knn_agree(lm, **options) -> TaskMetric:
     return _photo_metric("knn-agree", lambda f: f["knn_agreement"], lm, **options)
 
 
-@register_task_metric("lfw-acc", "LFW face / non-face ridge-probe accuracy (vision); "
-                      "default split=calib: fit on half the probe split, score the other "
-                      "half (split=test: fit on the probe split, score the test split)")
+@TASK_METRICS.register(
+    "lfw-acc", description="LFW face / non-face ridge-probe accuracy (vision); default "
+                           "split=calib: fit on half the probe split, score the other half "
+                           "(split=test: fit on the probe split, score the test split)")
 def _lfw_acc(lm, size: int = LFW_SIZE, batch_size: int = 8, ridge: float = 1.0,
              split: str = "calib") -> TaskMetric:
     lfw = LfwData.make(size)

@@ -8,7 +8,7 @@ LoRA matrices) and CascadeFlow (blocks ranked by accumulated gradient).
 encoders: :func:`heal_encoder` (feature distillation, :mod:`prunelab.train.encoders`).
 """
 
-from prunelab.heal import events  # noqa: F401 - registers the prune-while-tuning controllers
+from prunelab.heal import events  # noqa: F401 - the prune-while-tuning controllers
 from prunelab.probes.cascadeflow import FlowAccumulator, fan_in_profile, gradient_flow
 from prunelab.pruning.width.rep_lie import (
     RepLieTracker,

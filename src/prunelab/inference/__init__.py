@@ -1,6 +1,11 @@
 """Inference-time presses: KV-cache eviction and mid-prefill token pruning applied to a
 loaded model as a context manager (``with press(lm, SnapKV(ratio=0.5)): ...``)."""
 
+from prunelab.registry import import_submodules
+
+# registration order = the order of CLI lists and error messages
+import_submodules(__name__)
+
 from prunelab.inference.config import (
     H2O,
     PRESSES,

@@ -5,6 +5,11 @@ Importing this package registers every probe in :data:`PROBES` (name -> typed co
 data, window=1)`` are the same run.
 """
 
+from prunelab.registry import import_submodules
+
+# registration order = the order of CLI lists and error messages
+import_submodules(__name__)
+
 from prunelab.probes.ablation import LeaveOneOut, SublayerAblation
 from prunelab.probes.attribution import DLA
 from prunelab.probes.base import (
@@ -15,7 +20,6 @@ from prunelab.probes.base import (
     options_for,
     probe_names,
     probe_spec,
-    register,
     route_options,
 )
 from prunelab.probes.context import ProbeContext
@@ -33,5 +37,5 @@ __all__ = ["CKA", "DLA", "PROBES", "BlockInfluence", "Contraction", "GradientFlo
            "HeadAblation", "Induction", "Interchange", "Interval", "StableRank",
            "LeaveOneOut", "ProbeContext", "ProbeResult", "ProbeSpec", "Replacement",
            "SpanAngular", "SublayerAblation", "WeightRedundancy", "make_config",
-           "options_for", "probe_names", "probe_spec", "register", "route_options",
+           "options_for", "probe_names", "probe_spec", "route_options",
            "run_probes"]

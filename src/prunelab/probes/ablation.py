@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prunelab.log import progress
-from prunelab.probes.base import ProbeResult, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, config_dict
 
 
+@PROBES.register("leave-one-out", resumable=True)
 @dataclass(frozen=True)
 class LeaveOneOut:
     """Divergence to dense with one block removed (KL; 1 - cos for encoders); with
@@ -28,47 +29,45 @@ class LeaveOneOut:
     metric: str | None = None
     metric_data: str | None = None
 
+    def run(self, ctx, resume=None, on_progress=None) -> ProbeResult:
+        n = ctx.num_blocks
+        if self.metric:
+            from prunelab.probes.task_ablation import leave_one_out_by_metric
 
-@register("leave-one-out", LeaveOneOut, resumable=True)
-def run_leave_one_out(cfg: LeaveOneOut, ctx, resume=None, on_progress=None) -> ProbeResult:
-    n = ctx.num_blocks
-    if cfg.metric:
-        from prunelab.probes.task_ablation import leave_one_out_by_metric
-
-        scores = leave_one_out_by_metric(cfg, ctx, resume, on_progress)
-        return ProbeResult("leave-one-out", config_dict(cfg), scores, kind="layer",
-                           num_blocks=n)
-    done = {s["layers"][0]: s for s in (resume or {}).get("scores", [])}
-    scores = [done[i] for i in sorted(done)]
-    for i in progress([i for i in range(n) if i not in done], desc="leave-one-out"):
-        per = ctx.divergence_windows(ctx.run_stack(i, range(i + 1, n)))
-        scores.append({"layers": [i], **per.entry()})
-        if on_progress is not None:
-            on_progress(sorted(scores, key=lambda s: s["layers"]))
-    scores.sort(key=lambda s: s["layers"])
-    return ProbeResult("leave-one-out", config_dict(cfg), scores, kind="layer", num_blocks=n)
+            scores = leave_one_out_by_metric(self, ctx, resume, on_progress)
+            return ProbeResult("leave-one-out", config_dict(self), scores, kind="layer",
+                               num_blocks=n)
+        done = {s["layers"][0]: s for s in (resume or {}).get("scores", [])}
+        scores = [done[i] for i in sorted(done)]
+        for i in progress([i for i in range(n) if i not in done], desc="leave-one-out"):
+            per = ctx.divergence_windows(ctx.run_stack(i, range(i + 1, n)))
+            scores.append({"layers": [i], **per.entry()})
+            if on_progress is not None:
+                on_progress(sorted(scores, key=lambda s: s["layers"]))
+        scores.sort(key=lambda s: s["layers"])
+        return ProbeResult("leave-one-out", config_dict(self), scores, kind="layer", num_blocks=n)
 
 
+@PROBES.register("sublayer-ablation", resumable=True)
 @dataclass(frozen=True)
 class SublayerAblation:
     """Divergence to dense with one block's attention or MLP residual branch zeroed."""
 
-
-@register("sublayer-ablation", SublayerAblation, resumable=True)
-def run_sublayer_ablation(cfg: SublayerAblation, ctx, resume=None,
-                          on_progress=None) -> ProbeResult:
-    n = ctx.num_blocks
-    scores = list((resume or {}).get("scores", []))
-    done = {(s["layers"][0], s["sublayer"]) for s in scores}
-    todo = [(i, part) for i in range(n) for part in ("attention", "mlp") if (i, part) not in done]
-    for i, part in progress(todo, desc="sublayer-ablation"):
-        module = ctx.adapter.residual_branches(i)[part]
-        with ctx.runner.zeroed([module]):
-            h = ctx.run_stack(i, [i])
-        per = ctx.divergence_windows(ctx.run_stack(i + 1, range(i + 1, n), hidden=h))
-        scores.append({"layers": [i], "sublayer": part, **per.entry()})
-        if on_progress is not None:
-            on_progress(scores)
-    scores.sort(key=lambda s: (s["layers"], s["sublayer"]))
-    return ProbeResult("sublayer-ablation", config_dict(cfg), scores, kind="sublayer",
-                       num_blocks=n)
+    def run(self, ctx, resume=None,
+                              on_progress=None) -> ProbeResult:
+        n = ctx.num_blocks
+        scores = list((resume or {}).get("scores", []))
+        done = {(s["layers"][0], s["sublayer"]) for s in scores}
+        todo = [(i, part) for i in range(n) for part in ("attention", "mlp")
+                if (i, part) not in done]
+        for i, part in progress(todo, desc="sublayer-ablation"):
+            module = ctx.adapter.residual_branches(i)[part]
+            with ctx.runner.zeroed([module]):
+                h = ctx.run_stack(i, [i])
+            per = ctx.divergence_windows(ctx.run_stack(i + 1, range(i + 1, n), hidden=h))
+            scores.append({"layers": [i], "sublayer": part, **per.entry()})
+            if on_progress is not None:
+                on_progress(scores)
+        scores.sort(key=lambda s: (s["layers"], s["sublayer"]))
+        return ProbeResult("sublayer-ablation", config_dict(self), scores, kind="sublayer",
+                           num_blocks=n)

@@ -30,7 +30,7 @@ from torch import nn
 from prunelab.errors import UnsupportedOperationError
 from prunelab.log import progress
 from prunelab.models.linear import weight_out_in
-from prunelab.probes.base import ProbeResult, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, config_dict
 
 
 @dataclass
@@ -154,6 +154,7 @@ def attention_terms(u: torch.Tensor, o_in: torch.Tensor, o_proj: nn.Module, num_
     return heads, bias, vec
 
 
+@PROBES.register("dla")
 @dataclass(frozen=True)
 class DLA:
     """Direct logit attribution (Elhage et al. 2021) of every block, sublayer and head.
@@ -161,6 +162,33 @@ class DLA:
     The contribution to the correct next token's logit (low = contributes little, or
     against it). No options: scores are means over every predicted position of every
     window."""
+
+    def run(self, ctx) -> ProbeResult:
+        ad = ctx.adapter
+        check_dla_family(ad)
+        n, d = ad.num_blocks, ad.hidden_size()
+        final = norm_map(ad.final_norm(), d)
+        posts = [attention_post_norm(ad, i) for i in range(n)]
+        posts = [norm_map(p, d) if p is not None else None for p in posts]
+        sums = _Sums(n, [ad.head_geometry(i).num_heads for i in range(n)])
+        windows = [(b, r) for b, ids in enumerate(ctx.runner.batches) for r in range(len(ids))]
+
+        def read(b: int, r: int):
+            x = ctx.boundary(n)[b][r, :-1].to(ctx.runner.device)
+            return x, *readout(ad, final, x, ctx.runner.batches[b][r, 1:])
+
+        for b, r in windows:
+            x, u, const = read(b, r)
+            emb = (ctx.boundary(0)[b][r, :-1].to(u.device).double() * u).sum(-1)
+            sums.totals[(b, r)] = emb + const
+            sums.logits[(b, r)] = _true_logits(ad, x, ctx.runner.batches[b][r, 1:])
+            sums.embedding += float(emb.sum())
+            sums.constant += float(const.sum())
+            sums.logit += float(sums.logits[(b, r)].sum())
+            sums.count += u.shape[0]
+        for i in progress(range(n), total=n, desc="dla"):
+            _block_terms(ctx, i, posts[i], read, windows, sums)
+        return _result(self, sums, n)
 
 
 class _Sums:
@@ -193,35 +221,6 @@ def o_inputs(ctx, index: int) -> list[torch.Tensor]:
     keep = _Inputs(ctx.runner.store_device)
     ctx.runner.collect(index, ctx.boundary(index), {"o": o}, lambda _: keep)
     return keep.seen
-
-
-@register("dla", DLA)
-def run_dla(cfg: DLA, ctx) -> ProbeResult:
-    ad = ctx.adapter
-    check_dla_family(ad)
-    n, d = ad.num_blocks, ad.hidden_size()
-    final = norm_map(ad.final_norm(), d)
-    posts = [attention_post_norm(ad, i) for i in range(n)]
-    posts = [norm_map(p, d) if p is not None else None for p in posts]
-    sums = _Sums(n, [ad.head_geometry(i).num_heads for i in range(n)])
-    windows = [(b, r) for b, ids in enumerate(ctx.runner.batches) for r in range(len(ids))]
-
-    def read(b: int, r: int):
-        x = ctx.boundary(n)[b][r, :-1].to(ctx.runner.device)
-        return x, *readout(ad, final, x, ctx.runner.batches[b][r, 1:])
-
-    for b, r in windows:
-        x, u, const = read(b, r)
-        emb = (ctx.boundary(0)[b][r, :-1].to(u.device).double() * u).sum(-1)
-        sums.totals[(b, r)] = emb + const
-        sums.logits[(b, r)] = _true_logits(ad, x, ctx.runner.batches[b][r, 1:])
-        sums.embedding += float(emb.sum())
-        sums.constant += float(const.sum())
-        sums.logit += float(sums.logits[(b, r)].sum())
-        sums.count += u.shape[0]
-    for i in progress(range(n), total=n, desc="dla"):
-        _block_terms(ctx, i, posts[i], read, windows, sums)
-    return _result(cfg, sums, n)
 
 
 def _block_terms(ctx, i: int, post: NormMap | None, read, windows, sums: _Sums) -> None:

@@ -1,10 +1,11 @@
 """Probe configs, the registry :data:`PROBES`, option routing, and :class:`ProbeResult`.
 
-A probe is a frozen dataclass config (validated at construction) plus a handler
-``handler(config, context) -> ProbeResult``, registered together under the probe's name
-with :func:`register`, which also declares whether the probe needs the dense forward pass
-(``forward``) and whether its handler resumes from partial results (``resumable``: it then
-takes ``resume`` and ``on_progress`` keywords). Every result lists ``scores``: dicts with
+A probe is one frozen dataclass config (validated at construction) that carries its maths
+in ``run(self, context) -> ProbeResult``, registered under the probe's name with
+``@PROBES.register(name, forward=..., resumable=...)``: whether the probe needs the dense
+forward pass (``forward``, default ``True``) and whether ``run`` resumes from partial
+results (``resumable``, default ``False``: it then takes ``resume`` and ``on_progress``
+keywords). Every result lists ``scores``: dicts with
 ``layers`` (0-based: ``[i]`` for a block, ``[i, j]`` for a pair, ``[start, end]`` for a
 half-open span/interval) and ``value``; the result says whether a low value means
 "removable" and, for pair probes, derives per-layer removability
@@ -25,7 +26,7 @@ import csv
 import dataclasses
 import io
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,30 +39,18 @@ PROBES = Registry("probe")
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    """What a registered probe declares besides its config: its ``handler``, whether it
-    needs the dense pass that caches block boundaries (``forward``), and whether the
-    handler takes ``resume`` / ``on_progress`` (``resumable``)."""
+    """What a registered probe declares besides its config's fields: whether it needs the
+    dense pass that caches block boundaries (``forward``), and whether its ``run`` takes
+    ``resume`` / ``on_progress`` (``resumable``)."""
 
-    handler: Callable
     forward: bool = True
     resumable: bool = False
 
 
-def register(name: str, config_cls: type, *, forward: bool = True,
-             resumable: bool = False) -> Callable[[Callable], Callable]:
-    """Decorator registering ``handler(config, context)`` as probe ``name`` with its config
-    class ``config_cls`` (a dataclass) in :data:`PROBES`; see :class:`ProbeSpec`."""
-    def wrap(handler: Callable) -> Callable:
-        spec = ProbeSpec(handler, forward=forward, resumable=resumable)
-        PROBES.register(name, spec=spec)(config_cls)
-        return handler
-    return wrap
-
-
 def probe_spec(probe: Any) -> ProbeSpec:
-    """The :class:`ProbeSpec` of a probe name or config."""
+    """The :class:`ProbeSpec` of a probe name or config (its registration meta)."""
     name = probe if isinstance(probe, str) else PROBES.name_of(probe)
-    return PROBES.meta(name)["spec"]
+    return ProbeSpec(**PROBES.meta(name))
 
 
 def probe_names() -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from prunelab.log import progress
-from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
 
 
 def perturbation(h: torch.Tensor, scale: float, generator: torch.Generator) -> torch.Tensor:
@@ -34,6 +34,7 @@ def contraction_ratio(clean_out: torch.Tensor, pert_out: torch.Tensor,
     return num / eps.double().norm(dim=-1).clamp_min(1e-300)
 
 
+@PROBES.register("contraction")
 @dataclass(frozen=True)
 class Contraction:
     """Contraction ratio: how much a block scales a small perturbation of its input.
@@ -47,22 +48,20 @@ class Contraction:
         check_range("scale", self.scale, 1e-8, 1.0)
         check_range("seed", self.seed, 0, None, integer=True)
 
-
-@register("contraction", Contraction)
-def run_contraction(cfg: Contraction, ctx) -> ProbeResult:
-    gen = torch.Generator().manual_seed(cfg.seed)
-    scores = []
-    for i in progress(range(ctx.num_blocks), desc="contraction"):
-        clean_in, clean_out = ctx.boundary(i), ctx.boundary(i + 1)
-        eps = [perturbation(h, cfg.scale, gen) for h in clean_in]
-        pert_out = ctx.run_stack(i, [i], hidden=[h + e for h, e in zip(clean_in, eps,
-                                                                        strict=True)])
-        per = [contraction_ratio(c, p, e) for c, p, e in zip(clean_out, pert_out, eps,
-                                                             strict=True)]
-        ratios = torch.cat([r.reshape(-1) for r in per])
-        rho = float(ratios.mean())
-        windows = torch.cat([r.reshape(r.shape[0], -1).mean(1) for r in per]).tolist()
-        scores.append({"layers": [i], "value": abs(rho - 1.0), "rho": rho,
-                       "windows_rho": windows})
-    return ProbeResult("contraction", config_dict(cfg), scores, kind="layer",
-                       num_blocks=ctx.num_blocks)
+    def run(self, ctx) -> ProbeResult:
+        gen = torch.Generator().manual_seed(self.seed)
+        scores = []
+        for i in progress(range(ctx.num_blocks), desc="contraction"):
+            clean_in, clean_out = ctx.boundary(i), ctx.boundary(i + 1)
+            eps = [perturbation(h, self.scale, gen) for h in clean_in]
+            pert_out = ctx.run_stack(i, [i], hidden=[h + e for h, e in zip(clean_in, eps,
+                                                                            strict=True)])
+            per = [contraction_ratio(c, p, e) for c, p, e in zip(clean_out, pert_out, eps,
+                                                                 strict=True)]
+            ratios = torch.cat([r.reshape(-1) for r in per])
+            rho = float(ratios.mean())
+            windows = torch.cat([r.reshape(r.shape[0], -1).mean(1) for r in per]).tolist()
+            scores.append({"layers": [i], "value": abs(rho - 1.0), "rho": rho,
+                           "windows_rho": windows})
+        return ProbeResult("contraction", config_dict(self), scores, kind="layer",
+                           num_blocks=ctx.num_blocks)

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
 
 
+@PROBES.register("gradient-flow", forward=False)
 @dataclass(frozen=True)
 class GradientFlow:
     """CascadeFlow: mean accumulated block gradient norm over a short LoRA fine-tune.
@@ -38,19 +39,17 @@ class GradientFlow:
         if self.measure not in ("params", "residual"):
             raise ConfigError(f"measure must be params or residual, got {self.measure!r}")
 
+    def run(self, ctx) -> ProbeResult:
+        from prunelab.probes.cascadeflow import fan_in_profile, gradient_flow
 
-@register("gradient-flow", GradientFlow, forward=False)
-def run_gradient_flow(cfg: GradientFlow, ctx) -> ProbeResult:
-    from prunelab.probes.cascadeflow import fan_in_profile, gradient_flow
-
-    if ctx.encoder:
-        raise UnsupportedOperationError(f"{ctx.lm.spec} is an encoder: gradient-flow trains "
-                                        "the LM loss")
-    values, facts = gradient_flow(ctx.lm, ctx.input_ids, steps=cfg.steps, lr=cfg.lr,
-                                  rank=cfg.rank, seed=cfg.seed, measure=cfg.measure,
-                                  batch_size=cfg.batch_size)
-    scores = [{"layers": [i], "value": v} for i, v in enumerate(values)]
-    profile = fan_in_profile(values)
-    return ProbeResult("gradient-flow", config_dict(cfg), scores, kind="layer",
-                       num_blocks=len(values),
-                       meta={"training": facts, "spearman_depth": profile["spearman_depth"]})
+        if ctx.encoder:
+            raise UnsupportedOperationError(f"{ctx.lm.spec} is an encoder: gradient-flow trains "
+                                            "the LM loss")
+        values, facts = gradient_flow(ctx.lm, ctx.input_ids, steps=self.steps, lr=self.lr,
+                                      rank=self.rank, seed=self.seed, measure=self.measure,
+                                      batch_size=self.batch_size)
+        scores = [{"layers": [i], "value": v} for i, v in enumerate(values)]
+        profile = fan_in_profile(values)
+        return ProbeResult("gradient-flow", config_dict(self), scores, kind="layer",
+                           num_blocks=len(values),
+                           meta={"training": facts, "spearman_depth": profile["spearman_depth"]})

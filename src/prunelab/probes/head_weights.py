@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from prunelab.models.linear import weight_out_in
-from prunelab.probes.base import ProbeResult, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, config_dict
 
 
 def stable_rank(m: torch.Tensor) -> float:
@@ -98,6 +98,7 @@ def block_head_scores(adapter, index: int) -> dict[str, torch.Tensor]:
     return {"qk": qk, "ov": ov, "value": combined(qk, ov)}
 
 
+@PROBES.register("stable-rank", forward=False)
 @dataclass(frozen=True)
 class StableRank:
     """Forward-free head scores: stable rank of W_Q W_K^T and W_V W_O (low = removable).
@@ -105,18 +106,16 @@ class StableRank:
     No options: the probe reads only the weights (see :mod:`prunelab.probes.head_weights`
     for the GQA mapping and the direction)."""
 
-
-@register("stable-rank", StableRank, forward=False)
-def run_stable_rank(cfg: StableRank, ctx) -> ProbeResult:
-    ad = ctx.adapter
-    scores = []
-    for i in range(ad.num_blocks):
-        gs = ad.head_geometry(i).group_size
-        s = block_head_scores(ad, i)
-        scores += [{"layers": [i], "head": h, "kv_head": h // gs, "value": float(s["value"][h]),
-                    "qk": float(s["qk"][h]), "ov": float(s["ov"][h])}
-                   for h in range(len(s["value"]))]
-    return ProbeResult("stable-rank", config_dict(cfg), scores, kind="head",
-                       num_blocks=ad.num_blocks,
-                       meta={"forward_free": True,
-                             "value": "sqrt(stable_rank(W_QK) * stable_rank(W_OV))"})
+    def run(self, ctx) -> ProbeResult:
+        ad = ctx.adapter
+        scores = []
+        for i in range(ad.num_blocks):
+            gs = ad.head_geometry(i).group_size
+            s = block_head_scores(ad, i)
+            scores += [{"layers": [i], "head": h, "kv_head": h // gs, "value": float(s["value"][h]),
+                        "qk": float(s["qk"][h]), "ov": float(s["ov"][h])}
+                       for h in range(len(s["value"]))]
+        return ProbeResult("stable-rank", config_dict(self), scores, kind="head",
+                           num_blocks=ad.num_blocks,
+                           meta={"forward_free": True,
+                                 "value": "sqrt(stable_rank(W_QK) * stable_rank(W_OV))"})

@@ -33,7 +33,7 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.eval.divergence import kl_from_logits_float64
 from prunelab.log import progress
 from prunelab.models.linear import weight_out_in
-from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
 
 ABLATIONS = ("zero", "mean")
 
@@ -83,6 +83,7 @@ def head_input_mean(ctx, index: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- head-ablation
+@PROBES.register("head-ablation", resumable=True)
 @dataclass(frozen=True)
 class HeadAblation:
     """Divergence to dense with one attention head zeroed or mean-ablated, per head.
@@ -97,35 +98,33 @@ class HeadAblation:
             raise ConfigError(f"ablation must be one of {', '.join(ABLATIONS)}, "
                               f"got {self.ablation!r}")
 
-
-@register("head-ablation", HeadAblation, resumable=True)
-def run_head_ablation(cfg: HeadAblation, ctx, resume=None, on_progress=None) -> ProbeResult:
-    ad, n = ctx.adapter, ctx.num_blocks
-    scores = list((resume or {}).get("scores", []))
-    done = {(s["layers"][0], s["head"]) for s in scores}
-    todo = [(i, h) for i in range(n) for h in range(ad.head_geometry(i).num_heads)
-            if (i, h) not in done]
-    means: dict[int, torch.Tensor] = {}
-    for i, h in progress(todo, total=len(todo), desc="head-ablation"):
-        geo = ad.head_geometry(i)
-        cols = head_columns(h, geo.head_dim)
-        mean = None
-        if cfg.ablation == "mean":
-            if i not in means:
-                means = {i: head_input_mean(ctx, i)}
-            mean = means[i][cols]
-        with ablated_head(ad.attn_projections(i)["o"], cols, mean):
-            hidden = ctx.run_stack(i, [i])
-        last, allpos = ctx.divergence(ctx.run_stack(i + 1, range(i + 1, n), hidden=hidden))
-        scores.append({"layers": [i], "head": h, "kv_head": h // geo.group_size,
-                       "value": allpos, "value_last_position": last})
-        if on_progress is not None:
-            on_progress(scores)
-    scores.sort(key=lambda s: (s["layers"], s["head"]))
-    return ProbeResult("head-ablation", config_dict(cfg), scores, kind="head", num_blocks=n,
-                       meta={"value": f"{ctx.divergence_name}, mean over all positions "
-                                      f"({cfg.ablation} ablation); value_last_position: "
-                                      "at the last position of each window"})
+    def run(self, ctx, resume=None, on_progress=None) -> ProbeResult:
+        ad, n = ctx.adapter, ctx.num_blocks
+        scores = list((resume or {}).get("scores", []))
+        done = {(s["layers"][0], s["head"]) for s in scores}
+        todo = [(i, h) for i in range(n) for h in range(ad.head_geometry(i).num_heads)
+                if (i, h) not in done]
+        means: dict[int, torch.Tensor] = {}
+        for i, h in progress(todo, total=len(todo), desc="head-ablation"):
+            geo = ad.head_geometry(i)
+            cols = head_columns(h, geo.head_dim)
+            mean = None
+            if self.ablation == "mean":
+                if i not in means:
+                    means = {i: head_input_mean(ctx, i)}
+                mean = means[i][cols]
+            with ablated_head(ad.attn_projections(i)["o"], cols, mean):
+                hidden = ctx.run_stack(i, [i])
+            last, allpos = ctx.divergence(ctx.run_stack(i + 1, range(i + 1, n), hidden=hidden))
+            scores.append({"layers": [i], "head": h, "kv_head": h // geo.group_size,
+                           "value": allpos, "value_last_position": last})
+            if on_progress is not None:
+                on_progress(scores)
+        scores.sort(key=lambda s: (s["layers"], s["head"]))
+        return ProbeResult("head-ablation", config_dict(self), scores, kind="head", num_blocks=n,
+                           meta={"value": f"{ctx.divergence_name}, mean over all positions "
+                                          f"({self.ablation} ablation); value_last_position: "
+                                          "at the last position of each window"})
 
 
 # ---------------------------------------------------------------- attention weights
@@ -225,6 +224,7 @@ def ablation_effect(lm, ids: torch.Tensor, groups: dict[str, list[tuple[int, int
     return out
 
 
+@PROBES.register("induction", forward=False)
 @dataclass(frozen=True)
 class Induction:
     """Induction-head detector on repeated random tokens (Olsson et al. 2022).
@@ -244,47 +244,46 @@ class Induction:
         check_range("top_k", self.top_k, 0, None, integer=True)
         check_range("seed", self.seed, 0, None, integer=True)
 
+    def run(self, ctx) -> ProbeResult:
+        ad = ctx.adapter
+        if ad.is_encoder or ad.head() is None:
+            raise UnsupportedOperationError(f"{ad.family}: induction needs a causal LM head")
+        vocab = int(ad.config.vocab_size)
+        bos = _bos(ad.config, vocab)
+        offset = int(bos is not None)
+        limit = getattr(ad.config, "max_position_embeddings", None)
+        if isinstance(limit, int) and 2 * self.length + offset > limit:
+            raise ConfigError(f"induction: 2 x length {self.length} exceeds the model's "
+                              f"{limit} positions")
+        ids = repeated_sequences(vocab, self.length, self.sequences, self.seed, bos)
+        batch = max(ctx.runner.batches[0].shape[0], 1) if ctx.runner.batches else 8
+        n = ad.num_blocks
+        sums = [torch.zeros(ad.head_geometry(i).num_heads, 2, dtype=torch.float64)
+                for i in range(n)]
+        for part in progress(ids.split(batch), desc="induction: attention"):
+            for i, a in enumerate(attention_weights(ctx.lm, part)):
+                ind, dup = induction_scores(a, self.length, offset)
+                sums[i] += torch.stack([ind, dup], 1) * part.shape[0]
+        scores = [{"layers": [i], "head": h, "value": float(sums[i][h, 0]) / self.sequences,
+                   "duplicate": float(sums[i][h, 1]) / self.sequences}
+                  for i in range(n) for h in range(sums[i].shape[0])]
+        ranked = sorted(scores, key=lambda s: (-s["value"], s["layers"][0], s["head"]))
+        top = [(s["layers"][0], s["head"]) for s in ranked[:self.top_k]]
+        others = [(s["layers"][0], s["head"]) for s in ranked[self.top_k:]]
+        g = torch.Generator().manual_seed(self.seed + 1)
+        pick = torch.randperm(len(others), generator=g)[:self.top_k].tolist()
+        effect = ablation_effect(ctx.lm, ids,
+                                 {"top": top, "random": sorted(others[k] for k in pick)},
+                                 repeat_positions(self.length, offset), batch)
+        meta = {"top_heads": [dict(s) for s in ranked[:self.top_k]], "ablation": effect,
+                "sequences": {"length": self.length, "count": self.sequences, "seed": self.seed,
+                              "bos": bos},
+                "value": "mean attention from a second-half token to the token after its "
+                         "earlier occurrence (induction score)"}
+        return ProbeResult("induction", config_dict(self), scores, kind="head", num_blocks=n,
+                           meta=meta)
+
 
 def _bos(cfg, vocab: int) -> int | None:
     bos = getattr(cfg, "bos_token_id", None)
     return bos if isinstance(bos, int) and 0 <= bos < vocab else None
-
-
-@register("induction", Induction, forward=False)
-def run_induction(cfg: Induction, ctx) -> ProbeResult:
-    ad = ctx.adapter
-    if ad.is_encoder or ad.head() is None:
-        raise UnsupportedOperationError(f"{ad.family}: induction needs a causal LM head")
-    vocab = int(ad.config.vocab_size)
-    bos = _bos(ad.config, vocab)
-    offset = int(bos is not None)
-    limit = getattr(ad.config, "max_position_embeddings", None)
-    if isinstance(limit, int) and 2 * cfg.length + offset > limit:
-        raise ConfigError(f"induction: 2 x length {cfg.length} exceeds the model's "
-                          f"{limit} positions")
-    ids = repeated_sequences(vocab, cfg.length, cfg.sequences, cfg.seed, bos)
-    batch = max(ctx.runner.batches[0].shape[0], 1) if ctx.runner.batches else 8
-    n = ad.num_blocks
-    sums = [torch.zeros(ad.head_geometry(i).num_heads, 2, dtype=torch.float64)
-            for i in range(n)]
-    for part in progress(ids.split(batch), desc="induction: attention"):
-        for i, a in enumerate(attention_weights(ctx.lm, part)):
-            ind, dup = induction_scores(a, cfg.length, offset)
-            sums[i] += torch.stack([ind, dup], 1) * part.shape[0]
-    scores = [{"layers": [i], "head": h, "value": float(sums[i][h, 0]) / cfg.sequences,
-               "duplicate": float(sums[i][h, 1]) / cfg.sequences}
-              for i in range(n) for h in range(sums[i].shape[0])]
-    ranked = sorted(scores, key=lambda s: (-s["value"], s["layers"][0], s["head"]))
-    top = [(s["layers"][0], s["head"]) for s in ranked[:cfg.top_k]]
-    others = [(s["layers"][0], s["head"]) for s in ranked[cfg.top_k:]]
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    pick = torch.randperm(len(others), generator=g)[:cfg.top_k].tolist()
-    effect = ablation_effect(ctx.lm, ids, {"top": top, "random": sorted(others[k] for k in pick)},
-                             repeat_positions(cfg.length, offset), batch)
-    meta = {"top_heads": [dict(s) for s in ranked[:cfg.top_k]], "ablation": effect,
-            "sequences": {"length": cfg.length, "count": cfg.sequences, "seed": cfg.seed,
-                          "bos": bos},
-            "value": "mean attention from a second-half token to the token after its "
-                     "earlier occurrence (induction score)"}
-    return ProbeResult("induction", config_dict(cfg), scores, kind="head", num_blocks=n,
-                       meta=meta)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prunelab.log import progress
-from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
 
 
 def best_interval_pairs(costs: dict[tuple[int, int], float], max_total: int) -> list[dict]:
@@ -36,6 +36,7 @@ def best_interval_pairs(costs: dict[tuple[int, int], float], max_total: int) -> 
     return [best[n] for n in sorted(best)]
 
 
+@PROBES.register("interval", resumable=True)
 @dataclass(frozen=True)
 class Interval:
     """Divergence to dense with each interval of blocks removed, up to ``max_length`` long."""
@@ -45,21 +46,19 @@ class Interval:
     def __post_init__(self):
         check_range("max_length", self.max_length, 1, None, integer=True)
 
-
-@register("interval", Interval, resumable=True)
-def run_interval(cfg: Interval, ctx, resume=None, on_progress=None) -> ProbeResult:
-    n = ctx.num_blocks
-    spans = [(s, s + k) for k in range(1, min(cfg.max_length, n - 1) + 1)
-             for s in range(0, n - k + 1)]
-    done = {tuple(s["layers"]): s for s in (resume or {}).get("scores", [])}
-    scores = [done[s] for s in spans if s in done]
-    for s, e in progress([sp for sp in spans if sp not in done], desc="interval"):
-        per = ctx.divergence_windows(ctx.run_stack(s, range(e, n)))
-        scores.append({"layers": [s, e], **per.entry()})
-        if on_progress is not None:
-            on_progress(scores)
-    scores.sort(key=lambda x: (x["layers"][1] - x["layers"][0], x["layers"]))
-    costs = {tuple(x["layers"]): x["value"] for x in scores}
-    pairs = best_interval_pairs(costs, 2 * cfg.max_length)
-    return ProbeResult("interval", config_dict(cfg), scores, kind="interval", num_blocks=n,
-                       meta={"best_interval_pairs": pairs})
+    def run(self, ctx, resume=None, on_progress=None) -> ProbeResult:
+        n = ctx.num_blocks
+        spans = [(s, s + k) for k in range(1, min(self.max_length, n - 1) + 1)
+                 for s in range(0, n - k + 1)]
+        done = {tuple(s["layers"]): s for s in (resume or {}).get("scores", [])}
+        scores = [done[s] for s in spans if s in done]
+        for s, e in progress([sp for sp in spans if sp not in done], desc="interval"):
+            per = ctx.divergence_windows(ctx.run_stack(s, range(e, n)))
+            scores.append({"layers": [s, e], **per.entry()})
+            if on_progress is not None:
+                on_progress(scores)
+        scores.sort(key=lambda x: (x["layers"][1] - x["layers"][0], x["layers"]))
+        costs = {tuple(x["layers"]): x["value"] for x in scores}
+        pairs = best_interval_pairs(costs, 2 * self.max_length)
+        return ProbeResult("interval", config_dict(self), scores, kind="interval", num_blocks=n,
+                           meta={"best_interval_pairs": pairs})

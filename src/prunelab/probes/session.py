@@ -180,10 +180,9 @@ def _build_configs(probes: list, options: dict, seed: int | None) -> dict:
 def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None,
              reliability: tuple[int, int] = (200, 0)) -> ProbeResult:
     spec = probe_spec(name)
-    handler = spec.handler
     cfgd = config_dict(cfg)
     kwargs = {}
-    if spec.resumable:  # the handler takes resume and on_progress (declared at registration)
+    if spec.resumable:  # run takes resume and on_progress (declared at registration)
         kwargs["resume"] = resume
     if spec.resumable and out is not None:
         def save_partial(scores, _name=name):
@@ -193,7 +192,7 @@ def _run_one(name, cfg, ctx, out, data_info, fingerprint=None, resume=None,
     if spec.forward and not getattr(cfg, "metric", None):  # a task metric runs the model
         ctx.ensure_cached()
     evals0, start = ctx.block_evaluations, time.perf_counter()
-    result = handler(cfg, ctx, **kwargs)
+    result = cfg.run(ctx, **kwargs)
     result.meta.update({
         "model": ctx.lm.spec, "data": data_info,
         "seconds": time.perf_counter() - start,

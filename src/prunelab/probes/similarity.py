@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -59,6 +59,7 @@ def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(cross / den) if den > 0 else 0.0
 
 
+@PROBES.register("block-influence")
 @dataclass(frozen=True)
 class BlockInfluence:
     """ShortGPT block influence: mean 1 - cos between a block's input and output.
@@ -67,20 +68,19 @@ class BlockInfluence:
 
     angular: bool = False
 
-
-@register("block-influence", BlockInfluence)
-def run_block_influence(cfg: BlockInfluence, ctx) -> ProbeResult:
-    scores = []
-    for i in range(ctx.num_blocks):
-        h_in, h_out = torch.cat(ctx.boundary(i)), torch.cat(ctx.boundary(i + 1))
-        scores.append({"layers": [i], "value": block_influence(h_in, h_out, cfg.angular),
-                       "value_angular": block_influence(h_in, h_out, True),
-                       "value_cosine": block_influence(h_in, h_out, False),
-                       "windows": block_influence_windows(h_in, h_out, cfg.angular)})
-    return ProbeResult("block-influence", config_dict(cfg), scores, kind="layer",
-                       num_blocks=ctx.num_blocks)
+    def run(self, ctx) -> ProbeResult:
+        scores = []
+        for i in range(ctx.num_blocks):
+            h_in, h_out = torch.cat(ctx.boundary(i)), torch.cat(ctx.boundary(i + 1))
+            scores.append({"layers": [i], "value": block_influence(h_in, h_out, self.angular),
+                           "value_angular": block_influence(h_in, h_out, True),
+                           "value_cosine": block_influence(h_in, h_out, False),
+                           "windows": block_influence_windows(h_in, h_out, self.angular)})
+        return ProbeResult("block-influence", config_dict(self), scores, kind="layer",
+                           num_blocks=ctx.num_blocks)
 
 
+@PROBES.register("span-angular")
 @dataclass(frozen=True)
 class SpanAngular:
     """Gromov et al.: angular distance between ``h_l`` and ``h_{l+span}`` at the last token."""
@@ -90,25 +90,24 @@ class SpanAngular:
     def __post_init__(self):
         check_range("span", self.span, 1, None, integer=True)
 
+    def run(self, ctx) -> ProbeResult:
+        n = self.span
+        if n >= ctx.num_blocks:
+            from prunelab.errors import ConfigError
 
-@register("span-angular", SpanAngular)
-def run_span_angular(cfg: SpanAngular, ctx) -> ProbeResult:
-    n = cfg.span
-    if n >= ctx.num_blocks:
-        from prunelab.errors import ConfigError
-
-        raise ConfigError(f"span must be < the number of blocks ({ctx.num_blocks}), got {n}")
-    last = [torch.cat([h[:, -1] for h in ctx.boundary(i)]) for i in range(ctx.num_blocks + 1)]
-    scores = []
-    for start in range(ctx.num_blocks - n + 1):
-        per = torch.arccos(_cos(last[start], last[start + n])) / math.pi
-        scores.append({"layers": [start, start + n], "value": float(per.mean()),
-                       "windows": per.tolist()})
-    best = min(scores, key=lambda s: s["value"])
-    return ProbeResult("span-angular", config_dict(cfg), scores, kind="span",
-                       num_blocks=ctx.num_blocks, meta={"best_span": best["layers"]})
+            raise ConfigError(f"span must be < the number of blocks ({ctx.num_blocks}), got {n}")
+        last = [torch.cat([h[:, -1] for h in ctx.boundary(i)]) for i in range(ctx.num_blocks + 1)]
+        scores = []
+        for start in range(ctx.num_blocks - n + 1):
+            per = torch.arccos(_cos(last[start], last[start + n])) / math.pi
+            scores.append({"layers": [start, start + n], "value": float(per.mean()),
+                           "windows": per.tolist()})
+        best = min(scores, key=lambda s: s["value"])
+        return ProbeResult("span-angular", config_dict(self), scores, kind="span",
+                           num_blocks=ctx.num_blocks, meta={"best_span": best["layers"]})
 
 
+@PROBES.register("cka")
 @dataclass(frozen=True)
 class CKA:
     """Linear CKA between block boundaries: adjacent (per block) and, optionally, all pairs."""
@@ -119,21 +118,19 @@ class CKA:
     def __post_init__(self):
         check_range("max_tokens", self.max_tokens, 2, None, integer=True)
 
-
-@register("cka", CKA)
-def run_cka(cfg: CKA, ctx) -> ProbeResult:
-    n = ctx.num_blocks
-    states = []
-    for i in range(n + 1):
-        h = torch.cat(ctx.boundary(i)).reshape(-1, ctx.adapter.hidden_size())
-        states.append(h[: cfg.max_tokens])
-    scores = [{"layers": [i], "value": linear_cka(states[i], states[i + 1]), "kind": "layer"}
-              for i in range(n)]
-    if cfg.all_pairs:
+    def run(self, ctx) -> ProbeResult:
+        n = ctx.num_blocks
+        states = []
         for i in range(n + 1):
-            for j in range(i + 1, n + 1):
-                scores.append({"layers": [i, j], "value": linear_cka(states[i], states[j]),
-                               "kind": "boundary-pair"})
-    return ProbeResult("cka", config_dict(cfg), scores, kind="layer", lower_is_removable=False,
-                       num_blocks=n, meta={"note": "boundary-pair layers are boundaries "
-                                           "0..L (boundary i = input of block i)"})
+            h = torch.cat(ctx.boundary(i)).reshape(-1, ctx.adapter.hidden_size())
+            states.append(h[: self.max_tokens])
+        scores = [{"layers": [i], "value": linear_cka(states[i], states[i + 1]), "kind": "layer"}
+                  for i in range(n)]
+        if self.all_pairs:
+            for i in range(n + 1):
+                for j in range(i + 1, n + 1):
+                    scores.append({"layers": [i, j], "value": linear_cka(states[i], states[j]),
+                                   "kind": "boundary-pair"})
+        return ProbeResult("cka", config_dict(self), scores, kind="layer", lower_is_removable=False,
+                           num_blocks=n, meta={"note": "boundary-pair layers are boundaries "
+                                               "0..L (boundary i = input of block i)"})

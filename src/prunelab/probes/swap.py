@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
 from prunelab.log import progress
-from prunelab.probes.base import ProbeResult, check_range, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
 
 
 def pair_class(kl: float) -> str:
@@ -100,40 +100,38 @@ def _run_pairs(name: str, cfg: SwapConfig, ctx, measure, resume: dict | None,
     return ProbeResult(name, config_dict(cfg), scores, kind="pair", num_blocks=n)
 
 
+@PROBES.register("interchange", resumable=True)
 @dataclass(frozen=True)
 class Interchange(SwapConfig):
     """Divergence to dense with blocks i and j exchanged ("No Free Swap" interchange)."""
 
+    def run(self, ctx, resume=None, on_progress=None) -> ProbeResult:
+        n = ctx.num_blocks
 
+        def measure(i, j):
+            return ctx.divergence_windows(ctx.run_stack(i, interchange_order(n, i, j))).entry()
+
+        return _run_pairs("interchange", self, ctx, measure, resume, on_progress)
+
+
+@PROBES.register("replacement", resumable=True)
 @dataclass(frozen=True)
 class Replacement(SwapConfig):
     """Divergence to dense with block i replaced by a copy of j, and j by i (the larger)."""
 
+    def run(self, ctx, resume=None, on_progress=None) -> ProbeResult:
+        n = ctx.num_blocks
 
-@register("interchange", Interchange, resumable=True)
-def run_interchange(cfg: Interchange, ctx, resume=None, on_progress=None) -> ProbeResult:
-    n = ctx.num_blocks
+        def measure(i, j):
+            a = ctx.divergence_windows(ctx.run_stack(i, replacement_order(n, i, j)))
+            b = ctx.divergence_windows(ctx.run_stack(j, replacement_order(n, j, i)))
+            return {"value": max(a.value, b.value),
+                    "value_all_positions": max(a.value_all_positions, b.value_all_positions),
+                    "i_from_j": a.value, "j_from_i": b.value,
+                    "i_from_j_all_positions": a.value_all_positions,
+                    "j_from_i_all_positions": b.value_all_positions,
+                    "windows_i_from_j": a.last, "windows_j_from_i": b.last,
+                    "windows_i_from_j_all_positions": a.all_positions,
+                    "windows_j_from_i_all_positions": b.all_positions}
 
-    def measure(i, j):
-        return ctx.divergence_windows(ctx.run_stack(i, interchange_order(n, i, j))).entry()
-
-    return _run_pairs("interchange", cfg, ctx, measure, resume, on_progress)
-
-
-@register("replacement", Replacement, resumable=True)
-def run_replacement(cfg: Replacement, ctx, resume=None, on_progress=None) -> ProbeResult:
-    n = ctx.num_blocks
-
-    def measure(i, j):
-        a = ctx.divergence_windows(ctx.run_stack(i, replacement_order(n, i, j)))
-        b = ctx.divergence_windows(ctx.run_stack(j, replacement_order(n, j, i)))
-        return {"value": max(a.value, b.value),
-                "value_all_positions": max(a.value_all_positions, b.value_all_positions),
-                "i_from_j": a.value, "j_from_i": b.value,
-                "i_from_j_all_positions": a.value_all_positions,
-                "j_from_i_all_positions": b.value_all_positions,
-                "windows_i_from_j": a.last, "windows_j_from_i": b.last,
-                "windows_i_from_j_all_positions": a.all_positions,
-                "windows_j_from_i_all_positions": b.all_positions}
-
-    return _run_pairs("replacement", cfg, ctx, measure, resume, on_progress)
+        return _run_pairs("replacement", self, ctx, measure, resume, on_progress)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from prunelab.models.linear import weight_out_in
-from prunelab.probes.base import ProbeResult, config_dict, register
+from prunelab.probes.base import PROBES, ProbeResult, config_dict
 
 
 def _flat(module) -> torch.Tensor:
@@ -44,24 +44,23 @@ def weight_redundancy(o_weights: list[torch.Tensor], down_weights: list[torch.Te
     return sim, scale, scale * (1 - best)
 
 
+@PROBES.register("weight-redundancy", forward=False)
 @dataclass(frozen=True)
 class WeightRedundancy:
     """Forward-free weight redundancy: similarity and scale of W_O and W_down per block.
 
     No options: the probe reads only the weights."""
 
-
-@register("weight-redundancy", WeightRedundancy, forward=False)
-def run_weight_redundancy(cfg: WeightRedundancy, ctx) -> ProbeResult:
-    ad = ctx.adapter
-    n = ad.num_blocks
-    o = [_flat(ad.attn_projections(i)["o"]) for i in range(n)]
-    d = [_flat(ad.mlp_projections(i)["down"]) for i in range(n)]
-    sim, scale, value = weight_redundancy(o, d)
-    off = sim.clone().fill_diagonal_(float("-inf"))
-    scores = [{"layers": [i], "value": float(value[i]), "scale": float(scale[i]),
-               "max_similarity": float(off[i].max()) if n > 1 else 0.0} for i in range(n)]
-    scores += [{"layers": [i, j], "value": float(sim[i, j]), "kind": "pair"}
-               for i in range(n) for j in range(i + 1, n)]
-    return ProbeResult("weight-redundancy", config_dict(cfg), scores, kind="layer",
-                       num_blocks=n, meta={"forward_free": True})
+    def run(self, ctx) -> ProbeResult:
+        ad = ctx.adapter
+        n = ad.num_blocks
+        o = [_flat(ad.attn_projections(i)["o"]) for i in range(n)]
+        d = [_flat(ad.mlp_projections(i)["down"]) for i in range(n)]
+        sim, scale, value = weight_redundancy(o, d)
+        off = sim.clone().fill_diagonal_(float("-inf"))
+        scores = [{"layers": [i], "value": float(value[i]), "scale": float(scale[i]),
+                   "max_similarity": float(off[i].max()) if n > 1 else 0.0} for i in range(n)]
+        scores += [{"layers": [i, j], "value": float(sim[i, j]), "kind": "pair"}
+                   for i in range(n) for j in range(i + 1, n)]
+        return ProbeResult("weight-redundancy", config_dict(self), scores, kind="layer",
+                           num_blocks=n, meta={"forward_free": True})

@@ -13,22 +13,21 @@ from __future__ import annotations
 
 from prunelab.pruning.base import (
     METHODS,
+    PRUNERS,
     DictReport,
     MethodReport,
     Pruner,
     PruneReport,
     config_from_dict,
     pruner_for,
-    register_pruner,
 )
+from prunelab.registry import import_submodules
 
-# registration order (the order the CLI and the docs list methods in): depth, width,
-# elastic, then the rest as imported below
-# isort: off
+# every piece registers (in the order the CLI and the docs list methods in: depth, width
+# (then elastic), then the other packages by name; tokens sorts last)
+import_submodules(__name__, first=("depth", "width"))
+
 from prunelab.pruning.depth.config import Depth, depth_from_cli
-import prunelab.pruning.width.config  # noqa: F401 - registers "width"
-from prunelab.pruning.width.elastic import ElasticRanking  # noqa: F401 - registers "elastic"
-# isort: on
 from prunelab.pruning.depth.recoveries import (
     RECOVERIES,
     Boundary,
@@ -51,11 +50,10 @@ from prunelab.pruning.depth.strategies import (
     Span,
     Strategy,
 )
-from prunelab.pruning.depth.surgery import DepthPruner, DepthReport  # registers Depth's pruner
+from prunelab.pruning.depth.surgery import DepthPruner, DepthReport
 from prunelab.pruning.factor import FactorConfig, factor_methods
-from prunelab.pruning.gates.config import Gates, GatesPruner  # registers "gates"
-from prunelab.pruning.moe import PrunePath  # registers "prunepath"
-from prunelab.pruning.sparsity import pruner as _sparsity_pruner  # noqa: F401 - registers
+from prunelab.pruning.gates.config import Gates, GatesPruner
+from prunelab.pruning.moe import PrunePath
 from prunelab.pruning.sparsity.config import (
     ALLOCATIONS,
     Owl,
@@ -66,6 +64,7 @@ from prunelab.pruning.sparsity.config import (
     sparsity_methods,
 )
 from prunelab.pruning.sparsity.methods import Magnitude, QKWanda, Rose, SparseGPT, Wanda
+from prunelab.pruning.tokens import TokenPruning
 from prunelab.pruning.width import (
     WIDTH_ALLOCATIONS,
     WIDTH_SCORES,
@@ -74,20 +73,17 @@ from prunelab.pruning.width import (
     WidthScore,
     width_from_cli,
 )
-from prunelab.pruning.width.execute import WidthPruner, WidthReport  # registers Width's
+from prunelab.pruning.width.elastic import ElasticRanking
+from prunelab.pruning.width.execute import WidthPruner, WidthReport
 
-# isort: off
-from prunelab.pruning.tokens import TokenPruning  # registers "tokens" (listed last)
-# isort: on
-
-__all__ = ["ALLOCATIONS", "METHODS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",
+__all__ = ["ALLOCATIONS", "METHODS", "PRUNERS", "RECOVERIES", "STRATEGIES", "WIDTH_ALLOCATIONS",
            "WIDTH_SCORES", "Beam", "Blend", "Boundary", "Depth", "DepthPruner", "DepthReport",
            "DictReport", "FactorConfig", "Foldable", "Ghost", "Iterative", "LastN", "Lra",
            "Gates", "GatesPruner", "Magnitude", "factor_methods",
            "MethodReport", "NoAdjacent", "NoRecovery", "OneShot", "Owl", "Pals", "PruneReport",
            "Pruner", "PrunePath", "QKWanda", "Ramp", "Random", "Recovery", "Rose", "SparseGPT",
            "Sleb", "SparsityConfig", "Span", "Strategy", "TokenPruning", "Uniform", "Wanda",
-           "Width",
+           "Width", "ElasticRanking",
            "WidthAllocation", "WidthPruner", "WidthReport", "WidthScore", "config_from_dict",
-           "depth_from_cli", "pruner_for", "register_pruner", "sparsity_methods",
+           "depth_from_cli", "pruner_for", "sparsity_methods",
            "width_from_cli"]

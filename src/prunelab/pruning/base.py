@@ -10,14 +10,14 @@ into a :class:`PruneReport`, and records the operation in the model's history (t
 manifest rebuilds the config from it with :func:`config_from_dict`).
 
 Adding a family of methods: register its config class in :data:`METHODS` under a name and
-its pruner with :func:`register_pruner`::
+its pruner in :data:`PRUNERS` under the config class::
 
     @METHODS.register("my-depth")
     @dataclass(frozen=True)
     class MyDepth:
         remove: int = 1
 
-    @register_pruner(MyDepth)
+    @PRUNERS.register(MyDepth)
     class MyDepthPruner(Pruner):
         operation = "prune-depth"
         def run(self, lm, config, input_ids, *, batch_size):
@@ -33,7 +33,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from prunelab.errors import ConfigError
 from prunelab.registry import Registry, to_dict
 
 #: Every pruning config class by its user-facing name ("depth", "width", "wanda", ...).
@@ -84,24 +83,16 @@ class Pruner(abc.ABC):
         """Prune ``lm`` in place on calibration ``input_ids`` ``[N, T]``."""
 
 
-_PRUNERS: dict[type, Pruner] = {}
-
-
-def register_pruner(config_type: type):
-    """Class decorator: the decorated :class:`Pruner` handles ``config_type``."""
-    def wrap(cls: type[Pruner]) -> type[Pruner]:
-        _PRUNERS[config_type] = cls()
-        return cls
-    return wrap
+#: The :class:`Pruner` (one instance) of every config type (and its subclasses).
+PRUNERS = Registry(
+    "pruner", by_type=True, instantiate=True,
+    missing=lambda cls: (f"no pruning method for {cls.__name__}; registered: "
+                         f"{', '.join(METHODS.names())}"))
 
 
 def pruner_for(config: Any) -> Pruner:
     """The pruner registered for ``type(config)`` or its nearest base class."""
-    for cls in type(config).__mro__:
-        if cls in _PRUNERS:
-            return _PRUNERS[cls]
-    raise ConfigError(f"no pruning method for {type(config).__name__}; registered: "
-                      f"{', '.join(METHODS.names())}")
+    return PRUNERS.for_config(config)
 
 
 def config_from_dict(d: dict | str) -> Any:

@@ -15,12 +15,7 @@ from prunelab.eval.divergence import token_nll
 from prunelab.models.loading import wrap
 from prunelab.models.sublayer import PARTS, remove_sublayers
 from prunelab.probes import ProbeContext
-from prunelab.probes.ablation import (
-    LeaveOneOut,
-    SublayerAblation,
-    run_leave_one_out,
-    run_sublayer_ablation,
-)
+from prunelab.probes.ablation import LeaveOneOut, SublayerAblation
 from prunelab.pruning import RECOVERIES, Beam, Depth, depth_from_cli
 from prunelab.pruning.depth.config import select
 from prunelab.pruning.depth.recoveries import Recovery
@@ -66,7 +61,7 @@ def _without_blocks(lm, blocks):
 def test_sleb_one_step_equals_the_leave_one_out_argmin(arch):
     lm = _lm(arch)
     ctx = _ctx(lm)
-    loo = run_leave_one_out(LeaveOneOut(), ctx).layer_values("value_all_positions")
+    loo = LeaveOneOut().run(ctx).layer_values("value_all_positions")
     blocks, how = select(lm, Depth(remove=1, select=Sleb(score="kl")), ctx, 1)
     best = min(range(len(loo)), key=lambda i: loo[i])
     assert blocks == [best] and how["steps"][0]["score"] == loo[best]
@@ -305,11 +300,11 @@ def test_sublayer_one_shot_needs_a_sub_block_probe_result(tmp_path):
     lm = _lm()
     ctx = _ctx(lm)
     path = tmp_path / "loo.json"
-    path.write_text(json.dumps(run_leave_one_out(LeaveOneOut(), ctx).to_dict()))
+    path.write_text(json.dumps(LeaveOneOut().run(ctx).to_dict()))
     with pytest.raises(ConfigError, match="sub-block probe"):
         select(lm, Depth(remove=1, granularity="sublayer", from_probe=str(path)), ctx, 1)
     path = tmp_path / "sub.json"
-    path.write_text(json.dumps(run_sublayer_ablation(SublayerAblation(), ctx).to_dict()))
+    path.write_text(json.dumps(SublayerAblation().run(ctx).to_dict()))
     parts, _ = select(lm, Depth(remove=1, granularity="sublayer", from_probe=str(path)),
                       ctx, 1)
     assert parts and all(p in PARTS for _, p in parts)

@@ -17,7 +17,7 @@ from prunelab.data import TokenBatches
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.custom import custom_modules
 from prunelab.models.loading import wrap
-from prunelab.probes.base import make_config, probe_spec
+from prunelab.probes.base import make_config
 from prunelab.probes.context import ProbeContext
 from prunelab.pruning import METHODS
 from prunelab.pruning.gates.config import (
@@ -136,7 +136,7 @@ def test_per_flop_selection_differs_from_plain_order_by_cost():
 def test_intervention_kls_equal_the_sublayer_ablation_probe():
     lm = _lm("qwen2")
     ctx = ProbeContext(lm, IDS, batch_size=3)
-    probe = probe_spec("sublayer-ablation").handler(make_config("sublayer-ablation"), ctx)
+    probe = make_config("sublayer-ablation").run(ctx)
     meas = measure_sublayers(lm, IDS, ctx=ctx, positions="all")
     last = measure_sublayers(lm, IDS, ctx=ctx, positions="last")
     ctx.close()

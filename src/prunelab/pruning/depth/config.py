@@ -27,7 +27,7 @@ from dataclasses import InitVar, dataclass, field
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext, ProbeResult
-from prunelab.probes.base import PROBES, STREAMABLE_PROBES, make_config, options_for, probe_spec
+from prunelab.probes.base import PROBES, STREAMABLE_PROBES, make_config, options_for
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.depth.recoveries import RECOVERIES, Recovery
 from prunelab.pruning.depth.search_budget import check_search_options
@@ -235,7 +235,7 @@ def run_probe(name: str, ctx, cfg: Depth, n: int) -> ProbeResult:
     """Probe ``name`` on ``ctx``; depth's ``window``, ``span`` (= n), ``max_length`` and
     ``seed`` are routed to the probe only where its config takes them."""
     opts = {"window": cfg.window, "span": n, "max_length": max(n, 1), "seed": cfg.seed}
-    return probe_spec(name).handler(make_config(name, **options_for(name, **opts)), ctx)
+    return make_config(name, **options_for(name, **opts)).run(ctx)
 
 
 def _load_probe(path: str, num_blocks: int) -> ProbeResult:

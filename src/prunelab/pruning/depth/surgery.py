@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from prunelab.log import info
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext
-from prunelab.pruning.base import MethodReport, Pruner, register_pruner
+from prunelab.pruning.base import PRUNERS, MethodReport, Pruner
 from prunelab.pruning.depth.config import Depth, blocks_to_remove, select
 from prunelab.pruning.depth.recoveries import RECOVERIES
 from prunelab.pruning.depth.recovery import recover
@@ -100,7 +100,7 @@ def prune_depth(lm, cfg: Depth, input_ids, data_info: dict | None = None,
             "seconds": time.perf_counter() - start, "data": data_info or {}}
 
 
-@register_pruner(Depth)
+@PRUNERS.register(Depth)
 class DepthPruner(Pruner):
     """Depth pruning as a :func:`prunelab.prune` method."""
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from prunelab.models.size import size_summary
-from prunelab.pruning.base import DictReport, Pruner, register_pruner
+from prunelab.pruning.base import PRUNERS, DictReport, Pruner
 from prunelab.registry import check_range
 
 
@@ -72,7 +72,7 @@ def factorized_modules(model) -> list[dict]:
             for path, m in custom_modules(model)]
 
 
-@register_pruner(FactorConfig)
+@PRUNERS.register(FactorConfig)
 class FactorPruner(Pruner):
     """Every factorization method: :meth:`FactorConfig.apply` plus the shared report."""
 

@@ -54,7 +54,7 @@ from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64
 from prunelab.models.custom import flops_per_token
 from prunelab.models.sublayer import PARTS, branch_paths, remove_sublayers
-from prunelab.pruning.base import METHODS, DictReport, Pruner, register_pruner
+from prunelab.pruning.base import METHODS, PRUNERS, DictReport, Pruner
 from prunelab.pruning.gates.fit import bootstrap_rounds, cover_budget, ema_smooth, fit_gates
 from prunelab.registry import check_range
 
@@ -267,9 +267,9 @@ def plan_probe_greedy(meas: Measurement, budget: float) -> Plan:
 
 def block_scores(ctx, probe: str = "block-influence") -> list[float]:
     """Per-block score of a layer-kind depth probe on ``ctx`` (ascending = removable)."""
-    from prunelab.probes.base import make_config, probe_spec
+    from prunelab.probes.base import make_config
 
-    res = probe_spec(probe).handler(make_config(probe), ctx)
+    res = make_config(probe).run(ctx)
     if res.kind != "layer":
         raise ConfigError(f"block baseline needs a per-block probe, {probe} is {res.kind}")
     return [float(v) for v in res.layer_values()]
@@ -302,7 +302,7 @@ def apply_plan(lm, plan: Plan) -> dict:
 
 
 # ---------------------------------------------------------------------- the method
-@register_pruner(Gates)
+@PRUNERS.register(Gates)
 class GatesPruner(Pruner):
     """CausalGate: measure, fit, cover the budget, remove; reports sizes before/after."""
 

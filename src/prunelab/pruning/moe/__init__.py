@@ -1,6 +1,11 @@
 """PrunePath: gated FFNs as mixtures of experts with a cumulative-mass router (MoEfication,
 Zhang et al. 2022, arXiv:2110.01786; the routing mass ``p`` is a runtime knob)."""
 
+from prunelab.registry import import_submodules
+
+# registration order = the order of CLI lists and error messages
+import_submodules(__name__)
+
 from prunelab.pruning.moe.config import PrunePath, PrunePathPruner
 from prunelab.pruning.moe.module import (
     MASS_ATTR,

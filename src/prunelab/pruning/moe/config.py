@@ -17,7 +17,7 @@ import torch
 from prunelab.calib.runner import BlockRunner
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.custom import install
-from prunelab.pruning.base import METHODS, DictReport, Pruner, register_pruner
+from prunelab.pruning.base import METHODS, PRUNERS, DictReport, Pruner
 from prunelab.pruning.moe.convert import convert_block, unsupported_reason
 from prunelab.pruning.moe.module import MASS_ATTR
 from prunelab.registry import check_range
@@ -126,7 +126,7 @@ def summary(rows: list[dict], cfg: PrunePath, passes: float) -> dict:
             "blocks": rows, "block_evaluations": passes}
 
 
-@register_pruner(PrunePath)
+@PRUNERS.register(PrunePath)
 class PrunePathPruner(Pruner):
     """Runs :meth:`PrunePath.apply` and adds sizes and FLOPs."""
 

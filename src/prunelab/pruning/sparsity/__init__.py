@@ -8,6 +8,11 @@ precomputed. The registered methods (configs and their hooks) live in
 
 from __future__ import annotations
 
+from prunelab.registry import import_submodules
+
+# registration order = the order of CLI lists and error messages
+import_submodules(__name__, first=("config", "methods"))
+
 from prunelab.pruning.allocation import (
     outlier_ratio,
     owl,

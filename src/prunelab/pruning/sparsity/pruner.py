@@ -4,7 +4,7 @@ needs only its own registration in :data:`~prunelab.pruning.base.METHODS`."""
 
 from __future__ import annotations
 
-from prunelab.pruning.base import Pruner, register_pruner
+from prunelab.pruning.base import PRUNERS, Pruner
 from prunelab.pruning.sparsity.config import SparsityConfig
 from prunelab.pruning.sparsity.execute import (
     SparsityReport,
@@ -13,7 +13,7 @@ from prunelab.pruning.sparsity.execute import (
 )
 
 
-@register_pruner(SparsityConfig)
+@PRUNERS.register(SparsityConfig)
 class SparsityPruner(Pruner):
     """Unstructured / N:M sparsity, block by block (:func:`prune_sparsity`)."""
 

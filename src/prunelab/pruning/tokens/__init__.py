@@ -3,6 +3,11 @@ a pruning layer run on fewer tokens. See :mod:`prunelab.pruning.tokens.runtime` 
 pruned forward) and :mod:`prunelab.pruning.tokens.head` (multi-depth feature recovery and
 a gated task head)."""
 
+from prunelab.registry import import_submodules
+
+# registration order = the order of CLI lists and error messages
+import_submodules(__name__)
+
 from prunelab.pruning.tokens.checkpoint import TokenPruner, install_token_pruning
 from prunelab.pruning.tokens.evaluate import evaluate_token_pruning
 from prunelab.pruning.tokens.head import (

@@ -5,12 +5,12 @@ calibration data is read (the scores are the CLS attention of each input)."""
 
 from __future__ import annotations
 
-from prunelab.pruning.base import DictReport, Pruner, register_pruner
+from prunelab.pruning.base import PRUNERS, DictReport, Pruner
 from prunelab.pruning.tokens.checkpoint import install_token_pruning
 from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning
 
 
-@register_pruner(TokenPruning)
+@PRUNERS.register(TokenPruning)
 class TokenPruningPruner(Pruner):
     """Installs the token pruners of a :class:`TokenPruning` config (vision encoders)."""
 

@@ -26,7 +26,7 @@ from prunelab.calib.stats import Gram, MeanVar
 from prunelab.errors import UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.models.size import model_size
-from prunelab.pruning.base import MethodReport, Pruner, register_pruner
+from prunelab.pruning.base import PRUNERS, MethodReport, Pruner
 from prunelab.pruning.width import plan as P
 from prunelab.pruning.width import scores as S
 from prunelab.pruning.width.config import Width
@@ -120,7 +120,7 @@ def prune_width(lm, cfg: Width, input_ids, data_info: dict | None = None,
             "seconds": time.perf_counter() - start, "data": data_info or {}}
 
 
-@register_pruner(Width)
+@PRUNERS.register(Width)
 class WidthPruner(Pruner):
     """Width pruning as a :func:`prunelab.prune` method."""
 

@@ -4,19 +4,15 @@ built-in method is one new file here (a user's method registers from anywhere)."
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from prunelab.registry import import_submodules
 
-# registration order is the order the CLI lists them in
-# isort: off
+# registration order = the order the CLI lists them in (then the other modules by name)
+import_submodules(__name__, first=("magnitude", "wanda", "sparsegpt", "rose", "qk_wanda"))
+
 from prunelab.pruning.sparsity.methods.magnitude import Magnitude
-from prunelab.pruning.sparsity.methods.wanda import Wanda
-from prunelab.pruning.sparsity.methods.sparsegpt import SparseGPT
-from prunelab.pruning.sparsity.methods.rose import Rose
 from prunelab.pruning.sparsity.methods.qk_wanda import QKWanda
-# isort: on
-
-for _module in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_module.name}")
+from prunelab.pruning.sparsity.methods.rose import Rose
+from prunelab.pruning.sparsity.methods.sparsegpt import SparseGPT
+from prunelab.pruning.sparsity.methods.wanda import Wanda
 
 __all__ = ["Magnitude", "QKWanda", "Rose", "SparseGPT", "Wanda"]

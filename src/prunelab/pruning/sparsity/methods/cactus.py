@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from prunelab.errors import UnsupportedOperationError
-from prunelab.pruning.base import METHODS, register_pruner
+from prunelab.pruning.base import METHODS, PRUNERS
 from prunelab.pruning.linears import selected_linears
 from prunelab.pruning.sparsity.config import find
 from prunelab.pruning.sparsity.execute import SparsityReport
@@ -174,7 +174,7 @@ def _out_in(module):
     return weight_out_in(module)
 
 
-@register_pruner(Cactus)
+@PRUNERS.register(Cactus)
 class CactusPruner(SparsityPruner):
     """The sparsity pruner, then the low-rank factors installed (``rank > 0``)."""
 

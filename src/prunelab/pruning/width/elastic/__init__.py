@@ -3,6 +3,11 @@ method, ``cut`` / ``elastic(lm).at(keep)``; ``prunelab export`` is
 :mod:`prunelab.workflow.export`), BMuon training
 (:mod:`prunelab.train.bmuon`)."""
 
+from prunelab.registry import import_submodules
+
+# registration order = the order of CLI lists and error messages
+import_submodules(__name__)
+
 from prunelab.pruning.width.elastic.fit import fit_ranking
 from prunelab.pruning.width.elastic.method import (
     ElasticModel,

@@ -22,7 +22,7 @@ import torch
 from prunelab.checkpoint.save import register_save_extra
 from prunelab.errors import ConfigError
 from prunelab.io.files import write_json
-from prunelab.pruning.base import METHODS, MethodReport, Pruner, register_pruner
+from prunelab.pruning.base import METHODS, PRUNERS, MethodReport, Pruner
 from prunelab.pruning.width.elastic.fit import FORMAT, fit_ranking
 from prunelab.registry import check_range, to_dict
 
@@ -90,7 +90,7 @@ class ElasticReport(MethodReport):
         return {"ranking": self.ranking}
 
 
-@register_pruner(ElasticRanking)
+@PRUNERS.register(ElasticRanking)
 class ElasticPruner(Pruner):
     operation = "prune-elastic"
 
