@@ -179,3 +179,15 @@ def test_retired_flag_is_one_line_error(argv, new, tmp_path):
     lines = (res.stdout + res.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and new in lines[0], lines
     assert "Traceback" not in res.stderr and not out.exists()
+
+
+def test_reference_page_names_every_quantity_and_retired_flag():
+    from pathlib import Path
+
+    from prunelab.budget import QUANTITIES
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "budgets.md").read_text()
+    for q in QUANTITIES:
+        assert f"| `{q}` |" in page, q
+    for flag in RETIRED:
+        assert f"`{flag}" in page, flag

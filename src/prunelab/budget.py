@@ -85,7 +85,7 @@ RETIRED_IN: dict[str, dict[str, str]] = {
     "export": {"--keep": "--budget keep-units:F"},
     "prune tokens": {"--keep": "--budget keep-tokens:F"},
     "sweep depth": {"--remove": "--budget remove-blocks:N..M (or N,M,...)"},
-    "elastic": {"--budgets": "--budget remove-units:LOW..HIGH"},
+    "prune elastic": {"--budgets": "--budget remove-units:LOW..HIGH"},
 }
 #: the kinds ``compare --budget`` took before the vocabulary was one
 OLD_KINDS = {"params": "keep-params", "sparsity": "remove-weights", "blocks": "remove-blocks"}
