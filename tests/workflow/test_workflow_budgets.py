@@ -93,7 +93,8 @@ def test_two_budgets_give_the_rows_of_two_single_runs(tiny, tmp_path):
     pixels = imread(png)
     assert pixels.ndim == 3 and pixels.shape[0] > 200 and pixels.std() > 0.01
     # resumable: a rerun with one more budget runs only the new points
-    stamp = (tmp_path / "both" / "points" / "depth.remove-blocks=2" / "result.json").stat().st_mtime_ns
+    point = tmp_path / "both" / "points" / "depth.remove-blocks=2" / "result.json"
+    stamp = point.stat().st_mtime_ns
     more = compare(model, ["depth", "magnitude"], "remove-blocks:1,2,3", tmp_path / "both", **kw)
     assert (tmp_path / "both" / "points" / "depth.remove-blocks=2" / "result.json").stat() \
         .st_mtime_ns == stamp
