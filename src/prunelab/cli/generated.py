@@ -31,7 +31,8 @@ _META = "prunelab.generated"
 #: the registry kinds, as the option that picks the piece names them in errors and panels
 CHOICE = {"strategies": "--strategy", "recoveries": "--recovery", "width_scores": "--score",
           "width_allocations": "--allocation", "sparsity_methods": "--method",
-          "sparsity_allocations": "--allocation", "factor_methods": "--method"}
+          "sparsity_allocations": "--allocation", "factor_methods": "--method",
+          "probes": "--probe", "presses": "--press"}
 _TYPES = {"int": int, "float": float, "str": str, "tuple": str}
 
 
@@ -39,7 +40,9 @@ _TYPES = {"int": int, "float": float, "str": str, "tuple": str}
 class GenOption:
     """One generated option: its flat name, flag, kind (``bool`` / ``int`` / ``float`` /
     ``str`` / ``tuple``), the pieces owning it (``(kind, name) -> field``) and their
-    defaults, the help of its first owner, a switch's value when given."""
+    defaults, the help of its first owner, a switch's value when given; ``aliases``: more
+    spellings of the flag (metadata ``"aliases"``); ``toggle``: a ``--x/--no-x`` pair,
+    ``None`` when neither is given (metadata ``"toggle"``)."""
 
     flat: str
     flag: str
@@ -50,26 +53,31 @@ class GenOption:
     choices: list | None = None
     range: list | None = None
     switch_value: bool | None = None
+    aliases: list = dataclasses.field(default_factory=list)
+    toggle: bool = False
 
     def owned_by(self, kind: str, name: str) -> str | None:
         return self.owners.get((kind, name))
 
 
-def gen_options(cat: dict, kinds: tuple[str, ...]) -> list[GenOption]:
+def gen_options(cat: dict, kinds: tuple[str, ...], skip=()) -> list[GenOption]:
     """The options of the pieces of ``kinds`` (fields of kind ``other`` are left to
-    ``--set``; a field whose metadata names a ``budget`` kind is set by ``--budget``)."""
+    ``--set``; a field whose metadata names a ``budget`` kind is set by ``--budget``; the
+    flat names in ``skip`` are the command's own business, e.g. set by a hand-written
+    option under another name)."""
     out: dict[str, GenOption] = {}
     for kind in kinds:
         for e in cat["kinds"].get(kind, []):
             for f in e["fields"]:
-                if f["kind"] == "other" or f.get("budget"):  # budgets: --budget KIND:VALUE
+                if f["kind"] == "other" or f.get("budget") or f["flat"] in skip:
                     continue
                 opt = out.get(f["flat"])
                 if opt is None:
                     opt = out[f["flat"]] = GenOption(
                         f["flat"], f["flag"], f["kind"], f["help"], choices=f["choices"],
-                        range=f["range"])
-                    if f["kind"] == "bool":  # a switch: --x sets True, --no-x False
+                        range=f["range"], aliases=list(f.get("aliases") or ()),
+                        toggle=bool(f.get("toggle")) and f["kind"] == "bool")
+                    if f["kind"] == "bool" and not opt.toggle:  # --x True, --no-x False
                         opt.switch_value = not (f["negate"] or f["default"] is True)
                         if not opt.switch_value and not f["negate"]:
                             opt.flag = "--no-" + opt.flag.lstrip("-")
@@ -125,13 +133,19 @@ def _click_params(opts: list[GenOption], panels: dict[str, str]) -> list:
     params = []
     for opt in opts:
         panel = panels.get(next(iter(opt.owners))[0])
-        if opt.kind == "bool":
+        if opt.toggle:
+            ann = Optional[bool]
+            option = typer.Option(None, f"{opt.flag}/--no-{opt.flag.lstrip('-')}",
+                                  help=_help(opt), rich_help_panel=panel, show_default=False)
+        elif opt.kind == "bool":
             ann = bool
-            option = typer.Option(False, opt.flag, help=_help(opt), rich_help_panel=panel)
+            option = typer.Option(False, opt.flag, *opt.aliases, help=_help(opt),
+                                  rich_help_panel=panel)
         else:
             ann = Optional[_TYPES[opt.kind]]
-            option = typer.Option(None, opt.flag, help=_help(opt), rich_help_panel=panel,
-                                  show_default=False, callback=_checker(opt))
+            option = typer.Option(None, opt.flag, *opt.aliases, help=_help(opt),
+                                  rich_help_panel=panel, show_default=False,
+                                  callback=_checker(opt))
         params.append(inspect.Parameter(_PREFIX + opt.flat, inspect.Parameter.KEYWORD_ONLY,
                                         default=option, annotation=ann))
 
@@ -169,6 +183,7 @@ def fill_help(text: str, cat: dict) -> str:
              "{sparsity_methods}": lambda: plain("sparsity_methods"),
              "{sparsity_allocations}": lambda: plain("sparsity_allocations"),
              "{probes}": lambda: plain("probes", ", "),
+             "{presses}": lambda: plain("presses", ", "),
              "{factor_methods}": lambda: described("factor_methods")}
     for key, fill in fills.items():
         if key in text:
@@ -183,6 +198,7 @@ class GeneratedCommand(typer.core.TyperCommand):
     parameters sees them as if declared by hand."""
 
     kinds: tuple[str, ...] = ()
+    skip: tuple[str, ...] = ()
     _gen: list[GenOption] = []
     _all: list | None = None
 
@@ -205,7 +221,9 @@ class GeneratedCommand(typer.core.TyperCommand):
             if "{" in (getattr(p, "help", None) or ""):
                 p.help = fill_help(p.help, cat)
         taken = {o for p in self._base for o in (*p.opts, *p.secondary_opts)}
-        self._gen = [o for o in gen_options(cat, self.kinds) if o.flag not in taken]
+        self._gen = [o for o in gen_options(cat, self.kinds, self.skip)
+                     if o.flag not in taken and not taken.intersection(o.aliases)
+                     and not (o.toggle and "--no-" + o.flag.lstrip("-") in taken)]
         panels = {k: f"{CHOICE.get(k, k)} options" for k in self.kinds}
         return _click_params(self._gen, panels)
 
@@ -216,10 +234,11 @@ class GeneratedCommand(typer.core.TyperCommand):
         return super().invoke(ctx)
 
 
-def generated_command(*kinds: str) -> type:
-    """A :class:`GeneratedCommand` class generating the options of ``kinds``."""
+def generated_command(*kinds: str, skip: tuple[str, ...] = ()) -> type:
+    """A :class:`GeneratedCommand` class generating the options of ``kinds`` (but not the
+    flat names in ``skip``)."""
     return type("GeneratedCommand_" + "_".join(kinds), (GeneratedCommand,),
-                {"kinds": tuple(kinds)})
+                {"kinds": tuple(kinds), "skip": tuple(skip)})
 
 
 @dataclasses.dataclass
@@ -235,7 +254,9 @@ class Values:
         out = {}
         for opt in self.options:
             raw = self.given.get(opt.flat)
-            if opt.kind == "bool":
+            if opt.toggle:
+                out[opt.flat] = raw
+            elif opt.kind == "bool":
                 out[opt.flat] = opt.switch_value if raw else None
             elif opt.kind == "tuple":
                 items = tuple(p.strip() for p in (raw or "").split(",") if p.strip())
