@@ -55,6 +55,7 @@ class GenOption:
     switch_value: bool | None = None
     aliases: list = dataclasses.field(default_factory=list)
     toggle: bool = False
+    partial: bool = False  # owned by some of its kind's pieces only: --help names them
 
     def owned_by(self, kind: str, name: str) -> str | None:
         return self.owners.get((kind, name))
@@ -83,6 +84,10 @@ def gen_options(cat: dict, kinds: tuple[str, ...], skip=()) -> list[GenOption]:
                             opt.flag = "--no-" + opt.flag.lstrip("-")
                 opt.owners[(kind, e["name"])] = f["name"]
                 opt.defaults.append(f["default"])
+        pieces = {e["name"] for e in cat["kinds"].get(kind, [])}
+        for opt in out.values():
+            mine = {n for k, n in opt.owners if k == kind}
+            opt.partial = opt.partial or (len(pieces) > 1 and bool(mine) and mine != pieces)
     return list(out.values())
 
 
@@ -94,6 +99,9 @@ def _help(opt: GenOption) -> str:
     """The field's help, its default(s) added (``(default dense for wanda; modified
     otherwise)`` where the pieces differ), escaped for rich markup."""
     text = opt.help or opt.flat.replace("_", " ")
+    names = [n for _, n in opt.owners]
+    if opt.partial and not any(n in text for n in names):
+        text = f"{' / '.join(names)}: {text}"  # whose option it is (help names no owner)
     shown = [d for d in opt.defaults if d not in (None, "", [])]
     if opt.kind != "bool" and "default" not in text and shown:
         if len(shown) == len(opt.defaults) and all(d == shown[0] for d in shown):
@@ -279,6 +287,23 @@ class Values:
             if field is None:
                 raise ConfigError(f"{opt.flag} does not apply to {label}")
             out[field] = value
+        return out
+
+
+    def routed(self, kind: str, names) -> dict[str, Any]:
+        """``{field: value}`` of the given options of ``kind`` for several pieces used
+        together (the probes of one run): each option under its field name in the first of
+        ``names`` that owns it, else in its first owner, so that the receiver's own routing
+        reports an option none of ``names`` takes."""
+        flat = self.flat()
+        out = {}
+        for opt in self.options:
+            value = flat[opt.flat]
+            owners = [n for k, n in opt.owners if k == kind]
+            if value is None or not owners:
+                continue
+            name = next((n for n in names if n in owners), owners[0])
+            out[opt.owned_by(kind, name)] = value
         return out
 
 

@@ -30,7 +30,7 @@ from prunelab.cli.common import (
     parse_settings,
     writing,
 )
-from prunelab.cli.generated import generated_command
+from prunelab.cli.generated import generated_command, values
 from prunelab.errors import ConfigError
 
 
@@ -383,34 +383,16 @@ def _moe_setup(lm, mass: float | None) -> bool:
     return True
 
 
-@app.command(cls=generated_command())
-def probe(model: str = ModelOpt,
+@app.command(cls=generated_command("probes"))
+def probe(ctx: typer.Context,
+          model: str = ModelOpt,
           data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
           probe_names: str = typer.Option(..., "--probe", help="comma-separated: {probes}"),
           out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
-          window: Optional[int] = typer.Option(None, help="swap probes: pairs with |i-j| <= W "
-                                               "(default: all pairs)"),
           pairs: Optional[str] = typer.Option(None, help="swap probes: explicit pairs i-j,..."),
-          span: Optional[int] = typer.Option(None, help="span-angular: span length n "
-                                             "(default 1)"),
-          max_length: Optional[int] = typer.Option(None, help="interval: longest interval "
-                                                   "measured (default 4)"),
           max_remove: int = typer.Option(5, help="summary: removal sets for n = 1..N"),
           bootstrap: int = typer.Option(200, help="bootstrap resamples of the windows for "
                                         "the 95 % intervals of every score (0: none)"),
-          ablation: Optional[str] = typer.Option(None, help="head-ablation: zero (default) or "
-                                                 "mean (the head's mean output)"),
-          induction_length: Optional[int] = typer.Option(
-              None, help="induction: random tokens per half of a repeated sequence (32)"),
-          induction_sequences: Optional[int] = typer.Option(
-              None, help="induction: repeated random sequences (8)"),
-          top_k: Optional[int] = typer.Option(None, help="induction: top heads ablated (4)"),
-          steps: Optional[int] = typer.Option(None, help="gradient-flow: LoRA fine-tune steps "
-                                              "(20)"),
-          lr: Optional[float] = typer.Option(None, help="gradient-flow: learning rate (2e-4)"),
-          rank: Optional[int] = typer.Option(None, help="gradient-flow: LoRA rank (8)"),
-          measure: Optional[str] = typer.Option(None, help="gradient-flow: params (block "
-                                                "parameters' gradient) or residual"),
           samples: int = typer.Option(16, help="calibration windows"),
           seqlen: int = typer.Option(256, help="window length in tokens"),
           seed: int = typer.Option(0, help="window sampling and noise seed"),
@@ -423,14 +405,10 @@ def probe(model: str = ModelOpt,
           trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
           allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt,
           stream: bool = StreamOpt,
-          stack: Optional[str] = StackOpt,
-          metric: Optional[str] = typer.Option(
-              None, help="leave-one-out: rank blocks by the change of this task metric "
-              "(e.g. wer) instead of the divergence to the dense model"),
-          metric_data: Optional[str] = typer.Option(
-              None, help="--metric: its data (wer: speech spec or folder; default "
-              "speech:synth-calib)")):
-    """Measure layer redundancy under several protocols, side by side (0-based layers)."""
+          stack: Optional[str] = StackOpt):
+    """Measure layer redundancy under several protocols, side by side (0-based layers; each
+    --probe's options are listed under their own heading, given to the probes that take
+    them)."""
     from prunelab import api
     from prunelab.errors import ConfigError
     from prunelab.probes import PROBES
@@ -454,12 +432,9 @@ def probe(model: str = ModelOpt,
                       allow_missing_weights, offload, stream, stack=stack).load()
         results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
-                            states=states, window=window, pairs=parse_pairs(pairs) or None,
-                            span=span, max_length=max_length, max_remove=max_remove,
-                            bootstrap=bootstrap, ablation=ablation, length=induction_length,
-                            sequences=induction_sequences, top_k=top_k, steps=steps,
-                            lr=lr, rank=rank, measure=measure, metric=metric,
-                            metric_data=metric_data)
+                            states=states, pairs=parse_pairs(pairs) or None,
+                            max_remove=max_remove, bootstrap=bootstrap,
+                            **values(ctx).routed("probes", names))
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
     for col in ("probe", "most removable", "ranking stability", "block evals", "seconds"):
         t.add_column(col, overflow="fold")
