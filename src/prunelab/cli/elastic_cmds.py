@@ -112,8 +112,10 @@ def export_cmd(
               f"{a['params']:,} parameters, {fmt_bytes(a['bytes'])}; {man['loads_with']}")
 
 
-@app.command("generate")
+@app.command("generate", cls=generated_command("presses", skip=("ratio", "weights", "blend"),
+                                                prefix="press-"))
 def generate_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         prompt: str = typer.Option(..., help="the prompt text (@FILE reads a file)"),
         max_new_tokens: int = typer.Option(64, help="tokens to generate (greedy)"),
@@ -150,7 +152,8 @@ def generate_cmd(
     if lm.is_encoder or lm.tokenizer is None:
         raise ConfigError(f"{model} cannot generate (an encoder, or no tokenizer)")
     ids = lm.tokenizer(text, return_tensors="pt")["input_ids"].to(lm.device)
-    with _press_context(lm, press_name, press_ratio, press_options, 1.0) as session:
+    with _press_context(lm, press_name, press_ratio, press_options, 1.0,
+                        values(ctx)) as session:
         start = time.perf_counter()
         with torch.no_grad():
             gen = lm.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,

@@ -61,11 +61,13 @@ class GenOption:
         return self.owners.get((kind, name))
 
 
-def gen_options(cat: dict, kinds: tuple[str, ...], skip=()) -> list[GenOption]:
+def gen_options(cat: dict, kinds: tuple[str, ...], skip=(), prefix: str = ""
+                ) -> list[GenOption]:
     """The options of the pieces of ``kinds`` (fields of kind ``other`` are left to
     ``--set``; a field whose metadata names a ``budget`` kind is set by ``--budget``; the
     flat names in ``skip`` are the command's own business, e.g. set by a hand-written
-    option under another name)."""
+    option under another name); ``prefix`` goes in front of every flag (``press-``:
+    ``--press-window``)."""
     out: dict[str, GenOption] = {}
     for kind in kinds:
         for e in cat["kinds"].get(kind, []):
@@ -75,8 +77,9 @@ def gen_options(cat: dict, kinds: tuple[str, ...], skip=()) -> list[GenOption]:
                 opt = out.get(f["flat"])
                 if opt is None:
                     opt = out[f["flat"]] = GenOption(
-                        f["flat"], f["flag"], f["kind"], f["help"], choices=f["choices"],
-                        range=f["range"], aliases=list(f.get("aliases") or ()),
+                        f["flat"], "--" + prefix + f["flag"].lstrip("-"), f["kind"], f["help"],
+                        choices=f["choices"], range=f["range"],
+                        aliases=list(f.get("aliases") or ()),
                         toggle=bool(f.get("toggle")) and f["kind"] == "bool")
                     if f["kind"] == "bool" and not opt.toggle:  # --x True, --no-x False
                         opt.switch_value = not (f["negate"] or f["default"] is True)
@@ -207,6 +210,7 @@ class GeneratedCommand(typer.core.TyperCommand):
 
     kinds: tuple[str, ...] = ()
     skip: tuple[str, ...] = ()
+    prefix: str = ""
     _gen: list[GenOption] = []
     _all: list | None = None
 
@@ -229,7 +233,7 @@ class GeneratedCommand(typer.core.TyperCommand):
             if "{" in (getattr(p, "help", None) or ""):
                 p.help = fill_help(p.help, cat)
         taken = {o for p in self._base for o in (*p.opts, *p.secondary_opts)}
-        self._gen = [o for o in gen_options(cat, self.kinds, self.skip)
+        self._gen = [o for o in gen_options(cat, self.kinds, self.skip, self.prefix)
                      if o.flag not in taken and not taken.intersection(o.aliases)
                      and not (o.toggle and "--no-" + o.flag.lstrip("-") in taken)]
         panels = {k: f"{CHOICE.get(k, k)} options" for k in self.kinds}
@@ -242,11 +246,11 @@ class GeneratedCommand(typer.core.TyperCommand):
         return super().invoke(ctx)
 
 
-def generated_command(*kinds: str, skip: tuple[str, ...] = ()) -> type:
+def generated_command(*kinds: str, skip: tuple[str, ...] = (), prefix: str = "") -> type:
     """A :class:`GeneratedCommand` class generating the options of ``kinds`` (but not the
-    flat names in ``skip``)."""
+    flat names in ``skip``; ``prefix`` before every flag)."""
     return type("GeneratedCommand_" + "_".join(kinds), (GeneratedCommand,),
-                {"kinds": tuple(kinds), "skip": tuple(skip)})
+                {"kinds": tuple(kinds), "skip": tuple(skip), "prefix": prefix})
 
 
 @dataclasses.dataclass
@@ -289,6 +293,11 @@ class Values:
             out[field] = value
         return out
 
+
+    def given_flags(self) -> list[str]:
+        """The flags of the generated options given on the command line."""
+        flat = self.flat()
+        return [o.flag for o in self.options if flat[o.flat] is not None]
 
     def routed(self, kind: str, names) -> dict[str, Any]:
         """``{field: value}`` of the given options of ``kind`` for several pieces used

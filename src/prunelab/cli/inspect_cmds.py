@@ -101,8 +101,15 @@ def _group_blocks(blocks: list[dict]):
 TASKS_PPL_WINDOWS = 16  # eval --tasks without --samples: perplexity windows
 
 
-@app.command("eval")
-def eval_cmd(model: str = ModelOpt,
+#: the presses' options generated on ``eval`` / ``generate`` (--press-ratio and
+#: --press-option are hand-written; the decay press' fitted arrays go through --press-option)
+PRESS_OPTIONS = generated_command("presses", skip=("ratio", "weights", "blend"),
+                                  prefix="press-")
+
+
+@app.command("eval", cls=PRESS_OPTIONS)
+def eval_cmd(ctx: typer.Context,
+             model: str = ModelOpt,
              data: str = typer.Option("wiki-vital:test", help="wiki-vital:test | wikitext2 | "
                                       "c4 | text:PATH | jsonl:PATH[:field]"),
              seqlen: int = typer.Option(512, help="window length in tokens"),
@@ -125,7 +132,8 @@ def eval_cmd(model: str = ModelOpt,
              press_name: Optional[str] = typer.Option(
                  None, "--press", help="score under an inference-time press: streaming-llm, "
                  "h2o, snapkv, decay (KV eviction), lazyllm, entroprefill (prefill token "
-                 "pruning); each window's first --press-context is the pressed prompt"),
+                 "pruning); each window's first --press-context is the pressed prompt (each "
+                 "press' options are listed under their own heading)"),
              press_ratio: Optional[float] = typer.Option(
                  None, help="fraction of the prompt removed (entroprefill: the cap)"),
              press_options: Optional[list[str]] = typer.Option(
@@ -167,7 +175,8 @@ def eval_cmd(model: str = ModelOpt,
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights, stream=stream).load()
         moe = _moe_setup(lm, moe_mass)
-        pressing = _press_context(lm, press_name, press_ratio, press_options, press_context)
+        pressing = _press_context(lm, press_name, press_ratio, press_options, press_context,
+                                  values(ctx))
         with pressing as session:
             res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
                                batch_size=batch_size, reference=kl_reference, speed=speed,
@@ -247,31 +256,37 @@ def _encoder_rows(res: dict) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def _press_context(lm, name, ratio, options, context):
-    """The press session of ``eval --press`` (``None`` without a press)."""
+def _press_context(lm, name, ratio, options, context, gen=None):
+    """The press session of ``eval --press`` (``None`` without a press); ``gen``: the
+    generated press options (:func:`prunelab.cli.generated.values`)."""
     if name is None:
         if ratio is not None or options:
             raise ConfigError("--press-ratio / --press-option need --press NAME")
+        if gen is not None and gen.given_flags():
+            raise ConfigError(f"{gen.given_flags()[0]} needs --press NAME")
         yield None
         return
-    from prunelab.inference import press
+    from prunelab.inference import PRESSES, press
 
-    cfg = _press_config(lm, name, ratio, options)
+    PRESSES.get(name)  # unknown names: one line naming the valid ones
+    own = {} if gen is None else gen.piece("presses", name, f"--press {name}")
+    cfg = _press_config(lm, name, ratio, options, own)
     with press(lm, cfg, context=context) as session:
         yield session
 
 
-def _press_config(lm, name: str, ratio, options):
+def _press_config(lm, name: str, ratio, options, own=None):
     """``--press NAME --press-ratio R --press-option K=V``; the decay press is fitted
     first: by least squares on 8 calibration windows (``fit=ls``, the default; with
     ``observe > 0`` to the attention of the next 64 tokens), or end-to-end by the
     continuation KL (``fit=kl``: the blended press of
-    :mod:`prunelab.inference.decay_kl`, on 6 windows of 1024 + 32 tokens)."""
+    :mod:`prunelab.inference.decay_kl`, on 6 windows of 1024 + 32 tokens). ``own``: the
+    press' options given as flags (``--press-window 16``)."""
     from prunelab.inference import PRESSES, press_for
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
     fit, needles, options = _press_fit(name, options)
-    opts = parse_settings(options, PRESSES.get(name))
+    opts = {**(own or {}), **parse_settings(options, PRESSES.get(name))}
     cfg = press_for(name, ratio, **opts)
     if fit == "kl":
         if opts:
