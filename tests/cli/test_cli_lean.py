@@ -95,7 +95,8 @@ def test_catalog_matches_the_live_registries():
     rank = next(f for f in lra["fields"] if f["name"] == "rank")
     assert rank == {"name": "rank", "flat": "rank", "flag": "--rank", "kind": "int",
                     "optional": True, "choices": None, "default": None,
-                    "help": "lra: rank of the adapter", "negate": False, "range": None}
+                    "help": "lra: rank of the adapter", "negate": False, "range": None,
+                    "budget": None, "aliases": [], "toggle": False}
 
 
 def test_catalog_is_rebuilt_when_a_source_changes(tmp_path, monkeypatch):
