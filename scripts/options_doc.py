@@ -1,6 +1,7 @@
 """Write docs/options.md: every registered method, probe, press, depth strategy and
 recovery, width score and allocation, sparsity allocation, with each option's type, default
-and help, read from the config dataclasses (the same metadata the CLI and recipes use).
+and help, read from the config dataclasses (the same metadata the CLI and recipes use); and
+the options of `prunelab heal`.
 
 Usage: python scripts/options_doc.py [--check]   (--check: exit 1 when the page is stale)"""
 
@@ -24,10 +25,24 @@ taken by recipes the same way (see [adding-methods.md](adding-methods.md)).
 """
 
 
+class _One:
+    """A registry-like view of one config class (``heal``'s :class:`HealConfig`)."""
+
+    def __init__(self, name: str, cls: type):
+        self._name, self._cls = name, cls
+
+    def names(self) -> list[str]:
+        return [self._name]
+
+    def get(self, name: str) -> type:
+        return self._cls
+
+
 def registries():
     """(title, registry) pairs, in reading order."""
     import prunelab.inference
     import prunelab.pruning  # noqa: F401 - importing the package registers every method
+    from prunelab.heal import HealConfig
     from prunelab.inference.config import PRESSES
     from prunelab.probes.base import PROBES
     from prunelab.pruning.base import METHODS
@@ -44,7 +59,8 @@ def registries():
             ("Width scores (`prune width --score`)", WIDTH_SCORES),
             ("Width allocations (`prune width --allocation`)", WIDTH_ALLOCATIONS),
             ("Probes (`prunelab probe --probe`)", PROBES),
-            ("Presses (`prunelab eval --press`)", PRESSES)]
+            ("Presses (`prunelab eval --press`; each option as `--press-OPTION`)", PRESSES),
+            ("Healing (`prunelab heal`)", _One("heal", HealConfig))]
 
 
 def _type(f: dataclasses.Field) -> str:

@@ -79,6 +79,15 @@ NEEDS = {
     ("prune sparsity", "--grad-damp"): ["--method", "cactus"],
 
     ("prune factor", "--energy"): ["--widths", "energy"],
+    ("prune factor", "--tol"): ["--method", "shared-dict"],
+    ("prune factor", "--shrink"): ["--method", "shared-dict"],
+    ("prune factor", "--expand"): ["--method", "shared-dict"],
+    ("probe", "--scale"): ["--probe", "contraction"],
+    **{(cmd, f"--press-{opt}"): ["--press", press] for cmd in ("eval", "generate")
+       for opt, press in (("recent", "h2o"), ("mass-bound", "entroprefill"),
+                          ("mix", "entroprefill"), ("alpha", "entroprefill"),
+                          ("keep-scale", "entroprefill"), ("max-ratio", "entroprefill"),
+                          ("stability", "entroprefill"), ("share", "decay"))},
 }
 
 # the size each command needs unless the swept option is the size itself

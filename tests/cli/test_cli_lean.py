@@ -43,7 +43,9 @@ def test_import_leaves_torch_out():
 
 @pytest.mark.parametrize("args", [["--help"], ["prune", "--help"],
                                   ["prune", "sparsity", "--help"], ["prune", "depth", "--help"],
-                                  ["prune", "width", "--help"], ["probe", "--help"]])
+                                  ["prune", "width", "--help"], ["probe", "--help"],
+                                  ["heal", "--help"], ["eval", "--help"],
+                                  ["prune", "factor", "--help"]])
 def test_help_imports_no_torch(args, tmp_path):
     res = python("-c", PROBE, json.dumps(args), env={"PRUNELAB_CACHE": str(tmp_path)})
     assert res.returncode == 0, res.stderr
@@ -58,7 +60,13 @@ def test_help_imports_no_torch(args, tmp_path):
     if args[:2] == ["prune", "width"]:
         assert "--channel-group" in text and "--taper-slope" in text and "cocurve" in text
     if args == ["probe", "--help"]:
-        assert "block-influence" in text
+        assert "block-influence" in text and "--induction-length" in text
+    if args == ["heal", "--help"]:  # generated from HealConfig
+        assert "--lora-rank" in text and "--prune-every" in text and "--ratio" in text
+    if args == ["eval", "--help"]:  # the presses' options
+        assert "--press-window" in text and "--press-ratio" in text
+    if args[:2] == ["prune", "factor"]:
+        assert "--refit" in text and "--no-refit" in text and "--types" in text
 
 
 def test_catalog_matches_the_live_registries():
@@ -87,7 +95,8 @@ def test_catalog_matches_the_live_registries():
     rank = next(f for f in lra["fields"] if f["name"] == "rank")
     assert rank == {"name": "rank", "flat": "rank", "flag": "--rank", "kind": "int",
                     "optional": True, "choices": None, "default": None,
-                    "help": "lra: rank of the adapter", "negate": False, "range": None}
+                    "help": "lra: rank of the adapter", "negate": False, "range": None,
+                    "budget": None, "aliases": [], "toggle": False}
 
 
 def test_catalog_is_rebuilt_when_a_source_changes(tmp_path, monkeypatch):

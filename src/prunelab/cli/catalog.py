@@ -29,18 +29,25 @@ from prunelab.cli import plugins
 from prunelab.errors import ConfigError
 from prunelab.registry import field_metadata
 
-VERSION = 2
+VERSION = 3
 #: the kinds of piece the catalog lists, in the order --help shows them
 KINDS = ("strategies", "recoveries", "width_scores", "width_allocations", "sparsity_methods",
-         "sparsity_allocations", "probes", "factor_methods")
+         "sparsity_allocations", "probes", "factor_methods", "gates", "moe", "elastic", "heal",
+         "presses")
 _KEEP = 8  # cached catalogs kept (one per package / plugin state)
 
 
 def live_registries() -> dict[str, dict[str, type]]:
-    """``{kind: {name: config class}}`` from the imported registries (imports torch)."""
+    """``{kind: {name: config class}}`` from the imported registries (imports torch).
+    The one-config commands (``prune gates`` / ``moe`` / ``elastic``, ``heal``) are kinds
+    of one piece: the class registered under the method's name (a plugin re-registering
+    it with a subclass changes the options), and :class:`~prunelab.heal.HealConfig`."""
+    import prunelab.heal
+    from prunelab.inference import PRESSES
     from prunelab.probes import PROBES
     from prunelab.pruning import (
         ALLOCATIONS,
+        METHODS,
         RECOVERIES,
         STRATEGIES,
         WIDTH_ALLOCATIONS,
@@ -55,8 +62,11 @@ def live_registries() -> dict[str, dict[str, type]]:
     return {"strategies": of(STRATEGIES), "recoveries": of(RECOVERIES),
             "width_scores": of(WIDTH_SCORES), "width_allocations": of(WIDTH_ALLOCATIONS),
             "sparsity_methods": sparsity_methods(), "sparsity_allocations": of(ALLOCATIONS),
-            "probes": {n: None for n in PROBES.names()},
-            "factor_methods": factor_methods()}
+            "probes": of(PROBES), "factor_methods": factor_methods(),
+            "gates": {"gates": METHODS.get("gates")},
+            "moe": {"prunepath": METHODS.get("prunepath")},
+            "elastic": {"elastic": METHODS.get("elastic")},
+            "heal": {"heal": prunelab.heal.HealConfig}, "presses": of(PRESSES)}
 
 
 def _doc(cls) -> str:
@@ -128,7 +138,8 @@ def field_entry(cls, f: dataclasses.Field, hints: dict) -> dict:
             "kind": kind, "optional": optional, "choices": choices,
             "default": _jsonable(default), "help": str(meta.get("help", "")),
             "negate": bool(meta.get("negate")), "range": list(rng) if rng else None,
-            "budget": meta.get("budget")}
+            "budget": meta.get("budget"), "aliases": list(meta.get("aliases", ())),
+            "toggle": bool(meta.get("toggle"))}
 
 
 def entry(name: str, cls) -> dict:

@@ -1,4 +1,6 @@
-"""Conditional computation: ``prunelab prune gates`` (CausalGate static sublayer gates)."""
+"""Conditional computation: ``prunelab prune gates`` (CausalGate static sublayer gates) and
+``prunelab prune moe`` (PrunePath experts). Their method options are generated from the
+configs registered as ``gates`` and ``prunepath`` (:mod:`prunelab.cli.generated`)."""
 
 from __future__ import annotations
 
@@ -21,30 +23,22 @@ from prunelab.cli.common import (
     RemoteOpt,
     out,
 )
+from prunelab.cli.generated import generated_command, values
 from prunelab.cli.prune_cmds import build_config, prune_and_save
 
 
-@prune_app.command("gates")
+@prune_app.command("gates", cls=generated_command("gates"))
 def prune_gates_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         budget: Optional[float] = typer.Option(
             None, help="fraction of the sublayer compute (FLOPs per token of the attention "
             "projections and MLPs) to skip (default 0.2)"),
-        ema: Optional[float] = typer.Option(None, help="EMA factor over the bootstrap "
-                                            "rounds (default 0.9)"),
-        rounds: Optional[int] = typer.Option(None, help="bootstrap resamples of the "
-                                             "calibration windows (default 8)"),
-        rank_weight: Optional[float] = typer.Option(None, help="weight of the pairwise "
-                                                    "ranking loss (default 1.0)"),
-        select: Optional[str] = typer.Option(None, help="per-flop (importance per FLOP) or "
-                                             "order (gate order alone)"),
-        positions: Optional[str] = typer.Option(None, help="KL over all positions (default) "
-                                                "or the last one"),
         settings: Optional[list[str]] = typer.Option(
-            None, "--set", help="KEY=VALUE: any option of the gates config (repeatable: "
-            "tau, steps, lr, seed, attention_scores)"),
+            None, "--set", help="KEY=VALUE: any option of the gates config (repeatable; "
+            "e.g. seed, the bootstrap seed)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling seed"),
@@ -54,13 +48,12 @@ def prune_gates_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
     """CausalGate: gates fitted to the KL of zeroing each attention / MLP branch; the
-    lowest are removed for real until --budget of the sublayer compute is skipped."""
-    from prunelab.pruning.gates.config import Gates
+    lowest are removed for real until --budget of the sublayer compute is skipped (the
+    gates config's options are listed under their own heading)."""
+    from prunelab.pruning import METHODS
 
-    flat = {"budget": ("--budget", budget), "ema": ("--ema", ema),
-            "rounds": ("--rounds", rounds), "rank_weight": ("--rank-weight", rank_weight),
-            "select": ("--select", select), "positions": ("--positions", positions)}
-    cfg = build_config(Gates, "prune gates", flat, settings)
+    cfg = build_config(METHODS.get("gates"), "prune gates", {"budget": ("--budget", budget)},
+                       settings, **values(ctx).piece("gates", "gates", "prune gates"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
@@ -91,24 +84,18 @@ def _show_gates(lm, rep, model: str, out_dir: Path) -> None:
                                 else "plain transformers (no remote code)"))
 
 
-@prune_app.command("moe")
+@prune_app.command("moe", cls=generated_command("moe"))
 def prune_moe_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        experts: Optional[int] = typer.Option(None, help="experts per FFN (default 16)"),
-        clustering: Optional[str] = typer.Option(
-            None, help="coactivation (default: channels that fire together) or kmeans "
-            "(balanced k-means of the normalised gate/up rows)"),
-        router: Optional[str] = typer.Option(
-            None, help="fitted (default: softmax fitted to each expert's share of the FFN "
-            "output norm) or centroid (training-free)"),
         mass: Optional[float] = typer.Option(
             None, help="routing mass each token's experts must reach (default 0.9; a "
             "runtime knob of the checkpoint, 1 = dense)"),
         settings: Optional[list[str]] = typer.Option(
-            None, "--set", help="KEY=VALUE: any option of the prunepath config (repeatable: "
-            "router_steps, router_lr, seed)"),
+            None, "--set", help="KEY=VALUE: any option of the prunepath config (repeatable; "
+            "e.g. seed, of the clustering and the router fit)"),
         samples: int = typer.Option(64, help="calibration windows"),
         seqlen: int = typer.Option(512, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling seed"),
@@ -118,12 +105,12 @@ def prune_moe_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
     """PrunePath: split every gated FFN into experts with a cumulative-mass router; each
-    token computes only the fewest experts whose routing mass reaches --mass."""
-    from prunelab.pruning.moe import PrunePath
+    token computes only the fewest experts whose routing mass reaches --mass (the prunepath
+    config's options are listed under their own heading)."""
+    from prunelab.pruning import METHODS
 
-    flat = {"experts": ("--experts", experts), "clustering": ("--clustering", clustering),
-            "router": ("--router", router), "mass": ("--mass", mass)}
-    cfg = build_config(PrunePath, "prune moe", flat, settings)
+    cfg = build_config(METHODS.get("prunepath"), "prune moe", {"mass": ("--mass", mass)},
+                       settings, **values(ctx).piece("moe", "prunepath", "prune moe"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

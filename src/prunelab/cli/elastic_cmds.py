@@ -25,23 +25,22 @@ from prunelab.cli.common import (
     out,
     writing,
 )
+from prunelab.cli.generated import generated_command, values
 from prunelab.cli.prune_cmds import build_config, prune_and_save
 
 
-@prune_app.command("elastic")
+@prune_app.command("elastic", cls=generated_command("elastic",
+                                                     skip=("budget_min", "budget_max")))
 def prune_elastic_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="elastic checkpoint to write (dense "
                                      "weights + elastic.json)"),
         budgets: str = typer.Option("0.1..0.6", help="removal budgets trained, a range of "
                                     "fractions of the units' parameters"),
-        steps: Optional[int] = typer.Option(None, help="optimisation steps (default 200)"),
-        lr: Optional[float] = typer.Option(None, help="Adam learning rate (default 0.05)"),
-        budgets_per_step: Optional[int] = typer.Option(None, help="budgets drawn per step "
-                                                       "(default 2)"),
-        t_start: Optional[float] = typer.Option(None, help="initial temperature (1.0)"),
-        t_end: Optional[float] = typer.Option(None, help="final temperature (0.05)"),
+        settings: Optional[list[str]] = typer.Option(
+            None, "--set", help="KEY=VALUE: any option of the elastic config (repeatable)"),
         samples: int = typer.Option(32, help="calibration windows"),
         seqlen: int = typer.Option(256, help="window length in tokens"),
         seed: int = typer.Option(0, help="window sampling and budget draws seed"),
@@ -52,17 +51,16 @@ def prune_elastic_cmd(
         offload: bool = OffloadOpt):
     """Learn one ranking of every KV group and FFN channel across a range of budgets (the
     weights frozen); the checkpoint stays dense and `prunelab export --keep F` cuts any
-    size from it without calibration."""
-    from prunelab.pruning.width.elastic import ElasticRanking
+    size from it without calibration (the elastic config's options are listed under their
+    own heading)."""
+    from prunelab.pruning import METHODS
     from prunelab.pruning.width.elastic.method import parse_budgets
 
     low, high = parse_budgets(budgets)
     flat = {"budget_min": ("--budgets", low), "budget_max": ("--budgets", high),
-            "steps": ("--steps", steps), "lr": ("--lr", lr),
-            "budgets_per_step": ("--budgets-per-step", budgets_per_step),
-            "t_start": ("--t-start", t_start), "t_end": ("--t-end", t_end),
             "seed": ("--seed", seed)}
-    cfg = build_config(ElasticRanking, "prune elastic", flat)
+    cfg = build_config(METHODS.get("elastic"), "prune elastic", flat, settings,
+                       **values(ctx).piece("elastic", "elastic", "prune elastic"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
@@ -114,8 +112,10 @@ def export_cmd(
               f"{a['params']:,} parameters, {fmt_bytes(a['bytes'])}; {man['loads_with']}")
 
 
-@app.command("generate")
+@app.command("generate", cls=generated_command("presses", skip=("ratio", "weights", "blend"),
+                                                prefix="press-"))
 def generate_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         prompt: str = typer.Option(..., help="the prompt text (@FILE reads a file)"),
         max_new_tokens: int = typer.Option(64, help="tokens to generate (greedy)"),
@@ -152,7 +152,8 @@ def generate_cmd(
     if lm.is_encoder or lm.tokenizer is None:
         raise ConfigError(f"{model} cannot generate (an encoder, or no tokenizer)")
     ids = lm.tokenizer(text, return_tensors="pt")["input_ids"].to(lm.device)
-    with _press_context(lm, press_name, press_ratio, press_options, 1.0) as session:
+    with _press_context(lm, press_name, press_ratio, press_options, 1.0,
+                        values(ctx)) as session:
         start = time.perf_counter()
         with torch.no_grad():
             gen = lm.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,

@@ -21,15 +21,15 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     out,
-    parse_list,
 )
-from prunelab.cli.generated import generated_command
+from prunelab.cli.generated import generated_command, values
 from prunelab.cli.prune_cmds import build_config, prune_and_save
 from prunelab.errors import ConfigError
 
 
-@prune_app.command("factor", cls=generated_command())
+@prune_app.command("factor", cls=generated_command("factor_methods"))
 def prune_factor_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
@@ -41,37 +41,6 @@ def prune_factor_cmd(
         target_params: Optional[float] = typer.Option(
             None, help="fraction of the model's parameters to keep, everything the "
             "checkpoint stores counted (instead of --ratio)"),
-        rotation: Optional[str] = typer.Option(
-            None, help="slicegpt: per-layer (SliceGPT, remote code) or global (one Q: a "
-            "plain checkpoint of the same family where the family allows)"),
-        basis: Optional[str] = typer.Option(
-            None, help="slicegpt: pca (activation energy) or sensitivity (output Fisher)"),
-        multiple: Optional[int] = typer.Option(
-            None, help="slicegpt: kept hidden size rounded to a multiple of this (default 8)"),
-        widths: Optional[str] = typer.Option(
-            None, help="slicegpt per-layer: uniform, spectrum (a width per block by energy "
-            "share per parameter, same budget), energy (per block the fewest directions "
-            "holding --energy) or kl (a width per block from measured output-KL curves, "
-            "same budget; --set width_levels=6 --set width_windows=2)"),
-        energy: Optional[float] = typer.Option(
-            None, help="slicegpt --widths energy: share of each block's stream energy kept"),
-        allocation: Optional[str] = typer.Option(
-            None, help="svd-llm: uniform (same kept fraction per linear) or spectrum "
-            "(ranks by the whitened spectra under one budget)"),
-        refit: Optional[bool] = typer.Option(
-            None, "--refit/--no-refit", help="svd-llm: least-squares refit of the second "
-            "factor on the compressed stream"),
-        group: Optional[int] = typer.Option(None, help="basis-sharing: layers per shared "
-                                            "basis"),
-        types: Optional[str] = typer.Option(
-            None, help="basis-sharing / shared-dict: projection types to share, e.g. "
-            "q,k,v,gate,up"),
-        targets: Optional[str] = typer.Option(None, help="svd-llm: glob patterns of linears "
-                                              "to factorize"),
-        ignore: Optional[str] = typer.Option(None, help="svd-llm: glob patterns of linears "
-                                             "to keep dense"),
-        damping: Optional[float] = typer.Option(None, help="damping of the Grams (times "
-                                                "their mean diagonal)"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the method's config (repeatable)"),
         samples: int = typer.Option(64, help="calibration windows"),
@@ -84,22 +53,17 @@ def prune_factor_cmd(
         offload: bool = OffloadOpt):
     """Factorization: slice the residual stream (SliceGPT, global rotation,
     sensitivity-aware), whitened low-rank (SVD-LLM) or shared dictionaries across layers
-    (Basis Sharing, optimized pairing)."""
+    (Basis Sharing, optimized pairing); each --method's options are listed under their own
+    heading."""
     from prunelab.pruning.factor import factor_methods
 
     methods = factor_methods()
     if method not in methods:
         raise ConfigError(f"--method must be one of {', '.join(methods)}, got {method!r}")
-    flat = {"ratio": ("--ratio", ratio), "target_params": ("--target-params", target_params),
-            "rotation": ("--rotation", rotation), "basis": ("--basis", basis),
-            "multiple": ("--multiple", multiple), "allocation": ("--allocation", allocation),
-            "widths": ("--widths", widths), "energy": ("--energy", energy),
-            "refit": ("--refit/--no-refit", refit), "group": ("--group", group),
-            "types": ("--types", types),
-            "targets": ("--targets", parse_list(targets) or None),
-            "ignore": ("--ignore", parse_list(ignore) or None),
-            "damping": ("--damping", damping)}
-    cfg = build_config(methods[method], f"--method {method}", flat, settings)
+    label = f"--method {method}"
+    own = values(ctx).piece("factor_methods", method, label)
+    flat = {"ratio": ("--ratio", ratio), "target_params": ("--target-params", target_params)}
+    cfg = build_config(methods[method], label, flat, settings, **own)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

@@ -31,7 +31,8 @@ _META = "prunelab.generated"
 #: the registry kinds, as the option that picks the piece names them in errors and panels
 CHOICE = {"strategies": "--strategy", "recoveries": "--recovery", "width_scores": "--score",
           "width_allocations": "--allocation", "sparsity_methods": "--method",
-          "sparsity_allocations": "--allocation", "factor_methods": "--method"}
+          "sparsity_allocations": "--allocation", "factor_methods": "--method",
+          "probes": "--probe", "presses": "--press"}
 _TYPES = {"int": int, "float": float, "str": str, "tuple": str}
 
 
@@ -39,7 +40,9 @@ _TYPES = {"int": int, "float": float, "str": str, "tuple": str}
 class GenOption:
     """One generated option: its flat name, flag, kind (``bool`` / ``int`` / ``float`` /
     ``str`` / ``tuple``), the pieces owning it (``(kind, name) -> field``) and their
-    defaults, the help of its first owner, a switch's value when given."""
+    defaults, the help of its first owner, a switch's value when given; ``aliases``: more
+    spellings of the flag (metadata ``"aliases"``); ``toggle``: a ``--x/--no-x`` pair,
+    ``None`` when neither is given (metadata ``"toggle"``)."""
 
     flat: str
     flag: str
@@ -50,31 +53,44 @@ class GenOption:
     choices: list | None = None
     range: list | None = None
     switch_value: bool | None = None
+    aliases: list = dataclasses.field(default_factory=list)
+    toggle: bool = False
+    partial: bool = False  # owned by some of its kind's pieces only: --help names them
 
     def owned_by(self, kind: str, name: str) -> str | None:
         return self.owners.get((kind, name))
 
 
-def gen_options(cat: dict, kinds: tuple[str, ...]) -> list[GenOption]:
+def gen_options(cat: dict, kinds: tuple[str, ...], skip=(), prefix: str = ""
+                ) -> list[GenOption]:
     """The options of the pieces of ``kinds`` (fields of kind ``other`` are left to
-    ``--set``; a field whose metadata names a ``budget`` kind is set by ``--budget``)."""
+    ``--set``; a field whose metadata names a ``budget`` kind is set by ``--budget``; the
+    flat names in ``skip`` are the command's own business, e.g. set by a hand-written
+    option under another name); ``prefix`` goes in front of every flag (``press-``:
+    ``--press-window``)."""
     out: dict[str, GenOption] = {}
     for kind in kinds:
         for e in cat["kinds"].get(kind, []):
             for f in e["fields"]:
-                if f["kind"] == "other" or f.get("budget"):  # budgets: --budget KIND:VALUE
+                if f["kind"] == "other" or f.get("budget") or f["flat"] in skip:
                     continue
                 opt = out.get(f["flat"])
                 if opt is None:
                     opt = out[f["flat"]] = GenOption(
-                        f["flat"], f["flag"], f["kind"], f["help"], choices=f["choices"],
-                        range=f["range"])
-                    if f["kind"] == "bool":  # a switch: --x sets True, --no-x False
+                        f["flat"], "--" + prefix + f["flag"].lstrip("-"), f["kind"], f["help"],
+                        choices=f["choices"], range=f["range"],
+                        aliases=list(f.get("aliases") or ()),
+                        toggle=bool(f.get("toggle")) and f["kind"] == "bool")
+                    if f["kind"] == "bool" and not opt.toggle:  # --x True, --no-x False
                         opt.switch_value = not (f["negate"] or f["default"] is True)
                         if not opt.switch_value and not f["negate"]:
                             opt.flag = "--no-" + opt.flag.lstrip("-")
                 opt.owners[(kind, e["name"])] = f["name"]
                 opt.defaults.append(f["default"])
+        pieces = {e["name"] for e in cat["kinds"].get(kind, [])}
+        for opt in out.values():
+            mine = {n for k, n in opt.owners if k == kind}
+            opt.partial = opt.partial or (len(pieces) > 1 and bool(mine) and mine != pieces)
     return list(out.values())
 
 
@@ -86,6 +102,9 @@ def _help(opt: GenOption) -> str:
     """The field's help, its default(s) added (``(default dense for wanda; modified
     otherwise)`` where the pieces differ), escaped for rich markup."""
     text = opt.help or opt.flat.replace("_", " ")
+    names = [n for _, n in opt.owners]
+    if opt.partial and not any(n in text for n in names):
+        text = f"{' / '.join(names)}: {text}"  # whose option it is (help names no owner)
     shown = [d for d in opt.defaults if d not in (None, "", [])]
     if opt.kind != "bool" and "default" not in text and shown:
         if len(shown) == len(opt.defaults) and all(d == shown[0] for d in shown):
@@ -125,13 +144,19 @@ def _click_params(opts: list[GenOption], panels: dict[str, str]) -> list:
     params = []
     for opt in opts:
         panel = panels.get(next(iter(opt.owners))[0])
-        if opt.kind == "bool":
+        if opt.toggle:
+            ann = Optional[bool]
+            option = typer.Option(None, f"{opt.flag}/--no-{opt.flag.lstrip('-')}",
+                                  help=_help(opt), rich_help_panel=panel, show_default=False)
+        elif opt.kind == "bool":
             ann = bool
-            option = typer.Option(False, opt.flag, help=_help(opt), rich_help_panel=panel)
+            option = typer.Option(False, opt.flag, *opt.aliases, help=_help(opt),
+                                  rich_help_panel=panel)
         else:
             ann = Optional[_TYPES[opt.kind]]
-            option = typer.Option(None, opt.flag, help=_help(opt), rich_help_panel=panel,
-                                  show_default=False, callback=_checker(opt))
+            option = typer.Option(None, opt.flag, *opt.aliases, help=_help(opt),
+                                  rich_help_panel=panel, show_default=False,
+                                  callback=_checker(opt))
         params.append(inspect.Parameter(_PREFIX + opt.flat, inspect.Parameter.KEYWORD_ONLY,
                                         default=option, annotation=ann))
 
@@ -169,6 +194,7 @@ def fill_help(text: str, cat: dict) -> str:
              "{sparsity_methods}": lambda: plain("sparsity_methods"),
              "{sparsity_allocations}": lambda: plain("sparsity_allocations"),
              "{probes}": lambda: plain("probes", ", "),
+             "{presses}": lambda: plain("presses", ", "),
              "{factor_methods}": lambda: described("factor_methods")}
     for key, fill in fills.items():
         if key in text:
@@ -183,6 +209,8 @@ class GeneratedCommand(typer.core.TyperCommand):
     parameters sees them as if declared by hand."""
 
     kinds: tuple[str, ...] = ()
+    skip: tuple[str, ...] = ()
+    prefix: str = ""
     _gen: list[GenOption] = []
     _all: list | None = None
 
@@ -205,7 +233,9 @@ class GeneratedCommand(typer.core.TyperCommand):
             if "{" in (getattr(p, "help", None) or ""):
                 p.help = fill_help(p.help, cat)
         taken = {o for p in self._base for o in (*p.opts, *p.secondary_opts)}
-        self._gen = [o for o in gen_options(cat, self.kinds) if o.flag not in taken]
+        self._gen = [o for o in gen_options(cat, self.kinds, self.skip, self.prefix)
+                     if o.flag not in taken and not taken.intersection(o.aliases)
+                     and not (o.toggle and "--no-" + o.flag.lstrip("-") in taken)]
         panels = {k: f"{CHOICE.get(k, k)} options" for k in self.kinds}
         return _click_params(self._gen, panels)
 
@@ -216,10 +246,11 @@ class GeneratedCommand(typer.core.TyperCommand):
         return super().invoke(ctx)
 
 
-def generated_command(*kinds: str) -> type:
-    """A :class:`GeneratedCommand` class generating the options of ``kinds``."""
+def generated_command(*kinds: str, skip: tuple[str, ...] = (), prefix: str = "") -> type:
+    """A :class:`GeneratedCommand` class generating the options of ``kinds`` (but not the
+    flat names in ``skip``; ``prefix`` before every flag)."""
     return type("GeneratedCommand_" + "_".join(kinds), (GeneratedCommand,),
-                {"kinds": tuple(kinds)})
+                {"kinds": tuple(kinds), "skip": tuple(skip), "prefix": prefix})
 
 
 @dataclasses.dataclass
@@ -235,7 +266,9 @@ class Values:
         out = {}
         for opt in self.options:
             raw = self.given.get(opt.flat)
-            if opt.kind == "bool":
+            if opt.toggle:
+                out[opt.flat] = raw
+            elif opt.kind == "bool":
                 out[opt.flat] = opt.switch_value if raw else None
             elif opt.kind == "tuple":
                 items = tuple(p.strip() for p in (raw or "").split(",") if p.strip())
@@ -258,6 +291,28 @@ class Values:
             if field is None:
                 raise ConfigError(f"{opt.flag} does not apply to {label}")
             out[field] = value
+        return out
+
+
+    def given_flags(self) -> list[str]:
+        """The flags of the generated options given on the command line."""
+        flat = self.flat()
+        return [o.flag for o in self.options if flat[o.flat] is not None]
+
+    def routed(self, kind: str, names) -> dict[str, Any]:
+        """``{field: value}`` of the given options of ``kind`` for several pieces used
+        together (the probes of one run): each option under its field name in the first of
+        ``names`` that owns it, else in its first owner, so that the receiver's own routing
+        reports an option none of ``names`` takes."""
+        flat = self.flat()
+        out = {}
+        for opt in self.options:
+            value = flat[opt.flat]
+            owners = [n for k, n in opt.owners if k == kind]
+            if value is None or not owners:
+                continue
+            name = next((n for n in names if n in owners), owners[0])
+            out[opt.owned_by(kind, name)] = value
         return out
 
 

@@ -21,8 +21,10 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     out,
+    parse_settings,
     writing,
 )
+from prunelab.cli.generated import generated_command, values
 from prunelab.errors import ConfigError
 
 
@@ -30,8 +32,9 @@ def _opt(help_text: str, *names: str):
     return typer.Option(None, *names, help=help_text)
 
 
-@app.command("heal")
+@app.command("heal", cls=generated_command("heal", skip=("quiet",)))
 def heal_cmd(
+        ctx: typer.Context,
         model: str = ModelOpt,
         out_dir: Path = typer.Option(..., "--out", help="healed checkpoint directory"),
         teacher: Optional[str] = _opt("dense model spec (needed by --loss kd / hidden / mix)"),
@@ -41,43 +44,13 @@ def heal_cmd(
             "held-out evaluation and no early stopping)"),
         eval_samples: int = typer.Option(32, help="held-out windows"),
         train_samples: Optional[int] = _opt("training windows (default: all of --data)"),
-        loss: Optional[str] = _opt("ce | kd | hidden | mix (default ce); encoders: mse | "
-                                   "cosine (default mse)"),
-        ce_weight: Optional[float] = _opt("mix: weight of the cross-entropy"),
-        kd_weight: Optional[float] = _opt("mix: weight of the logit distillation"),
-        hidden_weight: Optional[float] = _opt("mix: weight of the hidden-state MSE; "
-                                              "encoders: weight of the matched block "
-                                              "boundaries (default 0)"),
-        temperature: Optional[float] = _opt("kd: softmax temperature (default 2)"),
-        lora_rank: Optional[int] = _opt("LoRA rank (default 8)"),
-        lora_alpha: Optional[float] = _opt("LoRA alpha (default 16)"),
-        full: bool = typer.Option(False, "--full", help="train every block parameter "
-                                  "instead of LoRA"),
-        train_bridges: bool = typer.Option(False, "--train-bridges", help="train the linear "
-                                           "bridges of depth-pruned models too"),
-        tokens: Optional[int] = _opt("training tokens (or --steps)"),
-        steps: Optional[int] = _opt("optimizer steps (or --tokens)"),
-        lr: Optional[float] = _opt("peak learning rate (default 2e-4 LoRA, 2e-5 full)"),
-        warmup: Optional[float] = _opt("warm-up fraction of the steps (default 0.05)"),
-        final_lr_ratio: Optional[float] = _opt("the cosine ends at this fraction of --lr"),
-        weight_decay: Optional[float] = _opt("AdamW weight decay (default 0)"),
-        max_grad_norm: Optional[float] = _opt("gradient clipping, 0 = off (default 1)"),
         seqlen: Optional[int] = _opt("window length in tokens (default 256)"),
         batch_size: Optional[int] = _opt("windows per step (default 4)"),
-        eval_every: Optional[int] = _opt("held-out NLL every K steps (default 25)"),
-        patience: Optional[int] = _opt("stop after P evaluations without improvement "
-                                       "(default 3; 0 = never)"),
-        min_delta: Optional[float] = _opt("an improvement below this does not count"),
         seed: Optional[int] = _opt("LoRA init and data order seed (default 0)"),
-        prune: Optional[str] = _opt("prune while tuning: rep-lie | cascadeflow"),
-        unit: Optional[str] = _opt("rep-lie: ffn | heads (KV groups)"),
         ratio: Optional[float] = _opt("rep-lie: fraction of the units removed (default 0.2)"),
-        prune_every: Optional[int] = _opt("prune events every K steps (default 10)",
-                                          "--prune-every", "--every"),
-        prune_fraction: Optional[float] = _opt("rep-lie: fraction of the units per event"),
-        stability: Optional[float] = _opt("rep-lie: how stably unimportant a unit must be"),
         remove: Optional[int] = _opt("cascadeflow: blocks removed (one per event)"),
-        flow_measure: Optional[str] = _opt("cascadeflow: params or residual gradient norm"),
+        settings: Optional[list[str]] = typer.Option(
+            None, "--set", help="KEY=VALUE: any option of the heal config (repeatable)"),
         state_dir: Optional[Path] = typer.Option(
             None, "--state", help="resumable state folder (default OUT.heal-state; removed "
             "after the checkpoint is written)"),
@@ -86,39 +59,35 @@ def heal_cmd(
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt):
     """Heal a pruned model: a short fine-tune that keeps its sparsity, shapes and bridges,
-    merged and saved (no peft needed to load it); held-out early stopping; resumable."""
+    merged and saved (no peft needed to load it); held-out early stopping; resumable (the
+    heal config's options, loss, LoRA, schedule and prune-while-tuning, are listed under
+    their own heading)."""
+    import prunelab.heal
     from prunelab import api, log
     from prunelab.api.heal_encoders import peek_modality
-    from prunelab.heal import HealConfig
     from prunelab.log import is_quiet
 
     load = {"dtype": dtype, "device": device, "trust_remote_code": trust_remote_code,
             "allow_pickle": allow_pickle, "allow_missing_weights": allow_missing_weights}
-    given = {"loss": loss, "ce_weight": ce_weight, "kd_weight": kd_weight,
-             "hidden_weight": hidden_weight, "temperature": temperature,
-             "lora_rank": lora_rank, "lora_alpha": lora_alpha, "full": full or None,
-             "train_bridges": train_bridges or None, "tokens": tokens, "steps": steps,
-             "lr": lr, "warmup": warmup, "final_lr_ratio": final_lr_ratio,
-             "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "seqlen": seqlen,
-             "batch_size": batch_size, "eval_every": eval_every, "patience": patience,
-             "min_delta": min_delta, "seed": seed, "prune": prune, "unit": unit,
-             "ratio": ratio, "prune_every": prune_every, "prune_fraction": prune_fraction,
-             "stability": stability, "remove": remove, "flow_measure": flow_measure}
+    given = {k: v for k, v in {"seqlen": seqlen, "batch_size": batch_size, "seed": seed,
+                               "ratio": ratio, "remove": remove}.items() if v is not None}
+    given.update(values(ctx).piece("heal", "heal", "prunelab heal"))
     from prunelab.cli.common import check_positive
 
     check_positive("--train-samples", train_samples)
     check_positive("--eval-samples", eval_samples)
     held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
-    if held_out is None and patience is None:
+    if held_out is None and given.get("patience") is None:
         given["patience"] = 0  # no held-out data: no early stopping unless asked for
     if peek_modality(model) is not None:
         _heal_encoder(model, teacher, data, held_out, out_dir, overwrite, load, given,
                       {"train_samples": train_samples, "eval_samples": eval_samples,
-                       "image_size": image_size, "state": state_dir})
+                       "image_size": image_size, "state": state_dir}, settings)
         return
     if image_size is not None:
         raise ConfigError("--image-size applies to vision encoders only")
-    cfg = HealConfig(quiet=is_quiet(), **{k: v for k, v in given.items() if v is not None})
+    cls = prunelab.heal.HealConfig
+    cfg = cls(**{"quiet": is_quiet(), **given, **parse_settings(settings, cls)})
     state = state_dir if state_dir is not None else out_dir.with_name(out_dir.name +
                                                                       ".heal-state")
     with writing(out_dir, "checkpoint", overwrite, on_interrupt=(
@@ -165,13 +134,13 @@ _TEXT_ONLY = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight",
               "temperature": "--temperature", "tokens": "--tokens (use --steps)",
               "seqlen": "--seqlen", "prune": "--prune", "unit": "--unit", "ratio": "--ratio",
               "prune_every": "--prune-every", "prune_fraction": "--prune-fraction",
-              "stability": "--stability", "remove": "--remove",
+              "stability": "--stability", "round_to": "--round-to", "remove": "--remove",
               "flow_measure": "--flow-measure", "state": "--state (encoder heals do not "
               "resume)"}
 
 
 def _heal_encoder(model: str, teacher, data: str, held_out, out_dir: Path, overwrite: bool,
-                  load: dict, given: dict, extra: dict) -> None:
+                  load: dict, given: dict, extra: dict, settings=None) -> None:
     """``prunelab heal`` on a vision or speech encoder: feature distillation from
     ``--teacher`` (see :mod:`prunelab.train.encoders`)."""
     from prunelab import api, log
@@ -190,8 +159,9 @@ def _heal_encoder(model: str, teacher, data: str, held_out, out_dir: Path, overw
     keep = ("loss", "hidden_weight", "lora_rank", "lora_alpha", "full", "train_bridges",
             "steps", "lr", "warmup", "final_lr_ratio", "weight_decay", "max_grad_norm",
             "batch_size", "eval_every", "patience", "min_delta", "seed")
-    cfg = EncoderHealConfig(quiet=is_quiet(), **{k: given[k] for k in keep
-                                                 if given.get(k) is not None})
+    cfg = EncoderHealConfig(**{"quiet": is_quiet(), **{k: given[k] for k in keep
+                                                       if given.get(k) is not None},
+                               **parse_settings(settings, EncoderHealConfig)})
     size = extra["image_size"] if extra["image_size"] is not None else 224
     from prunelab.registry import check_range
 

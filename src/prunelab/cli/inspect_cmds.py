@@ -30,7 +30,7 @@ from prunelab.cli.common import (
     parse_settings,
     writing,
 )
-from prunelab.cli.generated import generated_command
+from prunelab.cli.generated import generated_command, values
 from prunelab.errors import ConfigError
 
 
@@ -101,8 +101,15 @@ def _group_blocks(blocks: list[dict]):
 TASKS_PPL_WINDOWS = 16  # eval --tasks without --samples: perplexity windows
 
 
-@app.command("eval")
-def eval_cmd(model: str = ModelOpt,
+#: the presses' options generated on ``eval`` / ``generate`` (--press-ratio and
+#: --press-option are hand-written; the decay press' fitted arrays go through --press-option)
+PRESS_OPTIONS = generated_command("presses", skip=("ratio", "weights", "blend"),
+                                  prefix="press-")
+
+
+@app.command("eval", cls=PRESS_OPTIONS)
+def eval_cmd(ctx: typer.Context,
+             model: str = ModelOpt,
              data: str = typer.Option("wiki-vital:test", help="wiki-vital:test | wikitext2 | "
                                       "c4 | text:PATH | jsonl:PATH[:field]"),
              seqlen: int = typer.Option(512, help="window length in tokens"),
@@ -125,7 +132,8 @@ def eval_cmd(model: str = ModelOpt,
              press_name: Optional[str] = typer.Option(
                  None, "--press", help="score under an inference-time press: streaming-llm, "
                  "h2o, snapkv, decay (KV eviction), lazyllm, entroprefill (prefill token "
-                 "pruning); each window's first --press-context is the pressed prompt"),
+                 "pruning); each window's first --press-context is the pressed prompt (each "
+                 "press' options are listed under their own heading)"),
              press_ratio: Optional[float] = typer.Option(
                  None, help="fraction of the prompt removed (entroprefill: the cap)"),
              press_options: Optional[list[str]] = typer.Option(
@@ -167,7 +175,8 @@ def eval_cmd(model: str = ModelOpt,
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights, stream=stream).load()
         moe = _moe_setup(lm, moe_mass)
-        pressing = _press_context(lm, press_name, press_ratio, press_options, press_context)
+        pressing = _press_context(lm, press_name, press_ratio, press_options, press_context,
+                                  values(ctx))
         with pressing as session:
             res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
                                batch_size=batch_size, reference=kl_reference, speed=speed,
@@ -247,31 +256,37 @@ def _encoder_rows(res: dict) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def _press_context(lm, name, ratio, options, context):
-    """The press session of ``eval --press`` (``None`` without a press)."""
+def _press_context(lm, name, ratio, options, context, gen=None):
+    """The press session of ``eval --press`` (``None`` without a press); ``gen``: the
+    generated press options (:func:`prunelab.cli.generated.values`)."""
     if name is None:
         if ratio is not None or options:
             raise ConfigError("--press-ratio / --press-option need --press NAME")
+        if gen is not None and gen.given_flags():
+            raise ConfigError(f"{gen.given_flags()[0]} needs --press NAME")
         yield None
         return
-    from prunelab.inference import press
+    from prunelab.inference import PRESSES, press
 
-    cfg = _press_config(lm, name, ratio, options)
+    PRESSES.get(name)  # unknown names: one line naming the valid ones
+    own = {} if gen is None else gen.piece("presses", name, f"--press {name}")
+    cfg = _press_config(lm, name, ratio, options, own)
     with press(lm, cfg, context=context) as session:
         yield session
 
 
-def _press_config(lm, name: str, ratio, options):
+def _press_config(lm, name: str, ratio, options, own=None):
     """``--press NAME --press-ratio R --press-option K=V``; the decay press is fitted
     first: by least squares on 8 calibration windows (``fit=ls``, the default; with
     ``observe > 0`` to the attention of the next 64 tokens), or end-to-end by the
     continuation KL (``fit=kl``: the blended press of
-    :mod:`prunelab.inference.decay_kl`, on 6 windows of 1024 + 32 tokens)."""
+    :mod:`prunelab.inference.decay_kl`, on 6 windows of 1024 + 32 tokens). ``own``: the
+    press' options given as flags (``--press-window 16``)."""
     from prunelab.inference import PRESSES, press_for
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
     fit, needles, options = _press_fit(name, options)
-    opts = parse_settings(options, PRESSES.get(name))
+    opts = {**(own or {}), **parse_settings(options, PRESSES.get(name))}
     cfg = press_for(name, ratio, **opts)
     if fit == "kl":
         if opts:
@@ -383,34 +398,16 @@ def _moe_setup(lm, mass: float | None) -> bool:
     return True
 
 
-@app.command(cls=generated_command())
-def probe(model: str = ModelOpt,
+@app.command(cls=generated_command("probes"))
+def probe(ctx: typer.Context,
+          model: str = ModelOpt,
           data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
           probe_names: str = typer.Option(..., "--probe", help="comma-separated: {probes}"),
           out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
-          window: Optional[int] = typer.Option(None, help="swap probes: pairs with |i-j| <= W "
-                                               "(default: all pairs)"),
           pairs: Optional[str] = typer.Option(None, help="swap probes: explicit pairs i-j,..."),
-          span: Optional[int] = typer.Option(None, help="span-angular: span length n "
-                                             "(default 1)"),
-          max_length: Optional[int] = typer.Option(None, help="interval: longest interval "
-                                                   "measured (default 4)"),
           max_remove: int = typer.Option(5, help="summary: removal sets for n = 1..N"),
           bootstrap: int = typer.Option(200, help="bootstrap resamples of the windows for "
                                         "the 95 % intervals of every score (0: none)"),
-          ablation: Optional[str] = typer.Option(None, help="head-ablation: zero (default) or "
-                                                 "mean (the head's mean output)"),
-          induction_length: Optional[int] = typer.Option(
-              None, help="induction: random tokens per half of a repeated sequence (32)"),
-          induction_sequences: Optional[int] = typer.Option(
-              None, help="induction: repeated random sequences (8)"),
-          top_k: Optional[int] = typer.Option(None, help="induction: top heads ablated (4)"),
-          steps: Optional[int] = typer.Option(None, help="gradient-flow: LoRA fine-tune steps "
-                                              "(20)"),
-          lr: Optional[float] = typer.Option(None, help="gradient-flow: learning rate (2e-4)"),
-          rank: Optional[int] = typer.Option(None, help="gradient-flow: LoRA rank (8)"),
-          measure: Optional[str] = typer.Option(None, help="gradient-flow: params (block "
-                                                "parameters' gradient) or residual"),
           samples: int = typer.Option(16, help="calibration windows"),
           seqlen: int = typer.Option(256, help="window length in tokens"),
           seed: int = typer.Option(0, help="window sampling and noise seed"),
@@ -423,14 +420,10 @@ def probe(model: str = ModelOpt,
           trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
           allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt,
           stream: bool = StreamOpt,
-          stack: Optional[str] = StackOpt,
-          metric: Optional[str] = typer.Option(
-              None, help="leave-one-out: rank blocks by the change of this task metric "
-              "(e.g. wer) instead of the divergence to the dense model"),
-          metric_data: Optional[str] = typer.Option(
-              None, help="--metric: its data (wer: speech spec or folder; default "
-              "speech:synth-calib)")):
-    """Measure layer redundancy under several protocols, side by side (0-based layers)."""
+          stack: Optional[str] = StackOpt):
+    """Measure layer redundancy under several protocols, side by side (0-based layers; each
+    --probe's options are listed under their own heading, given to the probes that take
+    them)."""
     from prunelab import api
     from prunelab.errors import ConfigError
     from prunelab.probes import PROBES
@@ -454,12 +447,9 @@ def probe(model: str = ModelOpt,
                       allow_missing_weights, offload, stream, stack=stack).load()
         results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
-                            states=states, window=window, pairs=parse_pairs(pairs) or None,
-                            span=span, max_length=max_length, max_remove=max_remove,
-                            bootstrap=bootstrap, ablation=ablation, length=induction_length,
-                            sequences=induction_sequences, top_k=top_k, steps=steps,
-                            lr=lr, rank=rank, measure=measure, metric=metric,
-                            metric_data=metric_data)
+                            states=states, pairs=parse_pairs(pairs) or None,
+                            max_remove=max_remove, bootstrap=bootstrap,
+                            **values(ctx).routed("probes", names))
     t = Table(title=f"probes on {model} (0-based blocks; most removable first)")
     for col in ("probe", "most removable", "ranking stability", "block evals", "seconds"):
         t.add_column(col, overflow="fold")

@@ -54,8 +54,11 @@ class StreamingLLM(Press):
     every ``every`` decode steps (a rolling window)."""
 
     ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
-    sinks: int = 4
-    every: int = 0
+    sinks: int = field(default=4, metadata={"help": (
+        "first tokens always kept (attention sinks)")})
+    every: int = field(default=0, metadata={"help": (
+        "also shrink the cache back to its post-prefill size every K decode steps (0: "
+        "never)")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,8 +76,11 @@ class H2O(Press):
     post-prefill size every ``every`` decode steps."""
 
     ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
-    recent: float = 0.5
-    every: int = 0
+    recent: float = field(default=0.5, metadata={"help": (
+        "recent window, a fraction of the budget")})
+    every: int = field(default=0, metadata={"help": (
+        "also shrink the cache back to its post-prefill size every K decode steps (0: "
+        "never)")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -91,9 +97,11 @@ class SnapKV(Press):
     2024, "SnapKV: LLM Knows What You are Looking for Before Generation"."""
 
     ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
-    window: int = 32
-    kernel: int = 5
-    pooling: str = "max"
+    window: int = field(default=32, metadata={"help": (
+        "observation window: the last prompt tokens whose attention scores the rest "
+        "(always kept)")})
+    kernel: int = field(default=5, metadata={"help": 'width of the score smoothing (odd)'})
+    pooling: str = field(default="max", metadata={"help": 'score smoothing: max or avg pooling'})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -117,7 +125,8 @@ class LazyLLM(Press):
 
     kind: ClassVar[str] = "prefill"
     ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
-    layer: int = 1
+    layer: int = field(default=1, metadata={"help": (
+        "0-based block where the prompt tokens are pruned")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -143,15 +152,26 @@ class EntroPrefill(Press):
     (Jaccard; the ranking has stabilised), else at ``layer``."""
 
     kind: ClassVar[str] = "prefill"
-    layer: int = 1
-    mass_bound: float = 0.05
-    window: int = 8
-    mix: float = 0.5
-    alpha: float = 2.0
-    keep_scale: float = 1.0
-    max_ratio: float = field(default=0.9, metadata=CACHE_BUDGET)
-    adaptive: bool = False
-    stability: float = 0.8
+    layer: int = field(default=1, metadata={"help": (
+        "0-based block where the prompt tokens are pruned")})
+    mass_bound: float = field(default=0.05, metadata={"help": (
+        "entroprefill: largest attention mass any head may lose")})
+    window: int = field(default=8, metadata={"help": (
+        "observation window: the last prompt tokens whose attention scores the rest "
+        "(always kept)")})
+    mix: float = field(default=0.5, metadata={"help": (
+        "entroprefill: group pooling (1 - mix) mean + mix max")})
+    alpha: float = field(default=2.0, metadata={"help": (
+        "entroprefill: order of the Renyi entropy proposing the cut")})
+    keep_scale: float = field(default=1.0, metadata={"help": (
+        "entroprefill: keep keep_scale x exp(entropy) candidates")})
+    max_ratio: float = field(default=0.9, metadata={
+        "help": "entroprefill: largest fraction of the prompt removed",
+        "budget": "remove-cache"})
+    adaptive: bool = field(default=False, metadata={"help": (
+        "entroprefill: prune at the first block whose removal set is stable (up to layer)")})
+    stability: float = field(default=0.8, metadata={"help": (
+        "entroprefill, adaptive: Jaccard overlap with the previous block's removal set")})
 
     def __post_init__(self) -> None:
         check_range("layer", self.layer, 0, None, integer=True)

@@ -79,14 +79,19 @@ class DecayEviction(Press):
     in the prefill, as H2O)."""
 
     ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
-    window: int = 8
-    weights: tuple[float, ...] | None = None
-    observe: int = 0
-    kernel: int = 5
-    blend: tuple[float, ...] | None = None
-    share: float = 0.0
-    recent: float = 0.0
-    mix: float = 0.0
+    window: int = field(default=8, metadata={"help": 'the last tokens always kept'})
+    weights: tuple[float, ...] | None = field(default=None, metadata={"help": (
+        "fitted retention weights, layers x kv_heads x 5 (fitted when not given)")})
+    observe: int = field(default=0, metadata={"help": (
+        "decay: observation window of the attention feature (0: none)")})
+    kernel: int = field(default=5, metadata={"help": 'width of the score smoothing (odd)'})
+    blend: tuple[float, ...] | None = field(default=None, metadata={"help": (
+        "(lam, rho) per layer of the blended score (from the KL fit)")})
+    share: float = field(default=0.0, metadata={"help": (
+        "decay, blend: fraction of the budget kept by SnapKV's own ranking")})
+    recent: float = field(default=0.0, metadata={"help": 'recent window, a fraction of the budget'})
+    mix: float = field(default=0.0, metadata={"help": (
+        "decay: base score (1 - mix) log snap + mix log acc")})
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -13,7 +13,7 @@ calibration window (for :mod:`prunelab.probes.reliability`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prunelab.log import progress
 from prunelab.probes.base import PROBES, ProbeResult, config_dict
@@ -26,8 +26,11 @@ class LeaveOneOut:
     ``metric`` (a registered task metric, e.g. ``wer``) the change of that metric instead
     (:mod:`prunelab.probes.task_ablation`; ``metric_data``: its data)."""
 
-    metric: str | None = None
-    metric_data: str | None = None
+    metric: str | None = field(default=None, metadata={"help": (
+        "rank blocks by the change of this task metric (e.g. wer) instead of the "
+        "divergence to the dense model")})
+    metric_data: str | None = field(default=None, metadata={"help": (
+        "--metric: its data (wer: speech spec or folder; default speech:synth-calib)")})
 
     def run(self, ctx, resume=None, on_progress=None) -> ProbeResult:
         n = ctx.num_blocks

@@ -12,7 +12,7 @@ window (``value = |mean(windows_rho) - 1|``, for :mod:`prunelab.probes.reliabili
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,8 +41,9 @@ class Contraction:
 
     Relative noise ``scale`` (of each token's norm) and the noise ``seed``."""
 
-    scale: float = 1e-2
-    seed: int = 0
+    scale: float = field(default=1e-2, metadata={"help": "relative noise (of each token's "
+                                                          "norm)"})
+    seed: int = field(default=0, metadata={"help": "noise seed"})
 
     def __post_init__(self):
         check_range("scale", self.scale, 1e-8, 1.0)

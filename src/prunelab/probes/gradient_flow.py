@@ -8,7 +8,7 @@ weights are unchanged). No dense boundary pass is needed (``forward=False``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
@@ -23,12 +23,13 @@ class GradientFlow:
     ``batch_size`` windows, data order and LoRA init from ``seed``); ``measure``: params
     (LoRA gradient norm of the block) or residual (gradient norm of its output stream)."""
 
-    steps: int = 20
-    lr: float = 2e-4
-    rank: int = 8
-    batch_size: int = 4
-    seed: int = 0
-    measure: str = "params"
+    steps: int = field(default=20, metadata={"help": "LoRA fine-tune steps"})
+    lr: float = field(default=2e-4, metadata={"help": "learning rate"})
+    rank: int = field(default=8, metadata={"help": "LoRA rank"})
+    batch_size: int = field(default=4, metadata={"help": "windows per step"})
+    seed: int = field(default=0, metadata={"help": "data order and LoRA init"})
+    measure: str = field(default="params", metadata={"help": (
+        "params (block parameters' gradient) or residual (gradient of its output stream)")})
 
     def __post_init__(self):
         check_range("steps", self.steps, 1, 10**6, integer=True)

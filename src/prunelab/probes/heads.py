@@ -23,7 +23,7 @@ per query head (GQA: query head ``h`` reads KV head ``h // (heads / kv_heads)``)
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -91,7 +91,8 @@ class HeadAblation:
     ``ablation``: ``zero`` (the head removed) or ``mean`` (its output replaced by its mean
     over the calibration positions)."""
 
-    ablation: str = "zero"
+    ablation: str = field(default="zero", metadata={"help": (
+        "zero (the head removed) or mean (the head's mean output)")})
 
     def __post_init__(self):
         if self.ablation not in ABLATIONS:
@@ -233,10 +234,12 @@ class Induction:
     half; ``sequences``: how many; ``top_k``: heads ablated together (and as many random
     other heads as a baseline); ``seed``: the sequences and the baseline heads."""
 
-    length: int = 32
-    sequences: int = 8
-    top_k: int = 4
-    seed: int = 0
+    length: int = field(default=32, metadata={"flag": "--induction-length", "help": (
+        "random tokens per half of a repeated sequence")})
+    sequences: int = field(default=8, metadata={"flag": "--induction-sequences", "help": (
+        "repeated random sequences")})
+    top_k: int = field(default=4, metadata={"help": "top heads ablated"})
+    seed: int = field(default=0, metadata={"help": "the sequences and the baseline heads"})
 
     def __post_init__(self):
         check_range("length", self.length, 2, None, integer=True)

@@ -10,7 +10,7 @@ Each score keeps its per-window values (``windows``, ``windows_all_positions``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prunelab.log import progress
 from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
@@ -41,7 +41,7 @@ def best_interval_pairs(costs: dict[tuple[int, int], float], max_total: int) -> 
 class Interval:
     """Divergence to dense with each interval of blocks removed, up to ``max_length`` long."""
 
-    max_length: int = 4
+    max_length: int = field(default=4, metadata={"help": "longest interval measured"})
 
     def __post_init__(self):
         check_range("max_length", self.max_length, 1, None, integer=True)

@@ -19,7 +19,7 @@ Block influence and span angular store their value per calibration window too
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,7 +66,8 @@ class BlockInfluence:
 
     ``angular`` reports arccos(cos)/pi instead of 1 - cos as ``value``."""
 
-    angular: bool = False
+    angular: bool = field(default=False, metadata={"help": (
+        "report arccos(cos)/pi instead of 1 - cos")})
 
     def run(self, ctx) -> ProbeResult:
         scores = []
@@ -85,7 +86,7 @@ class BlockInfluence:
 class SpanAngular:
     """Gromov et al.: angular distance between ``h_l`` and ``h_{l+span}`` at the last token."""
 
-    span: int = 1
+    span: int = field(default=1, metadata={"help": "span length n"})
 
     def __post_init__(self):
         check_range("span", self.span, 1, None, integer=True)
@@ -112,8 +113,11 @@ class SpanAngular:
 class CKA:
     """Linear CKA between block boundaries: adjacent (per block) and, optionally, all pairs."""
 
-    all_pairs: bool = True
-    max_tokens: int = 8192
+    all_pairs: bool = field(default=True, metadata={"help": (
+        "CKA between every pair of boundaries too, not only adjacent ones "
+        "(--no-all-pairs: adjacent only)")})
+    max_tokens: int = field(default=8192, metadata={"help": (
+        "tokens per boundary the CKA is computed on")})
 
     def __post_init__(self):
         check_range("max_tokens", self.max_tokens, 2, None, integer=True)

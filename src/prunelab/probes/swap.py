@@ -71,8 +71,10 @@ class SwapConfig:
     (explicit 0-based ``(i, j)``); the options shared by :class:`Interchange` and
     :class:`Replacement`."""
 
-    window: int | None = None
-    pairs: tuple = field(default_factory=tuple)
+    window: int | None = field(default=None, metadata={"help": (
+        "pairs with |i-j| <= W (default: all pairs)")})
+    pairs: tuple = field(default_factory=tuple, metadata={"help": (
+        "explicit 0-based pairs (i, j); on the command line i-j,...")})
 
     def __post_init__(self):
         if self.window is not None:

@@ -40,10 +40,12 @@ class HealConfig:
     then cosine down to ``final_lr_ratio`` x lr.
     """
 
-    loss: str = _help("ce | kd | hidden | mix", "ce")
+    loss: str = _help("ce | kd | hidden | mix (default ce); encoders: mse | cosine (default "
+                      "mse)", "ce")
     ce_weight: float = _help("mix: weight of the cross-entropy", 1.0)
     kd_weight: float = _help("mix: weight of the logit distillation", 1.0)
-    hidden_weight: float = _help("mix: weight of the hidden-state MSE", 1.0)
+    hidden_weight: float = _help("mix: weight of the hidden-state MSE (default 1); encoders: "
+                                 "weight of the matched block boundaries (default 0)", 1.0)
     temperature: float = _help("kd: softmax temperature T (loss scaled by T^2)", 2.0)
     lora_rank: int = _help("LoRA rank r", 8)
     lora_alpha: float = _help("LoRA alpha (scale s = alpha / r)", 16.0)
@@ -67,7 +69,8 @@ class HealConfig:
     unit: str = _help("rep-lie: ffn | heads (KV groups)", "ffn")
     ratio: float = _help("rep-lie: fraction of the unit's channels / groups removed", 0.2,
                          budget="remove-units")
-    prune_every: int = _help("prune events every K steps", 10)
+    prune_every: int = field(default=10, metadata={"help": "prune events every K steps",
+                                                   "aliases": ("--every",)})
     prune_fraction: float = _help("rep-lie: fraction of the original units per event", 0.05)
     stability: float = _help("rep-lie: a unit is stably unimportant when it sat among the "
                              "event's lowest in at least this fraction of the steps", 0.5)

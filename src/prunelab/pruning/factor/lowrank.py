@@ -267,8 +267,8 @@ class SvdLlm(FactorConfig):
         "globally by the whitened spectra)"))
     damping: float = field(default=0.01, metadata=_help(
         "lambda added to the Gram's diagonal, as a fraction of its mean diagonal"))
-    refit: bool = field(default=False, metadata=_help(
-        "refit the second factor by least squares on the compressed stream"))
+    refit: bool = field(default=False, metadata={**_help(
+        "refit the second factor by least squares on the compressed stream"), "toggle": True})
     targets: tuple = field(default=(), metadata=_help("glob patterns of linears to factorize"))
     ignore: tuple = field(default=(), metadata=_help("glob patterns of linears to keep dense"))
 
