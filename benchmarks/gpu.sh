@@ -91,11 +91,11 @@ build_plan() {
   done
   for method in wanda sparsegpt; do
     for mode in $(modes_for "prune sparsity"); do
-      PLAN+=("$method-$mode|prune sparsity|$COMMON $CALIB --method $method --sparsity 0.5 $(flag_of "$mode")")
+      PLAN+=("$method-$mode|prune sparsity|$COMMON $CALIB --method $method --budget remove-weights:0.5 $(flag_of "$mode")")
     done
   done
   for mode in $(modes_for "prune depth"); do
-    PLAN+=("depth$REMOVE-foldable-$mode|prune depth|$COMMON $CALIB --remove $REMOVE --probe block-influence --recovery foldable $(flag_of "$mode")")
+    PLAN+=("depth$REMOVE-foldable-$mode|prune depth|$COMMON $CALIB --budget remove-blocks:$REMOVE --probe block-influence --recovery foldable $(flag_of "$mode")")
   done
 }
 

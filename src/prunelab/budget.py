@@ -280,6 +280,10 @@ def budget_options(cls, budgets, label: str) -> dict:
     took = ", ".join(accepted_kinds(cls)) or "no budget"
     out: dict = {}
     for b in budgets:
+        if isinstance(b, str) and ":" not in b:
+            first = accepted_kinds(cls)[0].partition(":")[0] if took != "no budget" else "KIND"
+            raise ConfigError(f"{label} takes --budget {took}; got {b!r} (say what it counts, "
+                              f"e.g. {first}:{b.strip()})")
         if isinstance(b, str) and ".." in b:
             lo, hi = parse_budget_span(b)
             ends = spans.get(f"{lo.action}-{lo.quantity}") or \

@@ -27,7 +27,8 @@ def test_prune_gates_removes_sublayers_and_reloads(tiny_dir):
     out = tiny_dir / "gated"
     res = cli("--quiet", "prune", "gates", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--budget", "0.3", "--rounds", "2", "--set", "steps=50",
+              "--batch-size", "2", "--budget", "remove-compute:0.3", "--rounds", "2", "--set",
+              "steps=50",
               "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "sublayer compute skipped" in res.stdout and "removed sublayers" in res.stdout
@@ -70,7 +71,7 @@ def test_prune_moe_then_eval_at_another_mass(tiny_dir):
     out = tiny_dir / "moe"
     res = cli("--quiet", "prune", "moe", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--experts", "4", "--mass", "0.9", "--set",
+              "--batch-size", "2", "--experts", "4", "--budget", "keep-mass:0.9", "--set",
               "router_steps=20", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "experts per token" in res.stdout and "prunelab_moe_mass" in res.stdout
@@ -83,7 +84,7 @@ def test_prune_moe_then_eval_at_another_mass(tiny_dir):
         js = tiny_dir / f"moe-eval-{mass}.json"
         res = cli("eval", "--model", str(out), "--trust-remote-code", "--data",
                   f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "2",
-                  "--moe-mass", mass, "--json", str(js))
+                  "--budget", f"keep-mass:{mass}", "--json", str(js))
         assert res.returncode == 0, res.stderr
         assert "PrunePath experts per token" in res.stdout
         figures[mass] = json.loads(js.read_text())
@@ -96,7 +97,8 @@ def test_prune_depth_sleb_over_sublayers_with_recovery_in_the_loop(tiny_dir):
     out = tiny_dir / "sleb-sub"
     res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--remove", "1", "--strategy", "sleb", "--sleb-score",
+              "--batch-size", "2", "--budget", "remove-blocks:1", "--strategy", "sleb",
+              "--sleb-score",
               "kl", "--granularity", "sublayer", "--recovery", "ghost",
               "--recovery-in-loop", "--out", str(out))
     assert res.returncode == 0, res.stderr
@@ -118,7 +120,8 @@ def test_prune_depth_sleb_resumes_a_search(tiny_dir):
     out = tiny_dir / "sleb-resume"
     res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--remove", "2", "--strategy", "sleb", "--sleb-score",
+              "--batch-size", "2", "--budget", "remove-blocks:2", "--strategy", "sleb",
+              "--sleb-score",
               "kl", "--sleb-resume", "1", "--out", str(out))
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "manifest.json").read_text())["report"]
@@ -127,7 +130,7 @@ def test_prune_depth_sleb_resumes_a_search(tiny_dir):
     assert len(rep["selection"]["steps"]) == 1
     res = cli("prune", "depth", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--remove", "2", "--strategy", "sleb", "--sleb-resume", "1",
+              "--budget", "remove-blocks:2", "--strategy", "sleb", "--sleb-resume", "1",
               "--recovery", "ghost", "--recovery-in-loop", "--out", str(tiny_dir / "x"))
     assert res.returncode == 2 and res.stderr.startswith("error: --sleb-resume cannot")
     assert "Traceback" not in res.stderr
@@ -137,7 +140,7 @@ def test_prune_depth_reports_the_selection_stability(tiny_dir):
     out = tiny_dir / "stable"
     res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--samples", "6", "--seqlen", "16",
-              "--batch-size", "2", "--remove", "1", "--probe", "leave-one-out",
+              "--batch-size", "2", "--budget", "remove-blocks:1", "--probe", "leave-one-out",
               "--bootstrap", "40", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "selection stability" in res.stdout and "of 40 resamples" in res.stdout

@@ -38,7 +38,7 @@ def _run(tiny_dir, name: str, *options: str):
 
 def test_global_slice_is_a_plain_checkpoint(tiny_dir):
     out, man, shown = _run(tiny_dir, "global", "--method", "slicegpt", "--rotation", "global",
-                           "--ratio", "0.25", "--multiple", "4")
+                           "--budget", "remove-hidden:0.25", "--multiple", "4")
     assert man["loads_with"].startswith("plain")
     assert "plain transformers" in shown and "parameters (as stored)" in shown
     plain = tf.AutoModelForCausalLM.from_pretrained(out).eval()  # no remote code
@@ -56,12 +56,12 @@ def test_global_slice_is_a_plain_checkpoint(tiny_dir):
 
 
 @pytest.mark.parametrize(("method", "options"), [
-    ("svd-llm", ("--ratio", "0.3", "--allocation", "spectrum")),
-    ("basis-sharing", ("--ratio", "0.3")),
-    ("shared-dict", ("--ratio", "0.3", "--set", "iters=3")),
-    ("slicegpt", ("--ratio", "0.25", "--multiple", "4")),
-    ("slicegpt", ("--ratio", "0.25", "--multiple", "4", "--widths", "spectrum")),
-    ("slicegpt", ("--ratio", "0.25", "--multiple", "4", "--widths", "kl",
+    ("svd-llm", ("--budget", "remove-weights:0.3", "--allocation", "spectrum")),
+    ("basis-sharing", ("--budget", "remove-weights:0.3")),
+    ("shared-dict", ("--budget", "remove-weights:0.3", "--set", "iters=3")),
+    ("slicegpt", ("--budget", "remove-hidden:0.25", "--multiple", "4")),
+    ("slicegpt", ("--budget", "remove-hidden:0.25", "--multiple", "4", "--widths", "spectrum")),
+    ("slicegpt", ("--budget", "remove-hidden:0.25", "--multiple", "4", "--widths", "kl",
                   "--set", "width_levels=2")),
 ])
 def test_factorized_checkpoints_need_remote_code_and_show_in_info(tiny_dir, method, options):

@@ -52,9 +52,7 @@ BASE = {
 
 # companions an option needs to apply (without them it is refused for another reason)
 NEEDS = {
-    ("eval", "--press-ratio"): ["--press", "snapkv"],
     ("eval", "--press-context"): ["--press", "snapkv"],
-    ("heal", "--ratio"): ["--prune", "rep-lie"],
     ("heal", "--prune-fraction"): ["--prune", "rep-lie"],
     ("heal", "--stability"): ["--prune", "rep-lie"],
     ("heal", "--ce-weight"): ["--loss", "mix"],
@@ -92,9 +90,8 @@ NEEDS = {
 
 # the size each command needs unless the swept option is the size itself
 SIZE = {"prune depth": ["--budget", "remove-blocks:1"],
-        "prune width": ["--budget", "remove-units:0.2"],
-        "prune factor": ["--ratio", "0.2"]}
-SIZE_OPTIONS = {"--target-params", "--ratio"}
+        "prune width": ["--budget", "remove-units:0.2"]}
+SIZE_OPTIONS: set = set()  # the sizes are --budget KIND:VALUE now (tests/test_budget.py)
 
 
 def _walk(cmd, path=()):
@@ -142,13 +139,26 @@ def _snapshot(folder):
             for p in sorted(folder.rglob("*"))}
 
 
+def _with(argv: list[str], extra: list[str]) -> list[str]:
+    """``argv`` plus the ``--flag value`` pairs of ``extra``, a flag already in ``argv``
+    getting the new value (an option given twice is an error)."""
+    argv = list(argv)
+    for i in range(0, len(extra), 2):
+        flag, value = extra[i], extra[i + 1]
+        if flag in argv:
+            argv[argv.index(flag) + 1] = value
+        else:
+            argv += [flag, value]
+    return argv
+
+
 # nan is the sharp case (every comparison with it is false, so ``x < 0`` checks let it
 # through); inf runs with the slow tests
 @pytest.mark.parametrize("value", ["nan", pytest.param("inf", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("path,option", FLOATS, ids=[f"{p}{o}" for p, o in FLOATS])
 def test_float_option_rejects(path, option, value, assets, tmp_path, capsys):
     size = [] if option in SIZE_OPTIONS else SIZE.get(path, [])
-    argv = BASE[path] + size + NEEDS.get((path, option), []) + [option, value]
+    argv = _with(BASE[path] + size, NEEDS.get((path, option), [])) + [option, value]
     args = ["--quiet"] + [a.format(m=assets / "model", t=assets / "text.txt",
                                    o=tmp_path / "out", v=assets / "vision",
                                    r=assets / "recipe.yaml") for a in argv]

@@ -27,7 +27,6 @@ from prunelab.heal import HealConfig
 from prunelab.inference import PRESSES
 from prunelab.inference.config import LazyLLM, Press
 from prunelab.probes import PROBES
-from prunelab.probes.base import register as register_probe
 from prunelab.probes.base import route_options
 from prunelab.pruning import METHODS
 from prunelab.pruning.factor.config import FactorConfig
@@ -103,7 +102,7 @@ def test_gates_field_added_to_its_config_is_an_option(my_gates, captured, tmp_pa
 
 
 def test_gates_same_config_as_the_hand_written_options(captured, tmp_path, capsys):
-    code, out = _prune("gates", ["--budget", "0.3", "--ema", "0.5", "--rounds", "4",
+    code, out = _prune("gates", ["--budget", "remove-compute:0.3", "--ema", "0.5", "--rounds", "4",
                                  "--rank-weight", "2", "--select", "order", "--positions",
                                  "last", "--set", "seed=7", "--set", "steps=10"],
                        tmp_path, capsys)
@@ -116,7 +115,7 @@ def test_gates_same_config_as_the_hand_written_options(captured, tmp_path, capsy
 
 def test_moe_same_config_and_new_fields(captured, tmp_path, capsys, monkeypatch):
     code, out = _prune("moe", ["--experts", "8", "--clustering", "kmeans", "--router",
-                               "centroid", "--mass", "0.8", "--set", "seed=2"],
+                               "centroid", "--budget", "keep-mass:0.8", "--set", "seed=2"],
                        tmp_path, capsys)
     assert code == 0, out
     assert captured["cfg"] == PrunePath(experts=8, clustering="kmeans", router="centroid",
@@ -137,15 +136,17 @@ def test_moe_same_config_and_new_fields(captured, tmp_path, capsys, monkeypatch)
 
 
 def test_elastic_same_config_and_new_fields(captured, tmp_path, capsys, monkeypatch):
-    code, out = _prune("elastic", ["--budgets", "0.2..0.5", "--steps", "10", "--lr", "0.1",
-                                   "--budgets-per-step", "3", "--t-start", "2", "--t-end",
+    code, out = _prune("elastic", ["--budget", "remove-units:0.2..0.5", "--steps", "10",
+                                   "--lr", "0.1", "--budgets-per-step", "3", "--t-start", "2",
+                                   "--t-end",
                                    "0.1", "--seed", "4"], tmp_path, capsys)
     assert code == 0, out
     assert captured["cfg"] == ElasticRanking(budget_min=0.2, budget_max=0.5, steps=10, lr=0.1,
                                              budgets_per_step=3, t_start=2.0, t_end=0.1,
                                              seed=4)
     text = _help(["prune", "elastic"], capsys, monkeypatch)
-    assert "--budgets" in text and "--budget-min" not in text and "--budget-max" not in text
+    assert "remove-units:LOW..HIGH" in text
+    assert "--budget-min" not in text and "--budget-max" not in text
 
     @dataclass(frozen=True)
     class MyElastic(ElasticRanking):
@@ -180,7 +181,7 @@ def test_factor_method_added_is_listed_with_its_options(my_factor, captured, tmp
     text = _help(["prune", "factor"], capsys, monkeypatch)
     assert "my-factor" in text and "--my-rank" in text and "my-factor: my dictionary rank" in text
     code, out = _prune("factor", ["--method", "my-factor", "--my-rank", "9",
-                                  "--target-params", "0.8"], tmp_path, capsys)
+                                  "--budget", "keep-params:0.8"], tmp_path, capsys)
     assert code == 0, out
     assert captured["cfg"] == my_factor(my_rank=9, target_params=0.8)
     code, out = _prune("factor", ["--method", "slicegpt", "--my-rank", "9"], tmp_path, capsys)
@@ -188,7 +189,8 @@ def test_factor_method_added_is_listed_with_its_options(my_factor, captured, tmp
 
 
 def test_factor_same_config_as_the_hand_written_options(captured, tmp_path, capsys):
-    code, out = _prune("factor", ["--method", "svd-llm", "--ratio", "0.3", "--allocation",
+    code, out = _prune("factor", ["--method", "svd-llm", "--budget", "remove-weights:0.3",
+                                  "--allocation",
                                   "spectrum", "--refit", "--targets", "a.*, b.*", "--ignore",
                                   "c", "--damping", "0.02"], tmp_path, capsys)
     assert code == 0, out
@@ -223,7 +225,8 @@ def _heal(argv, tmp_path, capsys):
 
 def test_heal_same_config_as_the_hand_written_options(heal_seen, tmp_path, capsys):
     code, out = _heal(["--loss", "mix", "--kd-weight", "0.5", "--lora-rank", "4", "--steps",
-                       "10", "--every", "5", "--prune", "cascadeflow", "--remove", "2",
+                       "10", "--every", "5", "--prune", "cascadeflow", "--budget",
+                       "remove-blocks:2",
                        "--seqlen", "64", "--seed", "1", "--batch-size", "2", "--train-bridges",
                        "--lr", "1e-3", "--flow-measure", "residual"], tmp_path, capsys)
     assert code == 2 and "stopped by the test" in out, out
@@ -232,10 +235,10 @@ def test_heal_same_config_as_the_hand_written_options(heal_seen, tmp_path, capsy
                              steps=10, prune_every=5, prune="cascadeflow", remove=2,
                              seqlen=64, seed=1, batch_size=2, train_bridges=True, lr=1e-3,
                              flow_measure="residual")
-    code, out = _heal(["--prune", "rep-lie", "--ratio", "0.3", "--prune-every", "3",
+    code, out = _heal(["--prune", "rep-lie", "--budget", "remove-units:0.3", "--prune-every", "3",
                        "--eval-data", "none", "--full"], tmp_path, capsys)
     _one_line_error(code, out, "prune rep-lie reads the LoRA matrices")
-    code, out = _heal(["--prune", "rep-lie", "--ratio", "0.3", "--prune-every", "3",
+    code, out = _heal(["--prune", "rep-lie", "--budget", "remove-units:0.3", "--prune-every", "3",
                        "--eval-data", "none", "--set", "round_to=16"], tmp_path, capsys)
     assert code == 2 and "stopped by the test" in out, out
     cfg = heal_seen["cfg"]
@@ -301,13 +304,15 @@ def test_probe_options_reach_the_probes_that_take_them(probe_seen, tmp_path, cap
 
 
 def test_probe_added_is_listed_with_its_options(probe_seen, tmp_path, capsys, monkeypatch):
+    @PROBES.register("my-probe")
     @dataclass(frozen=True)
     class MyProbe:
         """a test probe"""
 
         my_depth: int = field(default=2, metadata={"help": "my probe depth"})
 
-    register_probe("my-probe", MyProbe)(lambda cfg, ctx: None)
+        def run(self, ctx):
+            return None
     try:
         text = _help(["probe"], capsys, monkeypatch)
         assert "my-probe" in text and "--my-depth" in text
@@ -347,7 +352,7 @@ def _eval(argv, capsys):
 
 
 def test_press_options_are_generated_flags(press_seen, capsys):
-    code, out = _eval(["--press", "lazyllm", "--press-ratio", "0.3", "--press-layer", "2"],
+    code, out = _eval(["--press", "lazyllm", "--budget", "remove-cache:0.3", "--press-layer", "2"],
                       capsys)
     assert code == 2 and "stopped by the test" in out, out
     assert press_seen["cfg"] == LazyLLM(ratio=0.3, layer=2)
@@ -355,8 +360,8 @@ def test_press_options_are_generated_flags(press_seen, capsys):
     _one_line_error(code, out, "--press-window does not apply to --press lazyllm")
     code, out = _eval(["--press-layer", "2"], capsys)
     _one_line_error(code, out, "--press-layer needs --press NAME")
-    code, out = _eval(["--press-ratio", "0.3"], capsys)
-    _one_line_error(code, out, "--press-ratio / --press-option need --press NAME")
+    code, out = _eval(["--budget", "remove-cache:0.3"], capsys)
+    _one_line_error(code, out, "--budget remove-cache:F / --press-option need --press NAME")
 
 
 def test_press_added_is_listed_with_its_options(press_seen, capsys, monkeypatch):
@@ -371,7 +376,8 @@ def test_press_added_is_listed_with_its_options(press_seen, capsys, monkeypatch)
     try:
         text = _help(["eval"], capsys, monkeypatch)
         assert "--press-my-sinks" in text and "my sink tokens" in text
-        assert "--press-ratio" in text and "--press-my-ratio" not in text
+        assert "remove-cache:F" in text and "--press-ratio" not in text
+        assert "--press-my-ratio" not in text
         code, out = _eval(["--press", "my-press", "--press-my-sinks", "7"], capsys)
         assert code == 2 and "stopped by the test" in out, out
         assert press_seen["cfg"] == MyPress(my_sinks=7)

@@ -33,7 +33,7 @@ def _zeros(path) -> int:
 def test_heal_keeps_the_sparsity_and_records_the_run(tiny_dir):
     sparse = tiny_dir / "wanda50"
     res = cli("--quiet", "prune", "sparsity", "--model", str(tiny_dir / "model"), "--method",
-              "wanda", "--sparsity", "0.5", "--samples", "4", "--batch-size", "2",
+              "wanda", "--budget", "remove-weights:0.5", "--samples", "4", "--batch-size", "2",
               *_common(tiny_dir), "--out", str(sparse))
     assert res.returncode == 0, res.stderr
     healed = tiny_dir / "healed"
@@ -91,7 +91,7 @@ def test_gradient_flow_probe_and_rep_lie_width_score(tiny_dir):
     assert len(got["scores"]) == 4
     width = tiny_dir / "replie"
     res = cli("--quiet", "prune", "width", "--model", str(tiny_dir / "model"), "--unit",
-              "ffn", "--score", "rep-lie", "--rep-lie-steps", "2", "--ratio", "0.25",
+              "ffn", "--score", "rep-lie", "--rep-lie-steps", "2", "--budget", "remove-units:0.25",
               "--samples", "4", *_common(tiny_dir), "--out", str(width))
     assert res.returncode == 0, res.stderr
     cfg = json.loads((width / "config.json").read_text())

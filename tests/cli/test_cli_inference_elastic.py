@@ -33,13 +33,13 @@ def _eval(tiny_dir, name, *extra):
 
 def test_eval_under_a_press(tiny_dir):
     plain, _ = _eval(tiny_dir, "plain")
-    zero, shown = _eval(tiny_dir, "snap0", "--press", "snapkv", "--press-ratio", "0")
+    zero, shown = _eval(tiny_dir, "snap0", "--press", "snapkv", "--budget", "remove-cache:0")
     assert zero["perplexity"] == plain["perplexity"] and "press" in shown
-    half, _ = _eval(tiny_dir, "snap5", "--press", "snapkv", "--press-ratio", "0.5")
+    half, _ = _eval(tiny_dir, "snap5", "--press", "snapkv", "--budget", "remove-cache:0.5")
     assert half["press"]["name"] == "snapkv" and half["press"]["config"]["ratio"] == 0.5
     assert half["perplexity"] != plain["perplexity"]
     bad = cli("eval", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--press-ratio", "0.5")
+              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--budget", "remove-cache:0.5")
     assert bad.returncode == 2 and "--press NAME" in bad.stderr
 
 
@@ -49,7 +49,7 @@ def test_generate_under_a_press(tiny_dir):
     assert plain.returncode == 0, plain.stderr
     pressed = cli("generate", "--model", str(tiny_dir / "model"), "--prompt",
                   SAMPLE_TEXT[:60], "--max-new-tokens", "4", "--press", "streaming-llm",
-                  "--press-ratio", "0.5")
+                  "--budget", "remove-cache:0.5")
     assert pressed.returncode == 0, pressed.stderr
     assert "cache bytes" in pressed.stdout and "prompt tokens" in pressed.stdout
 
@@ -58,18 +58,20 @@ def test_prune_elastic_then_export_any_size(tiny_dir):
     ckpt = tiny_dir / "elastic"
     res = cli("--quiet", "prune", "elastic", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--steps", "5", "--budgets", "0.2..0.5", "--out", str(ckpt))
+              "--batch-size", "2", "--steps", "5", "--budget", "remove-units:0.2..0.5", "--out",
+              str(ckpt))
     assert res.returncode == 0, res.stderr
     assert (ckpt / "elastic.json").exists() and "units ranked" in res.stdout
     full = tiny_dir / "full"
-    res = cli("export", "--model", str(ckpt), "--keep", "1.0", "--out", str(full))
+    res = cli("export", "--model", str(ckpt), "--budget", "keep-units:1.0", "--out", str(full))
     assert res.returncode == 0, res.stderr
     dense = tf.AutoModelForCausalLM.from_pretrained(tiny_dir / "model").eval()
     again = tf.AutoModelForCausalLM.from_pretrained(full, trust_remote_code=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=IDS).logits, dense(input_ids=IDS).logits)
     half = tiny_dir / "half"
-    res = cli("export", "--model", str(ckpt), "--keep", "0.5", "--allocation", "uniform",
+    res = cli("export", "--model", str(ckpt), "--budget", "keep-units:0.5", "--allocation",
+              "uniform",
               "--round-to", "4", "--out", str(half))
     assert res.returncode == 0, res.stderr and "plain transformers" in res.stdout
     small = tf.AutoModelForCausalLM.from_pretrained(half)  # uniform: no remote code
@@ -80,7 +82,8 @@ def test_taper_allocations(tiny_dir):
     width = tiny_dir / "taper-width"
     res = cli("--quiet", "prune", "width", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "4", "--unit",
-              "ffn", "--ratio", "0.5", "--allocation", "taper", "--taper-slope", "0.4",
+              "ffn", "--budget", "remove-units:0.5", "--allocation", "taper", "--taper-slope",
+              "0.4",
               "--round-to", "1", "--out", str(width))
     assert res.returncode == 0, res.stderr
     widths = json.loads((width / "config.json").read_text())["prunelab_widths"]["linears"]
@@ -89,7 +92,7 @@ def test_taper_allocations(tiny_dir):
     sparse = tiny_dir / "taper-sparse"
     res = cli("--quiet", "prune", "sparsity", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "4",
-              "--method", "wanda", "--sparsity", "0.5", "--allocation", "taper",
+              "--method", "wanda", "--budget", "remove-weights:0.5", "--allocation", "taper",
               "--taper-slope", "0.2", "--out", str(sparse))
     assert res.returncode == 0, res.stderr
     per_block = json.loads((sparse / "manifest.json").read_text())["report"]["per_block_sparsity"]
@@ -100,7 +103,7 @@ def test_taper_allocations(tiny_dir):
 def test_eval_under_the_kl_fitted_decay_press(tiny_dir):
     """``--press decay --press-option fit=kl``: the blended press fitted end-to-end (on
     windows cut to the tiny model's 128 positions) is the one evaluated."""
-    got, _ = _eval(tiny_dir, "decaykl", "--press", "decay", "--press-ratio", "0.5",
+    got, _ = _eval(tiny_dir, "decaykl", "--press", "decay", "--budget", "remove-cache:0.5",
                    "--press-option", "fit=kl")
     cfg = got["press"]["config"]
     assert got["press"]["name"] == "decay" and cfg["ratio"] == 0.5
@@ -126,7 +129,7 @@ def test_press_needles_option_errors(tiny_dir):
             _press_fit(name, opts)
     res = cli("eval", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
-              "--press", "decay", "--press-ratio", "0.5", "--press-option", "needles=2")
+              "--press", "decay", "--budget", "remove-cache:0.5", "--press-option", "needles=2")
     assert res.returncode == 2 and "fit=kl only" in res.stderr, res.stderr
     assert res.stderr.strip().startswith("error:") and "Traceback" not in res.stderr
 
@@ -136,6 +139,6 @@ def test_press_needles_too_long_for_the_model(tiny_dir):
     """The tiny model's 128 positions leave no room for a needle, a question and a key."""
     res = cli("eval", "--model", str(tiny_dir / "model"), "--data",
               f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
-              "--press", "decay", "--press-ratio", "0.5", "--press-option", "fit=kl",
+              "--press", "decay", "--budget", "remove-cache:0.5", "--press-option", "fit=kl",
               "--press-option", "needles=1")
     assert res.returncode == 2 and "cannot hold the needle" in res.stderr, res.stderr

@@ -62,9 +62,9 @@ def test_help_imports_no_torch(args, tmp_path):
     if args == ["probe", "--help"]:
         assert "block-influence" in text and "--induction-length" in text
     if args == ["heal", "--help"]:  # generated from HealConfig
-        assert "--lora-rank" in text and "--prune-every" in text and "--ratio" in text
+        assert "--lora-rank" in text and "--prune-every" in text and "remove-units:F" in text
     if args == ["eval", "--help"]:  # the presses' options
-        assert "--press-window" in text and "--press-ratio" in text
+        assert "--press-window" in text and "remove-cache:F" in text
     if args[:2] == ["prune", "factor"]:
         assert "--refit" in text and "--no-refit" in text and "--types" in text
 

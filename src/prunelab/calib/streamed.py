@@ -111,7 +111,7 @@ def check_streamed_eval(speed: bool = False, press: str | None = None,
                         gradient_alignment: str | None = None) -> None:
     """One-line error for evaluation options that need the whole model resident."""
     asked = [flag for flag, on in (("--speed", speed), ("--press", press),
-                                   ("--moe-mass", moe_mass is not None),
+                                   ("--budget keep-mass:F", moe_mass is not None),
                                    ("--gradient-alignment", gradient_alignment)) if on]
     if asked:
         raise UnsupportedOperationError(

@@ -61,6 +61,29 @@ def budget_fields(cls: type, text: str | list | None, label: str) -> dict:
     return budget_options(cls, text, label)
 
 
+def runtime_budgets(items: list[str] | None, command: str,
+                    mass: bool = True) -> tuple[float | None, float | None]:
+    """``(press ratio, routing mass)`` of the ``--budget`` items of a command that runs a
+    model (``eval``, ``generate``): ``remove-cache:F`` (the press; ``keep-cache:F`` the
+    other way) and, where ``mass``, ``keep-mass:F`` (a PrunePath checkpoint); each once."""
+    from prunelab.budget import parse_budget
+
+    takes = "remove-cache:F (with --press)" + (" and keep-mass:F (PrunePath checkpoints)"
+                                               if mass else "")
+    got: dict[str, float] = {}
+    for item in items or ():
+        if ":" not in item:
+            raise ConfigError(f"{command} takes --budget {takes}; got {item!r} (say what it "
+                              f"counts, e.g. remove-cache:{item.strip()})")
+        b = parse_budget(item)
+        if b.quantity not in ("cache", "mass") or (b.quantity == "mass" and not mass):
+            raise ConfigError(f"{command} takes --budget {takes}; got {b}")
+        if b.quantity in got:
+            raise ConfigError(f"{command}: --budget given twice for {b.quantity}; give one")
+        got[b.quantity] = b.to("remove" if b.quantity == "cache" else "keep").value
+    return got.get("cache"), got.get("mass")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadArgs:
     """How to load ``model`` (the options every model-reading command takes)."""

@@ -13,6 +13,7 @@ from rich.table import Table
 from prunelab.cli.apps import prune_app
 from prunelab.cli.common import (
     BatchOpt,
+    BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -21,6 +22,7 @@ from prunelab.cli.common import (
     OffloadOpt,
     PickleOpt,
     RemoteOpt,
+    budget_fields,
     out,
 )
 from prunelab.cli.generated import generated_command, values
@@ -33,9 +35,9 @@ def prune_gates_cmd(
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        budget: Optional[float] = typer.Option(
-            None, help="fraction of the sublayer compute (FLOPs per token of the attention "
-            "projections and MLPs) to skip (default 0.2)"),
+        budget: Optional[str] = BudgetOpt(
+            "remove-compute:F (of the sublayer compute, FLOPs per token of the attention "
+            "projections and MLPs, skipped; default 0.2)"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the gates config (repeatable; "
             "e.g. seed, the bootstrap seed)"),
@@ -48,12 +50,14 @@ def prune_gates_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
     """CausalGate: gates fitted to the KL of zeroing each attention / MLP branch; the
-    lowest are removed for real until --budget of the sublayer compute is skipped (the
+    lowest are removed for real until the --budget of sublayer compute is skipped (the
     gates config's options are listed under their own heading)."""
     from prunelab.pruning import METHODS
 
-    cfg = build_config(METHODS.get("gates"), "prune gates", {"budget": ("--budget", budget)},
-                       settings, **values(ctx).piece("gates", "gates", "prune gates"))
+    cls = METHODS.get("gates")
+    cfg = build_config(cls, "prune gates", {}, settings,
+                       **budget_fields(cls, budget, "prune gates"),
+                       **values(ctx).piece("gates", "gates", "prune gates"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
@@ -90,8 +94,8 @@ def prune_moe_cmd(
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        mass: Optional[float] = typer.Option(
-            None, help="routing mass each token's experts must reach (default 0.9; a "
+        budget: Optional[str] = BudgetOpt(
+            "keep-mass:F (routing mass each token's experts must reach; default 0.9; a "
             "runtime knob of the checkpoint, 1 = dense)"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the prunepath config (repeatable; "
@@ -105,12 +109,15 @@ def prune_moe_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
     """PrunePath: split every gated FFN into experts with a cumulative-mass router; each
-    token computes only the fewest experts whose routing mass reaches --mass (the prunepath
+    token computes only the fewest experts whose routing mass reaches the --budget
+    keep-mass:F (the prunepath
     config's options are listed under their own heading)."""
     from prunelab.pruning import METHODS
 
-    cfg = build_config(METHODS.get("prunepath"), "prune moe", {"mass": ("--mass", mass)},
-                       settings, **values(ctx).piece("moe", "prunepath", "prune moe"))
+    cls = METHODS.get("prunepath")
+    cfg = build_config(cls, "prune moe", {}, settings,
+                       **budget_fields(cls, budget, "prune moe"),
+                       **values(ctx).piece("moe", "prunepath", "prune moe"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
@@ -135,4 +142,4 @@ def _show_moe(lm, rep, model: str, out_dir: Path, cfg) -> None:
         t.add_row(k, v)
     out.print(t)
     out.print("loads with: " + load_hint(lm.model) + "; set the mass at load with "
-              "prunelab_moe_mass=P or `prunelab eval --moe-mass P`")
+              "prunelab_moe_mass=P or `prunelab eval --budget keep-mass:P`")

@@ -13,6 +13,7 @@ from rich.table import Table
 from prunelab.cli.apps import app, prune_app
 from prunelab.cli.common import (
     BatchOpt,
+    BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -21,6 +22,7 @@ from prunelab.cli.common import (
     OffloadOpt,
     PickleOpt,
     RemoteOpt,
+    budget_fields,
     fmt_bytes,
     out,
     writing,
@@ -29,16 +31,16 @@ from prunelab.cli.generated import generated_command, values
 from prunelab.cli.prune_cmds import build_config, prune_and_save
 
 
-@prune_app.command("elastic", cls=generated_command("elastic",
-                                                     skip=("budget_min", "budget_max")))
+@prune_app.command("elastic", cls=generated_command("elastic"))
 def prune_elastic_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="elastic checkpoint to write (dense "
                                      "weights + elastic.json)"),
-        budgets: str = typer.Option("0.1..0.6", help="removal budgets trained, a range of "
-                                    "fractions of the units' parameters"),
+        budget: str = BudgetOpt("remove-units:LOW..HIGH (the removal budgets trained, "
+                                "fractions of the units' parameters)",
+                                default="remove-units:0.1..0.6"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the elastic config (repeatable)"),
         samples: int = typer.Option(32, help="calibration windows"),
@@ -50,16 +52,15 @@ def prune_elastic_cmd(
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt):
     """Learn one ranking of every KV group and FFN channel across a range of budgets (the
-    weights frozen); the checkpoint stays dense and `prunelab export --keep F` cuts any
+    weights frozen); the checkpoint stays dense and `prunelab export --budget keep-units:F`
+    cuts any
     size from it without calibration (the elastic config's options are listed under their
     own heading)."""
     from prunelab.pruning import METHODS
-    from prunelab.pruning.width.elastic.method import parse_budgets
 
-    low, high = parse_budgets(budgets)
-    flat = {"budget_min": ("--budgets", low), "budget_max": ("--budgets", high),
-            "seed": ("--seed", seed)}
-    cfg = build_config(METHODS.get("elastic"), "prune elastic", flat, settings,
+    cls = METHODS.get("elastic")
+    cfg = build_config(cls, "prune elastic", {"seed": ("--seed", seed)}, settings,
+                       **budget_fields(cls, budget, "prune elastic"),
                        **values(ctx).piece("elastic", "elastic", "prune elastic"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
@@ -76,17 +77,19 @@ def _show_elastic(rep, model: str, out_dir: Path) -> None:
                               for k, v in fit.items() if not isinstance(v, (list, dict)))),
             ("seconds", f"{rep['seconds']:.1f}"),
             ("elastic checkpoint", f"{out_dir} (dense weights + elastic.json)"),
-            ("cut a size", f"prunelab export --model {out_dir} --keep 0.7 --out SMALL")]
+            ("cut a size", f"prunelab export --model {out_dir} --budget keep-units:0.7 "
+                           "--out SMALL")]
     for k, v in rows:
         t.add_row(k, v)
     out.print(t)
 
 
-@app.command("export")
+@app.command("export", cls=generated_command())
 def export_cmd(
         model: str = ModelOpt,
-        keep: float = typer.Option(..., help="fraction of the units' parameters (attention "
-                                   "KV groups and FFN channels) kept"),
+        budget: str = BudgetOpt("keep-units:F (of the units' parameters, attention KV groups "
+                                "and FFN channels, kept; remove-units:F the other way)",
+                                default=...),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         allocation: str = typer.Option("global", help="global (one threshold over every "
                                        "unit: per-block widths, remote code) or uniform "
@@ -96,9 +99,14 @@ def export_cmd(
         dtype: str = DtypeOpt, device: str = DeviceOpt):
     """Cut a size from an elastic checkpoint (`prunelab prune elastic`), in seconds, with
     no calibration."""
+    from prunelab.budget import parse_budget
     from prunelab.errors import ConfigError
     from prunelab.workflow.export import export
 
+    size = parse_budget(budget)
+    if size.quantity != "units":
+        raise ConfigError(f"export takes --budget keep-units:F or remove-units:F, got {size}")
+    keep = size.to("keep").value
     if allocation not in ("global", "uniform"):
         raise ConfigError(f"--allocation must be global or uniform, got {allocation!r}")
     with writing(out_dir, "checkpoint", overwrite):
@@ -122,8 +130,8 @@ def generate_cmd(
         press_name: Optional[str] = typer.Option(
             None, "--press", help="an inference-time press: streaming-llm, h2o, snapkv, decay, "
             "lazyllm, entroprefill"),
-        press_ratio: Optional[float] = typer.Option(None, help="fraction of the prompt "
-                                                    "removed (entroprefill: the cap)"),
+        budget: Optional[str] = BudgetOpt("remove-cache:F (with --press: fraction of the "
+                                          "prompt removed; entroprefill: the cap)"),
         press_options: Optional[list[str]] = typer.Option(
             None, "--press-option", help="KEY=VALUE: any option of the press "
             "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL), "
@@ -136,11 +144,12 @@ def generate_cmd(
 
     import torch
 
-    from prunelab.cli.common import check_positive
+    from prunelab.cli.common import check_positive, runtime_budgets
     from prunelab.cli.inspect_cmds import _press_context, _press_report
     from prunelab.errors import ConfigError
 
     check_positive("--max-new-tokens", max_new_tokens)
+    press_ratio, _ = runtime_budgets([budget] if budget else None, "generate", mass=False)
     text = prompt
     if prompt.startswith("@"):
         try:

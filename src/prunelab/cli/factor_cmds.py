@@ -12,6 +12,7 @@ from rich.table import Table
 from prunelab.cli.apps import prune_app
 from prunelab.cli.common import (
     BatchOpt,
+    BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -20,6 +21,7 @@ from prunelab.cli.common import (
     OffloadOpt,
     PickleOpt,
     RemoteOpt,
+    budget_fields,
     out,
 )
 from prunelab.cli.generated import generated_command, values
@@ -34,13 +36,10 @@ def prune_factor_cmd(
         data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         method: str = typer.Option("slicegpt", help="{factor_methods}"),
-        ratio: Optional[float] = typer.Option(
-            None, help="slicegpt: fraction of the hidden size removed; svd-llm / "
-            "basis-sharing / shared-dict: fraction of the targeted linears' parameters "
-            "removed"),
-        target_params: Optional[float] = typer.Option(
-            None, help="fraction of the model's parameters to keep, everything the "
-            "checkpoint stores counted (instead of --ratio)"),
+        budget: Optional[str] = BudgetOpt(
+            "keep-params:F (of everything the checkpoint stores) | remove-hidden:F "
+            "(slicegpt: of the hidden size) | remove-weights:F (svd-llm, basis-sharing, "
+            "shared-dict: of the targeted linears' parameters)"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the method's config (repeatable)"),
         samples: int = typer.Option(64, help="calibration windows"),
@@ -62,8 +61,8 @@ def prune_factor_cmd(
         raise ConfigError(f"--method must be one of {', '.join(methods)}, got {method!r}")
     label = f"--method {method}"
     own = values(ctx).piece("factor_methods", method, label)
-    flat = {"ratio": ("--ratio", ratio), "target_params": ("--target-params", target_params)}
-    cfg = build_config(methods[method], label, flat, settings, **own)
+    own.update(budget_fields(methods[method], budget, f"prune factor {label}"))
+    cfg = build_config(methods[method], label, {}, settings, **own)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

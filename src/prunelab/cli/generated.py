@@ -239,11 +239,34 @@ class GeneratedCommand(typer.core.TyperCommand):
         panels = {k: f"{CHOICE.get(k, k)} options" for k in self.kinds}
         return _click_params(self._gen, panels)
 
+    def parse_args(self, ctx, args):
+        _refuse_repeats(self, ctx, args)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         got = {k[len(_PREFIX):]: ctx.params.pop(k) for k in list(ctx.params)
                if k.startswith(_PREFIX)}
         ctx.meta[_META] = (self._gen, got)
         return super().invoke(ctx)
+
+
+def _refuse_repeats(command, ctx, args: list[str]) -> None:
+    """An option that takes one value, given twice (``--budget a --budget b``, ``--x
+    --no-x``), is a usage error naming it: never the last one silently."""
+    if "--help" in args:
+        return
+    try:
+        _, _, order = command.make_parser(ctx).parse_args(args=list(args))
+    except Exception:  # noqa: BLE001 - the real parse reports it
+        return
+    seen: set = set()
+    for param in order:
+        if getattr(param, "multiple", False) or getattr(param, "count", False) or \
+                not getattr(param, "opts", None) or param.param_type_name != "option":
+            continue
+        if param.name in seen:
+            raise ConfigError(f"{param.opts[0]} is given twice; give it once")
+        seen.add(param.name)
 
 
 def generated_command(*kinds: str, skip: tuple[str, ...] = (), prefix: str = "") -> type:

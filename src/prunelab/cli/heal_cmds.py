@@ -14,12 +14,14 @@ from rich.table import Table
 
 from prunelab.cli.apps import app
 from prunelab.cli.common import (
+    BudgetOpt,
     DeviceOpt,
     DtypeOpt,
     MissingOpt,
     ModelOpt,
     PickleOpt,
     RemoteOpt,
+    budget_fields,
     out,
     parse_settings,
     writing,
@@ -47,8 +49,9 @@ def heal_cmd(
         seqlen: Optional[int] = _opt("window length in tokens (default 256)"),
         batch_size: Optional[int] = _opt("windows per step (default 4)"),
         seed: Optional[int] = _opt("LoRA init and data order seed (default 0)"),
-        ratio: Optional[float] = _opt("rep-lie: fraction of the units removed (default 0.2)"),
-        remove: Optional[int] = _opt("cascadeflow: blocks removed (one per event)"),
+        budget: Optional[str] = BudgetOpt("with --prune: remove-units:F (rep-lie: of the "
+                                          "unit's parameters; default 0.2) | remove-blocks:N "
+                                          "(cascadeflow: one per event; default 1)"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the heal config (repeatable)"),
         state_dir: Optional[Path] = typer.Option(
@@ -69,8 +72,9 @@ def heal_cmd(
 
     load = {"dtype": dtype, "device": device, "trust_remote_code": trust_remote_code,
             "allow_pickle": allow_pickle, "allow_missing_weights": allow_missing_weights}
-    given = {k: v for k, v in {"seqlen": seqlen, "batch_size": batch_size, "seed": seed,
-                               "ratio": ratio, "remove": remove}.items() if v is not None}
+    given = {k: v for k, v in {"seqlen": seqlen, "batch_size": batch_size,
+                               "seed": seed}.items() if v is not None}
+    given.update(budget_fields(prunelab.heal.HealConfig, budget, "heal"))
     given.update(values(ctx).piece("heal", "heal", "prunelab heal"))
     from prunelab.cli.common import check_positive
 
@@ -132,9 +136,9 @@ def _show(rec: dict, model: str, out_dir: Path) -> None:
 #: text-only options and what an encoder heal says about them
 _TEXT_ONLY = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight",
               "temperature": "--temperature", "tokens": "--tokens (use --steps)",
-              "seqlen": "--seqlen", "prune": "--prune", "unit": "--unit", "ratio": "--ratio",
+              "seqlen": "--seqlen", "prune": "--prune", "unit": "--unit", "ratio": "--budget",
               "prune_every": "--prune-every", "prune_fraction": "--prune-fraction",
-              "stability": "--stability", "round_to": "--round-to", "remove": "--remove",
+              "stability": "--stability", "round_to": "--round-to", "remove": "--budget",
               "flow_measure": "--flow-measure", "state": "--state (encoder heals do not "
               "resume)"}
 

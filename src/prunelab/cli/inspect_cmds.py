@@ -28,13 +28,14 @@ from prunelab.cli.common import (
     out,
     parse_pairs,
     parse_settings,
+    runtime_budgets,
     writing,
 )
 from prunelab.cli.generated import generated_command, values
 from prunelab.errors import ConfigError
 
 
-@app.command()
+@app.command(cls=generated_command())
 def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
          trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
          allow_missing_weights: bool = MissingOpt, stack: Optional[str] = StackOpt,
@@ -101,7 +102,7 @@ def _group_blocks(blocks: list[dict]):
 TASKS_PPL_WINDOWS = 16  # eval --tasks without --samples: perplexity windows
 
 
-#: the presses' options generated on ``eval`` / ``generate`` (--press-ratio and
+#: the presses' options generated on ``eval`` / ``generate`` (--budget remove-cache:F and
 #: --press-option are hand-written; the decay press' fitted arrays go through --press-option)
 PRESS_OPTIONS = generated_command("presses", skip=("ratio", "weights", "blend"),
                                   prefix="press-")
@@ -134,17 +135,18 @@ def eval_cmd(ctx: typer.Context,
                  "h2o, snapkv, decay (KV eviction), lazyllm, entroprefill (prefill token "
                  "pruning); each window's first --press-context is the pressed prompt (each "
                  "press' options are listed under their own heading)"),
-             press_ratio: Optional[float] = typer.Option(
-                 None, help="fraction of the prompt removed (entroprefill: the cap)"),
+             budget: Optional[list[str]] = typer.Option(
+                 None, "--budget", metavar="KIND:VALUE", help="how much to remove, "
+                 "repeatable: remove-cache:F (with --press: fraction of the prompt removed; "
+                 "entroprefill: the cap) | keep-mass:F (PrunePath checkpoints: routing mass "
+                 "in (0, 1] to evaluate at; reports the experts per token and FFN FLOPs "
+                 "used)"),
              press_options: Optional[list[str]] = typer.Option(
                  None, "--press-option", help="KEY=VALUE: any option of the press "
                  "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL), "
                  "needles=N (with fit=kl: N key-retrieval windows join the fit)"),
              press_context: float = typer.Option(
                  0.5, help="--press: share of each window that is the pressed prompt"),
-             moe_mass: Optional[float] = typer.Option(
-                 None, help="PrunePath checkpoints: routing mass p in (0, 1] to evaluate at "
-                 "(reports the experts per token and FFN FLOPs used)"),
              tasks: Optional[str] = typer.Option(
                  None, "--tasks", help="zero-shot tasks, comma-separated: arc_easy, "
                  "arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, sciq, mmlu, "
@@ -165,6 +167,7 @@ def eval_cmd(ctx: typer.Context,
     from prunelab.io.files import write_json
 
     check_positive("--batch-size", batch_size)
+    press_ratio, moe_mass = runtime_budgets(budget, "eval")
     if tasks and samples is None:  # tasks are the point: a quick perplexity, not the whole set
         samples = TASKS_PPL_WINDOWS  # (--help says so; the table shows the window count)
     if stream:
@@ -261,7 +264,7 @@ def _press_context(lm, name, ratio, options, context, gen=None):
     generated press options (:func:`prunelab.cli.generated.values`)."""
     if name is None:
         if ratio is not None or options:
-            raise ConfigError("--press-ratio / --press-option need --press NAME")
+            raise ConfigError("--budget remove-cache:F / --press-option need --press NAME")
         if gen is not None and gen.given_flags():
             raise ConfigError(f"{gen.given_flags()[0]} needs --press NAME")
         yield None

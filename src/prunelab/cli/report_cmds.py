@@ -9,9 +9,10 @@ from typing import Optional
 import typer
 
 from prunelab.cli.apps import app
+from prunelab.cli.generated import generated_command
 
 
-@app.command("report")
+@app.command("report", cls=generated_command())
 def report_cmd(
         folder: Path = typer.Argument(..., help="folder of a probe run, sweep, compare or run"),
         out_file: Optional[Path] = typer.Option(None, "--out",

@@ -23,6 +23,7 @@ from prunelab.cli.common import (
     out,
     writing,
 )
+from prunelab.cli.generated import generated_command
 
 
 def _ints(text: Optional[str]) -> tuple[int, ...]:
@@ -36,7 +37,7 @@ def _ints(text: Optional[str]) -> tuple[int, ...]:
         raise ConfigError(f"expected comma-separated 0-based blocks, got {text!r}") from exc
 
 
-@prune_app.command("tokens")
+@prune_app.command("tokens", cls=generated_command())
 def prune_tokens_cmd(
         model: str = ModelOpt,
         budget: Optional[str] = BudgetOpt("keep-tokens:F (share of the patch tokens kept at "

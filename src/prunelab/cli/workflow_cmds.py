@@ -21,10 +21,11 @@ from prunelab.cli.common import (
     parse_list,
     writing,
 )
+from prunelab.cli.generated import generated_command
 from prunelab.errors import ConfigError
 
 
-@app.command("run")
+@app.command("run", cls=generated_command())
 def run_cmd(
         recipe: Path = typer.Argument(..., help="recipe YAML (see docs/workflow.md)"),
         out_dir: Path = typer.Option(..., "--out", help="run folder (a rerun resumes it)"),
@@ -68,7 +69,7 @@ def _check_ray_flags(ray: str | None, cpus: float, gpus: float) -> None:
     check_resources(cpus, gpus)
 
 
-@app.command("recipe")
+@app.command("recipe", cls=generated_command())
 def recipe_cmd(
         source: Path = typer.Option(..., "--from", help="a checkpoint folder with "
                                     "manifest.json"),
@@ -91,7 +92,7 @@ def recipe_cmd(
     log.info(f"wrote {out_file}")
 
 
-@app.command("compare")
+@app.command("compare", cls=generated_command())
 def compare_cmd(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="model spec"),
         methods: str = typer.Option(..., help="comma-separated method names (wanda, depth, "

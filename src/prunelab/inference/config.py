@@ -194,8 +194,8 @@ class EntroPrefill(Press):
 
 def press_for(name: str, ratio: float | None = None, **options) -> Press:
     """The press ``name`` at compression ``ratio`` (the fraction of the prompt removed),
-    for a CLI's ``--press NAME --press-ratio R``: EntroPrefill takes ``ratio`` as its cap
-    ``max_ratio`` (its cut is decided by the mass bound under that cap)."""
+    for a CLI's ``--press NAME --budget remove-cache:R``: EntroPrefill takes ``ratio`` as
+    its cap ``max_ratio`` (its cut is decided by the mass bound under that cap)."""
     cls = PRESSES.get(name)
     if ratio is not None:
         key = "max_ratio" if cls is EntroPrefill else "ratio"

@@ -246,10 +246,17 @@ def _build_prune(opts: dict) -> PruneStage:
     if not isinstance(name, str):
         raise ConfigError(f"method must name a pruning method ({', '.join(METHODS.names())})"
                           f", got {name!r}")
-    budget = opts.pop("budget", None)
-    if budget is not None:
-        opts.update(_budget(METHODS.get(name), budget, f"method {name}", opts))
+    cls = METHODS.get(name)
+    if "budget" in opts and not _own_budget_field(cls, opts["budget"]):
+        opts.update(_budget(cls, opts.pop("budget"), f"method {name}", opts))
     return PruneStage(METHODS.from_dict({"name": name, **opts}), calib)
+
+
+def _own_budget_field(cls: type, value: Any) -> bool:
+    """A method whose config has a field named ``budget`` (gates: the compute skipped) takes
+    ``budget: 0.2`` as that field; ``budget: KIND:VALUE`` is the vocabulary's."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return "budget" in names and not (isinstance(value, str) and ":" in value)
 
 
 def _budget(cls: type, budget: Any, label: str, opts: dict) -> dict:

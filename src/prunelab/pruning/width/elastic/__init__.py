@@ -15,7 +15,6 @@ from prunelab.pruning.width.elastic.method import (
     cut,
     elastic,
     find_ranking,
-    parse_budgets,
 )
 from prunelab.pruning.width.elastic.ranking import (
     hard_keep,
@@ -26,5 +25,5 @@ from prunelab.pruning.width.elastic.ranking import (
 )
 
 __all__ = ["ElasticModel", "ElasticRanking", "cut", "elastic", "find_ranking",
-           "fit_ranking", "hard_keep", "masked", "model_units", "parse_budgets", "soft_keep",
+           "fit_ranking", "hard_keep", "masked", "model_units", "soft_keep",
            "threshold"]

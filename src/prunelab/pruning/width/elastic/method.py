@@ -68,15 +68,6 @@ class ElasticRanking:
                 "t_start": self.t_start, "t_end": self.t_end, "seed": self.seed}
 
 
-def parse_budgets(text: str) -> tuple[float, float]:
-    """``"0.1..0.6"`` -> ``(0.1, 0.6)`` (the CLI's ``--budgets``)."""
-    try:
-        lo, hi = (float(x) for x in str(text).split(".."))
-    except ValueError:
-        raise ConfigError(f"--budgets must look like 0.1..0.6, got {text!r}") from None
-    return lo, hi
-
-
 @dataclass
 class ElasticReport(MethodReport):
     units: int
