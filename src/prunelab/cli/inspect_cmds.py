@@ -279,7 +279,7 @@ def _press_context(lm, name, ratio, options, context, gen=None):
 
 
 def _press_config(lm, name: str, ratio, options, own=None):
-    """``--press NAME --press-ratio R --press-option K=V``; the decay press is fitted
+    """``--press NAME --budget remove-cache:R --press-option K=V``; the decay press is fitted
     first: by least squares on 8 calibration windows (``fit=ls``, the default; with
     ``observe > 0`` to the attention of the next 64 tokens), or end-to-end by the
     continuation KL (``fit=kl``: the blended press of
@@ -389,7 +389,7 @@ def _press_report(session) -> dict:
 
 
 def _moe_setup(lm, mass: float | None) -> bool:
-    """Set a PrunePath checkpoint's routing mass (``--moe-mass``) and zero its counters;
+    """Set a PrunePath checkpoint's routing mass (``--budget keep-mass:P``) and zero its counters;
     True when the model has PrunePath experts to report on."""
     from prunelab.pruning.moe import prunepath_modules, reset_stats, set_mass
 

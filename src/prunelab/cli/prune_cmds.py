@@ -105,7 +105,7 @@ def prune_depth_cmd(
         window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
         granularity: Optional[str] = typer.Option(
             None, help="block (default), or sublayer: attention and MLP sub-blocks searched "
-            "separately (--remove N = N blocks' worth of parameters)"),
+            "separately (--budget remove-blocks:N = N blocks' worth of parameters)"),
         recovery_in_loop: bool = typer.Option(
             False, "--recovery-in-loop", help="beam / sleb / iterative / validation: score "
             "each candidate after its closed-form recovery"),

@@ -144,7 +144,7 @@ class FlowEvents(_Events):
         super().__init__(run)
         n = run.lm.adapter.num_blocks
         if self.planned >= n:
-            raise ConfigError(f"--remove {self.planned}: the model has {n} blocks")
+            raise ConfigError(f"--budget remove-blocks:{self.planned}: the model has {n} blocks")
         self.acc = FlowAccumulator(run.cfg.flow_measure)
         self.start_positions = list(run.positions)
 

@@ -16,8 +16,8 @@ from prunelab.pruning.width.elastic.method import cut
 def export(model: str, keep: float, out: str | Path, allocation: str = "global",
            round_to: int = 8, overwrite: bool = False, device: str = "cpu",
            dtype: str = "auto") -> Path:
-    """``prunelab export --model DIR --keep 0.7 --out SMALL``: load an elastic checkpoint,
-    cut it and save the smaller model (manifest: the cut as a width operation)."""
+    """``prunelab export --model DIR --budget keep-units:0.7 --out SMALL``: load an elastic
+    checkpoint, cut it and save the smaller model (manifest: the cut as a width operation)."""
     check_output_path(out, kind="checkpoint", overwrite=overwrite)
     lm = load(model, dtype=dtype, device=device, trust_remote_code=True)
     _from_manifest_history(lm)

@@ -231,7 +231,7 @@ class _SharedConfig(FactorConfig):
         "fraction of the targeted linears' weights removed, each dictionary counted once",
         budget="remove-weights"))
     rank: int | None = field(default=None, metadata=_help(
-        "rank of every dictionary (overrides --ratio; capped at min(in, sum of outs))"))
+        "rank of every dictionary (overrides the budget; capped at min(in, sum of outs))"))
     types: str = field(default=DEFAULT_TYPES, metadata=_help(
         "comma-separated projection types to share (q,k,v,o,qkv,gate,up,gate_up,down); "
         "types the family lacks are skipped"))

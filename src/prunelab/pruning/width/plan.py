@@ -131,7 +131,7 @@ def removal_budget(lm, cfg: Width, total_params: int) -> int:
             else cfg.target_params
         budget = int(round(total_params - target))
         if budget <= 0:
-            raise ConfigError(f"--target-params {cfg.target_params:g}: the model already "
+            raise ConfigError(f"--budget keep-params:{cfg.target_params:g}: the model already "
                               f"has {total_params:,} parameters")
     if budget > 0.95 * pool:
         raise ConfigError(f"the budget removes {budget:,} of the {pool:,} {cfg.unit} "
