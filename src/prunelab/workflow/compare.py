@@ -85,7 +85,7 @@ def _defaults(name: str) -> dict:
 
 def _key(label: str) -> str:
     key = re.sub(r"[^A-Za-z0-9._=+-]", "-", label)[:120]
-    return key or "method"
+    return key if key.strip(".") else "method"
 
 
 def _budgets(budget) -> list[Budget]:
