@@ -100,7 +100,7 @@ class _Runner:
         for i, st in enumerate(self.recipe.stages):
             point = self._point(st)
             done = finished(self.out, point)
-            if done is not None and self._outputs_exist(st):
+            if done is not None and self._outputs_exist(st, done, i):
                 self.results[st.id] = done
                 self.rows.append(self._row(st, "reused", 0.0))
                 log.info(f"stage {i} {st.kind} {st.id}: unchanged, reused")
@@ -149,12 +149,26 @@ class _Runner:
         write_json(self.out / RUN_FILE, {k: m[k] for k in ("format", "recipe", "stages")},
                    overwrite=True)
 
-    def _outputs_exist(self, st: Stage) -> bool:
+    def _checkpoint(self, st: Stage) -> Path | None:
+        """The checkpoint folder a stage writes (None: the stage writes none)."""
         if st.kind in MODEL_STAGES:
-            return (point_dir(self.out, st.id) / "model" / "config.json").is_file()
+            return point_dir(self.out, st.id) / "model"
         if st.kind == "save":
-            return (self.out / st.options.path / "config.json").is_file()
-        return True
+            return self.out / st.options.path
+        return None
+
+    def _outputs_exist(self, st: Stage, done: dict, index: int | None = None) -> bool:
+        """Whether a finished stage's checkpoint is still the one it wrote: every file
+        recorded in its result (``files``: size and sha256) is there, unchanged. When not,
+        says why in one line (the stage then runs again)."""
+        folder = self._checkpoint(st)
+        if folder is None:
+            return True
+        why = verify_files(folder, done.get("files"))
+        if why is not None:
+            at = f"stage {index} " if index is not None else "stage "
+            log.warn(f"{at}{st.kind} {st.id}: {why}; running it again")
+        return why is None
 
     def _load_kwargs(self) -> dict:
         r = self.recipe
@@ -237,7 +251,7 @@ class _Runner:
         lm.history[-1]["calib"] = {k: c[k] for k in ("data", "samples", "seqlen",
                                                        "batch_size")}
         self._save_model(lm, st, folder, {"data": rep["data"], "report": rep.to_dict()})
-        return {"report": rep.to_dict()}
+        return {"report": rep.to_dict(), "files": files_record(folder / "model")}
 
     def _resolved(self, st: Stage):
         """The stage's method with a relative ``from_probe`` read from the run folder
@@ -269,7 +283,7 @@ class _Runner:
                            out_dir=folder / "heal-state", train_samples=o.train_samples,
                            eval_samples=o.eval_samples)
         self._save_model(lm, st, folder, {"healing": rec})
-        return {"healing": rec}
+        return {"healing": rec, "files": files_record(folder / "model")}
 
     def _evaluate(self, st: Stage, folder: Path) -> dict:
         from prunelab.workflow.evaluate import evaluate_model
@@ -299,7 +313,7 @@ class _Runner:
                         if k in stored})
             man["recipe"]["stages"][-1] = {"save": {"path": st.options.path}}
         api.save(lm, target, manifest=man, overwrite=target.exists())
-        return {"model": src, "path": str(target)}
+        return {"model": src, "path": str(target), "files": files_record(target)}
 
     def _report(self, st: Stage, folder: Path) -> dict:
         from prunelab.workflow.leaderboard import write_study
@@ -320,6 +334,39 @@ class _Runner:
                            summary={"model": self.recipe.model, "calibration":
                                     self.recipe.data, "test": self.recipe.test,
                                     "seed": self.recipe.seed})
+
+
+def files_record(folder: Path) -> dict:
+    """``{relative path: {"size", "sha256"}}`` of every file of a checkpoint folder, as
+    written (a later run reuses the stage only if they verify: :func:`verify_files`)."""
+    return {str(f.relative_to(folder)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def verify_files(folder: Path, recorded: Any) -> str | None:
+    """None when every file of ``recorded`` (:func:`files_record`) is in ``folder`` with
+    its size and sha256; else what differs, in a few words."""
+    if not isinstance(recorded, dict) or not recorded:
+        return f"{folder} has no recorded file hashes (written by an older prunelab)"
+    for rel, want in recorded.items():
+        f = folder / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if not isinstance(want, dict) or f.stat().st_size != want.get("size"):
+            return f"{f} changed size since it was written"
+        if _sha256(f) != want.get("sha256"):
+            return f"{f} changed since it was written (sha256 differs)"
+    return None
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def heal_eval_data(o, test: str) -> str | None:

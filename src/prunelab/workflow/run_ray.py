@@ -55,7 +55,7 @@ def run_stages_on_ray(runner, address: str, cpus: float, gpus: float) -> dict:
     for st in stages:
         point = runner._point(st)
         done = finished(runner.out, point)
-        if done is not None and runner._outputs_exist(st):
+        if done is not None and runner._outputs_exist(st, done):
             runner.results[st.id] = done
             rows[st.id] = runner._row(st, "reused", 0.0)
         else:

@@ -1,0 +1,199 @@
+"""Recipes, third reliability round (issue 39): typed fields (a string is never a
+boolean), ids and save paths that cannot escape or collide, reuse of a finished stage only
+when its checkpoint verifies against the hashes recorded when it was written, a comparison
+that refuses another model's points, and `run --check` catching what fails at once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prunelab.errors import ConfigError
+from prunelab.workflow.recipe import load_recipe
+from prunelab.workflow.run import run_recipe
+
+from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checks")
+    save_tiny_checkpoint("llama", root / "model")
+    (root / "text.txt").write_text(SAMPLE_TEXT * 3)
+    return root
+
+
+def _recipe(tiny, stages: str, extra: str = "") -> str:
+    return (f"model: {tiny / 'model'}\ndata: text:{tiny / 'text.txt'}\n"
+            f"test: text:{tiny / 'text.txt'}\nsamples: 4\nseqlen: 16\nbatch_size: 2\n"
+            f"{extra}stages:\n{stages}")
+
+
+EVAL = "  - evaluate: {seqlen: 16, samples: 4}\n"
+
+
+# ------------------------------------------------------------------ class 1: typed fields
+
+@pytest.mark.parametrize("extra, stages, words", [
+    ("trust_remote_code: 'false'\n", EVAL, ["trust_remote_code", "true or false", "'false'"]),
+    ("trust_remote_code: 'no'\n", EVAL, ["trust_remote_code", "'no'"]),
+    ("trust_remote_code: 1\n", EVAL, ["trust_remote_code", "true or false"]),
+    ("seqlen: 16.0\n", EVAL, ["seqlen", "integer"]),
+    ("dtype: 32\n", EVAL, ["dtype", "string"]),
+    ("", "  - evaluate: {speed: 'false'}\n", ["stage 0 (evaluate)", "speed", "'false'"]),
+    ("", "  - evaluate: {reference: 0}\n", ["stage 0 (evaluate)", "reference"]),
+    ("", "  - evaluate: {tasks: 3}\n", ["stage 0 (evaluate)", "tasks"]),
+    ("", "  - prune: {method: wanda, sparsity: '0.5'}\n", ["stage 0 (prune)", "sparsity"]),
+    ("", "  - prune: {method: depth, remove: '1'}\n", ["stage 0 (prune)", "remove", "'1'"]),
+    ("", "  - prune: {method: depth, remove: 1, bootstrap: 1.5}\n",
+     ["stage 0 (prune)", "bootstrap"]),
+    ("", "  - prune: {method: wanda, sparsity: 0.5, calib: {samples: '4'}}\n",
+     ["stage 0 (prune)", "calib", "samples"]),
+    ("", "  - heal: {full: 'false'}\n", ["stage 0 (heal)", "full", "'false'"]),
+    ("", "  - heal: {steps: 2.5}\n", ["stage 0 (heal)", "steps"]),
+    ("", "  - heal: {loss: kd, train_samples: '3'}\n", ["stage 0 (heal)", "train_samples"]),
+    ("", "  - probe: {probes: [{name: interchange, window: '1'}]}\n",
+     ["stage 0 (probe)", "interchange", "window"]),
+    ("", "  - probe: {probes: 3}\n", ["stage 0 (probe)", "probes"]),
+    ("", "  - evaluate: {press: {name: snapkv, ratio: '0.5'}}\n",
+     ["stage 0 (evaluate)", "snapkv", "ratio"]),
+    ("", "  - report: {title: 3}\n", ["stage 0 (report)", "title"]),
+])
+def test_recipe_fields_are_typed(tiny, extra, stages, words):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(_recipe(tiny, stages, extra))
+    msg = str(err.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_yaml_integers_are_read_as_floats(tiny):
+    r = load_recipe(_recipe(tiny, "  - heal: {lr: 1, warmup: 0}\n"
+                                  "  - evaluate: {press_context: 1}\n"))
+    heal, ev = r.stages[0].options.config, r.stages[1].options
+    assert (heal.lr, heal.warmup, ev.press_context) == (1.0, 0.0, 1.0)
+    assert all(type(v) is float for v in (heal.lr, heal.warmup, ev.press_context))
+    r = load_recipe(_recipe(tiny, EVAL, "trust_remote_code: false\n"))
+    assert r.trust_remote_code is False
+
+
+def test_string_false_never_runs_checkpoint_code(tiny, tmp_path):
+    """A checkpoint with its own modeling file: 'false' as a string used to turn remote
+    code on; now the recipe is refused before anything is imported."""
+    model = tmp_path / "m"
+    save_tiny_checkpoint("llama", model)
+    flag = tmp_path / "ran.txt"
+    (model / "modeling_prunelab.py").write_text(f"open({str(flag)!r}, 'w').write('x')\n")
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_prunelab.X"}
+    (model / "config.json").write_text(json.dumps(cfg))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_recipe(tiny, EVAL, "trust_remote_code: 'false'\n")
+                      .replace(str(tiny / "model"), str(model)))
+    r = cli("run", str(recipe), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "error: trust_remote_code must be true or false, got 'false'"]
+    assert not flag.exists() and not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------ class 2: ids and save paths
+
+@pytest.mark.parametrize("stages, words", [
+    ("  - evaluate: {id: '.'}\n", ["stage 0", "id", "'.'"]),
+    ("  - prune: {id: '..', method: wanda, sparsity: 0.5}\n", ["stage 0", "id", "'..'"]),
+    ("  - prune: {id: .hidden, method: wanda, sparsity: 0.5}\n", ["stage 0", "'.hidden'"]),
+    ("  - prune: {id: a/b, method: wanda, sparsity: 0.5}\n", ["stage 0", "'a/b'"]),
+    ("  - save: {path: .}\n", ["stage 0 (save)", "path", "'.'"]),
+    ("  - save: {path: ./}\n", ["stage 0 (save)", "path"]),
+    ("  - save: {path: ..}\n", ["stage 0 (save)", "path"]),
+    ("  - save: {path: a/../b}\n", ["stage 0 (save)", "path"]),
+    ("  - save: {path: /tmp/x}\n", ["stage 0 (save)", "path"]),
+    ("  - save: {path: points/x}\n", ["stage 0 (save)", "points"]),
+    ("  - save: {path: run.json}\n", ["stage 0 (save)", "run.json"]),
+    ("  - save: {path: leaderboard.md}\n", ["stage 0 (save)", "leaderboard.md"]),
+    ("  - save: {path: m}\n  - save: {path: ./m/}\n",
+     ["stage 1 (save 'save-1')", "stage 0 (save 'save-0')", "same folder"]),
+    ("  - save: {path: m}\n  - prune: {method: wanda, sparsity: 0.5}\n"
+     "  - save: {path: m/inner}\n", ["stage 2 (save 'save-2')", "nested"]),
+])
+def test_ids_and_save_paths_cannot_escape_or_collide(tiny, stages, words):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(_recipe(tiny, stages))
+    msg = str(err.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_two_saves_with_one_path_refused_by_check(tiny, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_recipe(tiny, "  - save: {path: m}\n"
+                                    "  - prune: {method: wanda, sparsity: 0.5}\n"
+                                    "  - save: {path: m}\n"))
+    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "same folder" in r.stderr
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"model: m\nstages:\n  - null\n", ["stage 0", "one-key mapping"]),
+    (b"model: m\nstages: [null]\n", ["stage 0"]),
+    (b"model: \xff\xfe\nstages: []\n", ["not UTF-8"]),
+    (b"\x80\x81", ["not UTF-8"]),
+])
+def test_null_stage_and_non_utf8_recipe_are_one_line(tmp_path, content, words):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(content)
+    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0]
+
+
+# --------------------------------------------- class 3: reuse only what verifies its hashes
+
+def test_a_stage_whose_checkpoint_changed_runs_again(tiny, tmp_path, capfd):
+    text = _recipe(tiny, "  - prune: {id: p, method: wanda, sparsity: 0.5}\n"
+                         "  - save: {path: final}\n")
+    out = tmp_path / "run"
+    man = run_recipe(text, out)
+    weights = out / "points" / "p" / "model" / "model.safetensors"
+    saved = out / "final" / "model.safetensors"
+    want = load_file(str(saved))
+    recorded = man["results"]["p"]["files"]["model.safetensors"]
+    assert recorded["size"] == weights.stat().st_size and len(recorded["sha256"]) == 64
+    assert {s["status"] for s in run_recipe(text, out)["stages"]} == {"reused"}
+
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated
+    man = run_recipe(text, out)
+    assert [s["status"] for s in man["stages"]] == ["ran", "reused"]
+    err = capfd.readouterr().err
+    assert "stage 0 prune p: " in err and "model.safetensors changed size" in err
+    assert "running it again" in err
+    saved.unlink()  # the saved checkpoint's weights deleted
+    man = run_recipe(text, out)
+    assert [s["status"] for s in man["stages"]] == ["reused", "ran"]
+    got = load_file(str(saved))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # same size, other bytes: the hash tells
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    man = run_recipe(text, out)
+    assert [s["status"] for s in man["stages"]] == ["ran", "reused"]
+    assert "sha256 differs" in capfd.readouterr().err
+    # a result without recorded hashes (an older run) is not trusted either
+    res = out / "points" / "p" / "result.json"
+    body = json.loads(res.read_text())
+    del body["files"]
+    res.write_text(json.dumps(body))
+    man = run_recipe(text, out)
+    assert man["stages"][0]["status"] == "ran"
