@@ -197,3 +197,49 @@ def test_a_stage_whose_checkpoint_changed_runs_again(tiny, tmp_path, capfd):
     res.write_text(json.dumps(body))
     man = run_recipe(text, out)
     assert man["stages"][0]["status"] == "ran"
+
+
+def test_compare_refuses_another_models_points(tiny, tmp_path):
+    from prunelab.errors import ResumeMismatchError
+    from prunelab.workflow.compare import compare
+
+    data = f"text:{tiny / 'text.txt'}"
+    kw = dict(calib=data, test=data, samples=4, seqlen=16, batch_size=2, test_samples=4,
+              test_seqlen=16, speed=False)
+    model = tmp_path / "m"
+    save_tiny_checkpoint("llama", model, seed=0)
+    out = tmp_path / "cmp"
+    first = compare(str(model), ["wanda"], "remove-weights:0.5", out, **kw)
+    again = compare(str(model), ["wanda"], "remove-weights:0.5", out, **kw)  # resumes
+    assert again["rows"][1]["perplexity"] == first["rows"][1]["perplexity"]
+    # the same path now holds another model: its points are not the first model's
+    save_tiny_checkpoint("llama", model, seed=1)
+    with pytest.raises(ResumeMismatchError, match="model weights") as err:
+        compare(str(model), ["wanda"], "remove-weights:0.5", out, **kw)
+    assert "\n" not in str(err.value) and "--overwrite" in str(err.value)
+    with pytest.raises(ResumeMismatchError, match="options"):  # other settings
+        compare(str(tiny / "model"), ["wanda"], "remove-weights:0.5", out,
+                **{**kw, "seed": 3})
+    fresh = compare(str(model), ["wanda"], "remove-weights:0.5", out, **kw, overwrite=True)
+    assert fresh["dense"]["perplexity"] != first["dense"]["perplexity"]
+    # the CLI says it in one line, exit 2
+    save_tiny_checkpoint("llama", model, seed=2)
+    r = cli("compare", "--model", str(model), "--methods", "wanda", "--budget",
+            "remove-weights:0.5", "--out", str(out), "--calib", data, "--test", data,
+            "--samples", "4", "--seqlen", "16", "--test-samples", "4", "--test-seqlen", "16",
+            "--batch-size", "2", "--no-speed")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "another model" in r.stderr
+
+
+def test_compare_refuses_a_folder_of_points_that_is_no_comparison(tiny, tmp_path):
+    from prunelab.errors import OutputExistsError
+    from prunelab.workflow.compare import compare
+
+    out = tmp_path / "run"
+    run_recipe(_recipe(tiny, EVAL), out)  # a recipe run folder: points/, no compare.json
+    data = f"text:{tiny / 'text.txt'}"
+    with pytest.raises(OutputExistsError, match="compare.json"):
+        compare(str(tiny / "model"), ["wanda"], "remove-weights:0.5", out, calib=data,
+                test=data, samples=4, seqlen=16, batch_size=2, test_samples=4,
+                test_seqlen=16, speed=False)

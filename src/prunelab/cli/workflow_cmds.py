@@ -136,7 +136,7 @@ def compare_cmd(
                       test_samples=test_samples, test_seqlen=test_seqlen, seed=seed,
                       speed=speed, tasks=parse_list(tasks), limit=limit, dtype=dtype,
                       device=device, ray=ray, cpus_per_point=cpus_per_point,
-                      gpus_per_point=gpus_per_point)
+                      gpus_per_point=gpus_per_point, overwrite=overwrite)
     out.print((out_dir / "leaderboard.md").read_text())
     out.print(f"leaderboard: {res['leaderboard']}" +
               (f"; report: {res['report']}" if res.get("report") else ""))
