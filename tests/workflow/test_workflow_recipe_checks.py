@@ -6,7 +6,6 @@ that refuses another model's points, and `run --check` catching what fails at on
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

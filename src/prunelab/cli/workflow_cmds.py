@@ -41,7 +41,7 @@ def run_cmd(
 
     _check_ray_flags(ray, cpus_per_point, gpus_per_point)
     rec = load_recipe(recipe)
-    check_runnable(rec)
+    check_runnable(rec, out_dir)
     if check:
         out.print(f"{recipe}: {len(rec.stages)} stages, valid")
         return

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab import log
-from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.errors import ConfigError, OutputExistsError, PrunelabError
 from prunelab.io.files import write_json
 from prunelab.workflow.executor import Point, finished, point_dir, record
 from prunelab.workflow.recipe import Recipe, chain_recipe, load_recipe, stage_hashes
@@ -30,15 +30,18 @@ from prunelab.workflow.stages import MODEL_STAGES, Stage
 RUN_FILE = "run.json"
 
 
-def check_runnable(recipe: Recipe) -> None:
-    """Errors that only the installed library can tell, before anything runs."""
+def check_runnable(recipe: Recipe, out: Path | None = None) -> None:
+    """Errors that only the installed library can tell, and every check that needs no
+    weights (:mod:`prunelab.workflow.check`), before anything runs."""
     from prunelab import api
+    from prunelab.workflow.check import check_recipe
 
     for i, st in enumerate(recipe.stages):
         if st.kind == "evaluate" and st.options.tasks and \
                 "tasks" not in inspect.signature(api.evaluate).parameters:
             raise ConfigError(f"stage {i} (evaluate): tasks needs downstream-task "
                               "evaluation (api.evaluate(tasks=...)), not in this install")
+    check_recipe(recipe, out)
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:
@@ -72,8 +75,8 @@ def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
     layout, the hashes and the results are those of the serial run (the workers must
     see ``OUT``: one machine or a shared filesystem; :mod:`prunelab.workflow.run_ray`)."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    check_runnable(recipe)
     out = Path(out)
+    check_runnable(recipe, out)
     prepare_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     runner = _Runner(recipe, out)
@@ -108,14 +111,32 @@ class _Runner:
                 log.info(f"stage {i} {st.kind} {st.id}: running")
                 folder = self._attempt(point)
                 start = time.perf_counter()
-                res = getattr(self, f"_{st.kind}")(st, folder)
-                res = {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
+                res = self.run_stage(i, st, folder)
                 record(self.out, point, res)
                 self.results[st.id] = res
                 self.rows.append(self._row(st, "ran", time.perf_counter() - start))
             self._write_run()
             _release()
         return self._manifest()
+
+    def run_stage(self, index: int, st: Stage, folder: Path) -> dict:
+        """Run one stage; an error is one line naming the stage, in the recipe's words
+        (``seqlen``, not ``--seqlen``)."""
+        from prunelab.workflow.check import stage_label, unflag
+
+        try:
+            res = getattr(self, f"_{st.kind}")(st, folder)
+        except PrunelabError as exc:
+            label = stage_label(index, st)
+            msg = str(exc)
+            if msg.startswith(label):
+                raise
+            try:
+                err = type(exc)(f"{label}: {unflag(msg)}")
+            except TypeError:
+                err = ConfigError(f"{label}: {unflag(msg)}")
+            raise err from exc
+        return {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
 
     def _point(self, st: Stage) -> Point:
         return Point(st.id, {"hash": self.hashes[st.id], "kind": st.kind})
@@ -264,7 +285,7 @@ class _Runner:
         if path and not Path(path).is_absolute():
             full = (self.out / path).resolve()
             if not full.is_file():
-                raise ConfigError(f"stage {st.id}: from_probe {path} is not in {self.out} "
+                raise ConfigError(f"from_probe {path} is not in {self.out} "
                                   "(run the probe stage first)")
             method = dataclasses.replace(method, from_probe=str(full))
             self.overrides[st.id] = dataclasses.replace(

@@ -107,8 +107,7 @@ def one_stage(runner, stage_id: str) -> dict:
                 pass  # not an ancestor that ran: its path is not needed
     folder = runner._attempt(runner._point(st))
     start = time.perf_counter()
-    res = getattr(runner, f"_{st.kind}")(st, folder)
-    res = {**res, "stage": st.id, "kind": st.kind, "from": runner.inputs[st.id]}
+    res = runner.run_stage(stages.index(st), st, folder)
     return {"result": res, "seconds": time.perf_counter() - start}
 
 
