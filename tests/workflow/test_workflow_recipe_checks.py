@@ -242,3 +242,79 @@ def test_compare_refuses_a_folder_of_points_that_is_no_comparison(tiny, tmp_path
         compare(str(tiny / "model"), ["wanda"], "remove-weights:0.5", out, calib=data,
                 test=data, samples=4, seqlen=16, batch_size=2, test_samples=4,
                 test_seqlen=16, speed=False)
+
+
+# ------------------------------------------------ class 5: run --check catches what fails
+
+@pytest.mark.parametrize("extra, stages, line", [
+    ("dtype: float8\n", EVAL,
+     "dtype must be one of float32, bfloat16, float16 or auto, got 'float8'"),
+    ("device: gpu\n", EVAL, "device must be cpu, cuda, cuda:N or auto, got 'gpu'"),
+    ("", "  - prune: {method: wanda, sparsity: 0.5, calib: {data: 'bogus:x'}}\n",
+     "stage 0 (prune): calib: unknown data spec 'bogus:x'"),
+    ("", "  - evaluate: {seqlen: 16, samples: 4, data: 'text:/no/such.txt'}\n",
+     "stage 0 (evaluate): data: data spec 'text:/no/such.txt': /no/such.txt does not exist"),
+    ("", "  - prune: {id: depth6, method: depth, remove: 1, calib: {seqlen: 4096}}\n",
+     "stage 0 (prune 'depth6'): calib seqlen 4096 is beyond the model's 128 positions"),
+    ("", "  - evaluate: {}\n",
+     "stage 0 (evaluate): seqlen 256 is beyond the model's 128 positions"),
+    ("", "  - heal: {seqlen: 512}\n",
+     "stage 0 (heal): seqlen 512 is beyond the model's 128 positions"),
+    ("", "  - prune: {method: wanda, sparsity: 0.5, calib: {samples: 4000}}\n",
+     "stage 0 (prune): calib windows: "),
+    ("", "  - evaluate: {seqlen: 16, samples: 4, tasks: [no-such-task]}\n",
+     "stage 0 (evaluate): tasks: unknown task 'no-such-task'"),
+    ("", "  - prune: {method: depth, remove: 1, from_probe: points/p/probes/x.json}\n",
+     "stage 0 (prune): from_probe points/p/probes/x.json is not written by an earlier probe"),
+    ("", "  - prune: {method: depth, remove: 1, from_probe: /no/such/probe.json}\n",
+     "stage 0 (prune): from_probe /no/such/probe.json does not exist"),
+])
+def test_check_catches_what_fails_at_once(tiny, tmp_path, extra, stages, line):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_recipe(tiny, stages, extra))
+    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: " + line), lines
+    assert "--" not in lines[0]  # recipe fields, never command-line flags
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("model, words", [
+    ("/no/such/model", ["model: '/no/such/model' does not exist"]),
+    ("no-such-model", ["model: 'no-such-model' is neither an embedded model"]),
+])
+def test_check_refuses_a_missing_model(tiny, tmp_path, model, words):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_recipe(tiny, EVAL).replace(str(tiny / "model"), model))
+    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for w in words:
+        assert w in r.stderr
+
+
+def test_check_accepts_a_probe_read_by_a_later_stage(tiny, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(_recipe(tiny, "  - probe: {id: p, probes: [block-influence]}\n"
+                                    "  - prune: {method: depth, remove: 1, bootstrap: 0, "
+                                    "from_probe: points/p/probes/block-influence.json}\n"
+                                    + EVAL))
+    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    assert r.returncode == 0, r.stderr
+    assert "3 stages, valid" in r.stdout
+
+
+def test_run_time_errors_name_the_stage_and_the_field(tiny, tmp_path, monkeypatch):
+    """An error only the run can find is one line naming the stage, in the recipe's words."""
+    from prunelab import api
+    from prunelab.errors import DataError
+
+    def refuse(*a, **k):
+        raise DataError("text:x gives only 3 windows of 16 tokens; ask for --samples 3 "
+                        "or fewer (or a shorter --seqlen)")
+    monkeypatch.setattr(api, "prune", refuse)
+    with pytest.raises(DataError) as err:
+        run_recipe(_recipe(tiny, "  - prune: {id: w, method: wanda, sparsity: 0.5}\n"),
+                   tmp_path / "out")
+    assert str(err.value) == ("stage 0 (prune 'w'): text:x gives only 3 windows of 16 "
+                              "tokens; ask for samples 3 or fewer (or a shorter seqlen)")
