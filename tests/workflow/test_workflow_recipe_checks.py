@@ -61,6 +61,8 @@ EVAL = "  - evaluate: {seqlen: 16, samples: 4}\n"
     ("", "  - evaluate: {press: {name: snapkv, ratio: '0.5'}}\n",
      ["stage 0 (evaluate)", "snapkv", "ratio"]),
     ("", "  - report: {title: 3}\n", ["stage 0 (report)", "title"]),
+    ("", "  - prune: {method: depth, remove: 1, recovery: {name: lra, rank: '4'}}\n",
+     ["stage 0 (prune)", "recovery 'lra'", "rank"]),
 ])
 def test_recipe_fields_are_typed(tiny, extra, stages, words):
     with pytest.raises(ConfigError) as err:

@@ -74,9 +74,19 @@ def typed(cls: type, opts: dict, skip: tuple[str, ...] = ()) -> dict:
     Keys that are not fields of ``cls`` and ``skip`` are returned unchanged."""
     hints = _hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
+    regs = getattr(cls, "_registries", None) or {}
     out = dict(opts)
     for key, value in opts.items():
-        if key in skip or key not in names or key not in hints:
+        if key in skip or key not in names:
+            continue
+        if key in regs and isinstance(value, dict) and isinstance(value.get("name"), str) \
+                and value["name"] in regs[key]:  # a nested piece: {name: NAME, fields}
+            try:
+                out[key] = typed(regs[key].get(value["name"]), value, skip=("name",))
+            except ConfigError as exc:
+                raise ConfigError(f"{key} {value['name']!r}: {exc}") from None
+            continue
+        if key not in hints:
             continue
         ok, v, what = _accepts(hints[key], value)
         if not ok:
