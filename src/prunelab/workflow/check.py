@@ -92,7 +92,9 @@ def _check_stage(recipe, st, index: int, positions: int | None, counter, out) ->
         own = _own_seqlen(recipe, st, field)
         if positions is not None and seqlen > positions:
             raise ConfigError(f"{own} {seqlen} is beyond the model's {positions} positions")
-        counter.check(spec, seqlen, samples, seed, f"{field} windows")
+        counter.check(spec, seqlen, samples, seed, f"{field} windows",
+                      {"data": "train_samples", "eval_data": "eval_samples"}.get(field)
+                      if st.kind == "heal" else None)
     if st.kind == "evaluate":
         if st.options.tasks:
             from prunelab.eval.tasks import resolve_tasks
@@ -254,7 +256,7 @@ class _WindowCounter:
             self.tokenizer = None
 
     def check(self, spec: str, seqlen: int, samples: int | None, seed: int,
-              field: str) -> None:
+              field: str, samples_field: str | None = None) -> None:
         kind = spec.partition(":")[0]
         if self.tokenizer is None or kind not in ("text", "jsonl", "wiki-vital"):
             return
@@ -264,4 +266,7 @@ class _WindowCounter:
         try:
             make_batches(self.tokenizer, spec, seqlen=seqlen, samples=samples, seed=seed)
         except (DataError, ConfigError) as exc:
-            raise ConfigError(f"{field}: {unflag(str(exc))}") from None
+            msg = unflag(str(exc))
+            if samples_field:  # the stage's own name for the window count
+                msg = re.sub(r"\bsamples\b", samples_field, msg)
+            raise ConfigError(f"{field}: {msg}") from None
