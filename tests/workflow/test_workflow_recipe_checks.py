@@ -320,3 +320,16 @@ def test_run_time_errors_name_the_stage_and_the_field(tiny, tmp_path, monkeypatc
                    tmp_path / "out")
     assert str(err.value) == ("stage 0 (prune 'w'): text:x gives only 3 windows of 16 "
                               "tokens; ask for samples 3 or fewer (or a shorter seqlen)")
+
+
+def test_a_save_never_replaces_what_the_run_did_not_write(tiny, tmp_path):
+    out = tmp_path / "run"
+    text = _recipe(tiny, EVAL)
+    run_recipe(text, out)  # a run folder
+    mine = out / "final"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(Exception) as err:
+        run_recipe(_recipe(tiny, EVAL + "  - save: {path: final}\n"), out)
+    assert "is not a checkpoint this run saved" in str(err.value)
+    assert (mine / "notes.txt").read_text() == "keep me"

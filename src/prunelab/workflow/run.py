@@ -333,6 +333,10 @@ class _Runner:
             man.update({k: stored[k] for k in ("data", "report", "healing", "recipe")
                         if k in stored})
             man["recipe"]["stages"][-1] = {"save": {"path": st.options.path}}
+        if (target.exists() or target.is_symlink()) and not _own_checkpoint(target):
+            raise OutputExistsError(f"path {st.options.path}: {target} exists and is not a "
+                                    "checkpoint this run saved; remove it or choose "
+                                    "another path")
         api.save(lm, target, manifest=man, overwrite=target.exists())
         return {"model": src, "path": str(target), "files": files_record(target)}
 
@@ -355,6 +359,18 @@ class _Runner:
                            summary={"model": self.recipe.model, "calibration":
                                     self.recipe.data, "test": self.recipe.test,
                                     "seed": self.recipe.seed})
+
+
+def _own_checkpoint(target: Path) -> bool:
+    """Whether ``target`` is a real folder holding a checkpoint a recipe's save stage
+    wrote (its manifest names a ``recipe_stage``): only that is replaced by a rerun."""
+    man = target / "manifest.json"
+    if target.is_symlink() or not target.is_dir() or not man.is_file():
+        return False
+    try:
+        return "recipe_stage" in json.loads(man.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def files_record(folder: Path) -> dict:
