@@ -48,7 +48,7 @@ def run_cmd(
     with writing(out_dir, None, overwrite,
                  on_interrupt=f"finished stages are kept in {out_dir}; rerun to resume"):
         prepare_out(out_dir, overwrite)
-        man = run_recipe(rec, out_dir, overwrite=False, ray=ray,
+        man = run_recipe(rec, out_dir, overwrite=False, ray=ray, checked=True,
                          cpus_per_point=cpus_per_point, gpus_per_point=gpus_per_point)
     t = Table(title=f"run {recipe}")
     for col in ("stage", "kind", "from", "status", "seconds"):

@@ -64,7 +64,7 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 
 def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
                overwrite: bool = False, ray: str | None = None, cpus_per_point: float = 1.0,
-               gpus_per_point: float = 0.0) -> dict:
+               gpus_per_point: float = 0.0, checked: bool = False) -> dict:
     """Run ``recipe`` into ``out`` (resuming a run already there); returns the run's
     manifest: ``{"recipe", "stages": [{id, kind, from, hash, status, seconds}],
     "results": {id: result}}``.
@@ -76,7 +76,8 @@ def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
     see ``OUT``: one machine or a shared filesystem; :mod:`prunelab.workflow.run_ray`)."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     out = Path(out)
-    check_runnable(recipe, out)
+    if not checked:  # ``checked``: the caller ran check_runnable(recipe, out) already
+        check_runnable(recipe, out)
     prepare_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     runner = _Runner(recipe, out)
