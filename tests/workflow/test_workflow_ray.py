@@ -134,8 +134,8 @@ def test_compare_at_two_budgets_on_ray_equals_serial(tiny, tmp_path, local_ray):
     kw = dict(calib=data, test=data, samples=4, seqlen=16, batch_size=2, test_samples=4,
               test_seqlen=16, speed=False)
     model = str(tiny / "model")
-    serial = compare(model, ["depth", "magnitude"], "blocks:1,2", tmp_path / "s", **kw)
-    on_ray = compare(model, ["depth", "magnitude"], "blocks:1,2", tmp_path / "r", ray="auto",
+    serial = compare(model, ["depth", "magnitude"], "remove-blocks:1,2", tmp_path / "s", **kw)
+    on_ray = compare(model, ["depth", "magnitude"], "remove-blocks:1,2", tmp_path / "r", ray="auto",
                      **kw)
     keys = ("method", "budget", "achieved", "params", "nonzero_params", "perplexity",
             "kl_to_reference", "top1_agreement", "operations")

@@ -41,14 +41,14 @@ def run_cmd(
 
     _check_ray_flags(ray, cpus_per_point, gpus_per_point)
     rec = load_recipe(recipe)
-    check_runnable(rec)
+    check_runnable(rec, out_dir)
     if check:
         out.print(f"{recipe}: {len(rec.stages)} stages, valid")
         return
     with writing(out_dir, None, overwrite,
                  on_interrupt=f"finished stages are kept in {out_dir}; rerun to resume"):
         prepare_out(out_dir, overwrite)
-        man = run_recipe(rec, out_dir, overwrite=False, ray=ray,
+        man = run_recipe(rec, out_dir, overwrite=False, ray=ray, checked=True,
                          cpus_per_point=cpus_per_point, gpus_per_point=gpus_per_point)
     t = Table(title=f"run {recipe}")
     for col in ("stage", "kind", "from", "status", "seconds"):
@@ -136,7 +136,7 @@ def compare_cmd(
                       test_samples=test_samples, test_seqlen=test_seqlen, seed=seed,
                       speed=speed, tasks=parse_list(tasks), limit=limit, dtype=dtype,
                       device=device, ray=ray, cpus_per_point=cpus_per_point,
-                      gpus_per_point=gpus_per_point)
+                      gpus_per_point=gpus_per_point, overwrite=overwrite)
     out.print((out_dir / "leaderboard.md").read_text())
     out.print(f"leaderboard: {res['leaderboard']}" +
               (f"; report: {res['report']}" if res.get("report") else ""))

@@ -85,7 +85,7 @@ def _defaults(name: str) -> dict:
 
 def _key(label: str) -> str:
     key = re.sub(r"[^A-Za-z0-9._=+-]", "-", label)[:120]
-    return key or "method"
+    return key if key.strip(".") else "method"
 
 
 def _budgets(budget) -> list[Budget]:
@@ -110,7 +110,8 @@ def compare(model: str, methods: list[str], budget: str | Budget | list, out: st
             test_samples: int = 16, test_seqlen: int = 256, seed: int = 0,
             speed: bool = True, tasks: tuple = (), limit: int | None = None,
             dtype: str = "float32", device: str = "cpu", ray: str | None = None,
-            cpus_per_point: float = 1.0, gpus_per_point: float = 0.0) -> dict:
+            cpus_per_point: float = 1.0, gpus_per_point: float = 0.0,
+            overwrite: bool = False) -> dict:
     """Run ``methods`` at ``budget`` on ``model``; returns ``{"rows": [...], "dense":
     {...}, **paths}`` (rows in the order of ``methods``, dense first).
 
@@ -136,11 +137,14 @@ def compare(model: str, methods: list[str], budget: str | Budget | list, out: st
     if tasks and not tasks_supported():
         raise ConfigError("--tasks needs downstream-task evaluation (api.evaluate(tasks=...)),"
                           " not in this install")
-    dense = sizes(api.load(model, dtype=dtype, device="cpu"))
+    dense_lm = api.load(model, dtype=dtype, device="cpu")
+    dense = sizes(dense_lm)
     base = _base(model, dense, dtype=dtype, device=device, test=test, seed=seed, calib=calib,
                  samples=samples, seqlen=seqlen, batch_size=batch_size,
                  test_samples=test_samples, test_seqlen=test_seqlen, speed=speed,
                  tasks=tasks, limit=limit)
+    open_comparison(Path(out), dense_lm, base, overwrite)
+    del dense_lm
     points = [Point("dense", {**base, "label": "dense", "stages": [],
                               "budget": str(budgets[0])})]
     for item in methods:
@@ -163,6 +167,43 @@ def compare(model: str, methods: list[str], budget: str | Budget | list, out: st
                                                  "calibration": calib, "test": test},
                         curves=budgets[0].kind if many else None)
     return {"rows": results, "dense": results[0], **paths}
+
+
+def open_comparison(out: Path, lm, base: dict, overwrite: bool) -> None:
+    """Check ``OUT/compare.json`` (the comparison's fingerprint: the dense model's config
+    and weights, the dtype and every setting a point shares) before any point is reused.
+    Another model or other settings: one-line :class:`~prunelab.errors.ResumeMismatchError`,
+    or with ``overwrite`` the comparison's points are discarded. ``points/`` without
+    ``compare.json`` (not a comparison of this prunelab) is refused unless ``overwrite``."""
+    import json
+    import shutil
+
+    from prunelab._version import __version__
+    from prunelab.errors import OutputExistsError
+    from prunelab.io.files import write_json
+    from prunelab.io.fingerprint import FORMAT, check_match, model_part
+
+    marker = out / MARKER
+    options = {k: v for k, v in base.items() if k not in ("model", "dense_sizes")}
+    fp = {"format": FORMAT, "prunelab": __version__, "model": model_part(lm),
+          "dtype": str(lm.dtype).replace("torch.", ""),
+          "options": json.loads(json.dumps(options, default=list))}
+    if marker.is_file():
+        try:
+            stored = json.loads(marker.read_text()).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            stored = None
+        if check_match(marker, stored, fp, overwrite):
+            return
+    elif (out / "points").exists() and not overwrite:
+        raise OutputExistsError(f"{out / 'points'} exists and {out} holds no comparison of "
+                                f"prunelab ({MARKER}); pass --overwrite to start afresh")
+    if (out / "points").is_dir():  # a stale comparison of prunelab's, overwrite given
+        shutil.rmtree(out / "points")
+    write_json(marker, {"format": "prunelab-compare/1", "fingerprint": fp}, overwrite=True)
+
+
+MARKER = "compare.json"
 
 
 def _base(model: str, dense: dict, *, dtype, device, test, seed, calib, samples, seqlen,

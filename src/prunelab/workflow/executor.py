@@ -34,9 +34,9 @@ class Point:
     payload: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not _KEY.match(self.key):
+        if not _KEY.match(self.key) or set(self.key) == {"."}:
             raise ConfigError(f"point key {self.key!r} must be 1-120 characters of "
-                              "letters, digits and . _ = + -")
+                              "letters, digits and . _ = + -, not only dots")
 
 
 def point_dir(out: Path, key: str) -> Path:

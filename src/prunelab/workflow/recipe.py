@@ -32,7 +32,8 @@ from typing import Any
 from prunelab.errors import ConfigError
 from prunelab.plugins import import_plugin, is_file_spec, source_digest
 from prunelab.registry import check_range, to_dict
-from prunelab.workflow.stages import MODEL_STAGES, parse_stage
+from prunelab.workflow.fields import typed
+from prunelab.workflow.stages import MODEL_STAGES, parse_stage, save_path
 
 FORMAT = "prunelab-recipe/1"
 
@@ -128,13 +129,30 @@ def parse_recipe(raw: Any, base: Path | None = None) -> Recipe:
         raise ConfigError("stages: a recipe needs a non-empty list of stages")
     plugins = _plugins(raw.get("plugins"), base)
     stages = tuple(parse_stage(i, s) for i, s in enumerate(stages_raw))
-    top = {k: v for k, v in raw.items() if k not in ("stages", "plugins")}
+    top = typed(Recipe, {k: v for k, v in raw.items() if k not in ("stages", "plugins")})
     try:
         recipe = Recipe(**top, plugins=plugins, stages=stages)
     except TypeError as exc:
         raise ConfigError(f"recipe: {str(exc).splitlines()[0]}") from None
     resolve_sources(stages)
+    check_save_paths(stages)
     return recipe
+
+
+def check_save_paths(stages) -> None:
+    """Two save stages may not write one folder, nor one inside the other's."""
+    seen: dict[str, tuple[int, Any]] = {}
+    for i, st in enumerate(stages):
+        if st.kind != "save":
+            continue
+        path = save_path(st.options.path)
+        for other, (j, ost) in seen.items():
+            if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
+                how = "the same folder" if path == other else "nested folders"
+                raise ConfigError(f"stage {i} (save {st.id!r}): path {st.options.path!r} and "
+                                  f"stage {j} (save {ost.id!r}) path {ost.options.path!r} "
+                                  f"are {how}; give each save its own folder")
+        seen[path] = (i, st)
 
 
 def load_recipe(source: str | Path | dict) -> Recipe:
@@ -148,7 +166,12 @@ def load_recipe(source: str | Path | dict) -> Recipe:
     if "\n" not in text and (path.suffix in (".yaml", ".yml") or path.exists()):
         if not path.is_file():
             raise ConfigError(f"recipe {text} does not exist")
-        text, base = path.read_text(), path.resolve().parent
+        try:
+            text, base = path.read_bytes().decode("utf-8"), path.resolve().parent
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"recipe {text} is not UTF-8 text (byte {exc.start})") from None
+        except OSError as exc:
+            raise ConfigError(f"recipe {text} cannot be read: {exc.strerror}") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:

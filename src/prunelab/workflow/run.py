@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab import log
-from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.errors import ConfigError, OutputExistsError, PrunelabError
 from prunelab.io.files import write_json
 from prunelab.workflow.executor import Point, finished, point_dir, record
 from prunelab.workflow.recipe import Recipe, chain_recipe, load_recipe, stage_hashes
@@ -30,15 +30,18 @@ from prunelab.workflow.stages import MODEL_STAGES, Stage
 RUN_FILE = "run.json"
 
 
-def check_runnable(recipe: Recipe) -> None:
-    """Errors that only the installed library can tell, before anything runs."""
+def check_runnable(recipe: Recipe, out: Path | None = None) -> None:
+    """Errors that only the installed library can tell, and every check that needs no
+    weights (:mod:`prunelab.workflow.check`), before anything runs."""
     from prunelab import api
+    from prunelab.workflow.check import check_recipe
 
     for i, st in enumerate(recipe.stages):
         if st.kind == "evaluate" and st.options.tasks and \
                 "tasks" not in inspect.signature(api.evaluate).parameters:
             raise ConfigError(f"stage {i} (evaluate): tasks needs downstream-task "
                               "evaluation (api.evaluate(tasks=...)), not in this install")
+    check_recipe(recipe, out)
 
 
 def prepare_out(out: Path, overwrite: bool) -> None:
@@ -61,7 +64,7 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 
 def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
                overwrite: bool = False, ray: str | None = None, cpus_per_point: float = 1.0,
-               gpus_per_point: float = 0.0) -> dict:
+               gpus_per_point: float = 0.0, checked: bool = False) -> dict:
     """Run ``recipe`` into ``out`` (resuming a run already there); returns the run's
     manifest: ``{"recipe", "stages": [{id, kind, from, hash, status, seconds}],
     "results": {id: result}}``.
@@ -72,8 +75,9 @@ def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
     layout, the hashes and the results are those of the serial run (the workers must
     see ``OUT``: one machine or a shared filesystem; :mod:`prunelab.workflow.run_ray`)."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
-    check_runnable(recipe)
     out = Path(out)
+    if not checked:  # ``checked``: the caller ran check_runnable(recipe, out) already
+        check_runnable(recipe, out)
     prepare_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     runner = _Runner(recipe, out)
@@ -100,7 +104,7 @@ class _Runner:
         for i, st in enumerate(self.recipe.stages):
             point = self._point(st)
             done = finished(self.out, point)
-            if done is not None and self._outputs_exist(st):
+            if done is not None and self._outputs_exist(st, done, i):
                 self.results[st.id] = done
                 self.rows.append(self._row(st, "reused", 0.0))
                 log.info(f"stage {i} {st.kind} {st.id}: unchanged, reused")
@@ -108,14 +112,32 @@ class _Runner:
                 log.info(f"stage {i} {st.kind} {st.id}: running")
                 folder = self._attempt(point)
                 start = time.perf_counter()
-                res = getattr(self, f"_{st.kind}")(st, folder)
-                res = {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
+                res = self.run_stage(i, st, folder)
                 record(self.out, point, res)
                 self.results[st.id] = res
                 self.rows.append(self._row(st, "ran", time.perf_counter() - start))
             self._write_run()
             _release()
         return self._manifest()
+
+    def run_stage(self, index: int, st: Stage, folder: Path) -> dict:
+        """Run one stage; an error is one line naming the stage, in the recipe's words
+        (``seqlen``, not ``--seqlen``)."""
+        from prunelab.workflow.check import stage_label, unflag
+
+        try:
+            res = getattr(self, f"_{st.kind}")(st, folder)
+        except PrunelabError as exc:
+            label = stage_label(index, st)
+            msg = str(exc)
+            if msg.startswith(label):
+                raise
+            try:
+                err = type(exc)(f"{label}: {unflag(msg)}")
+            except TypeError:
+                err = ConfigError(f"{label}: {unflag(msg)}")
+            raise err from exc
+        return {**res, "stage": st.id, "kind": st.kind, "from": self.inputs[st.id]}
 
     def _point(self, st: Stage) -> Point:
         return Point(st.id, {"hash": self.hashes[st.id], "kind": st.kind})
@@ -149,12 +171,26 @@ class _Runner:
         write_json(self.out / RUN_FILE, {k: m[k] for k in ("format", "recipe", "stages")},
                    overwrite=True)
 
-    def _outputs_exist(self, st: Stage) -> bool:
+    def _checkpoint(self, st: Stage) -> Path | None:
+        """The checkpoint folder a stage writes (None: the stage writes none)."""
         if st.kind in MODEL_STAGES:
-            return (point_dir(self.out, st.id) / "model" / "config.json").is_file()
+            return point_dir(self.out, st.id) / "model"
         if st.kind == "save":
-            return (self.out / st.options.path / "config.json").is_file()
-        return True
+            return self.out / st.options.path
+        return None
+
+    def _outputs_exist(self, st: Stage, done: dict, index: int | None = None) -> bool:
+        """Whether a finished stage's checkpoint is still the one it wrote: every file
+        recorded in its result (``files``: size and sha256) is there, unchanged. When not,
+        says why in one line (the stage then runs again)."""
+        folder = self._checkpoint(st)
+        if folder is None:
+            return True
+        why = verify_files(folder, done.get("files"))
+        if why is not None:
+            at = f"stage {index} " if index is not None else "stage "
+            log.warn(f"{at}{st.kind} {st.id}: {why}; running it again")
+        return why is None
 
     def _load_kwargs(self) -> dict:
         r = self.recipe
@@ -237,7 +273,7 @@ class _Runner:
         lm.history[-1]["calib"] = {k: c[k] for k in ("data", "samples", "seqlen",
                                                        "batch_size")}
         self._save_model(lm, st, folder, {"data": rep["data"], "report": rep.to_dict()})
-        return {"report": rep.to_dict()}
+        return {"report": rep.to_dict(), "files": files_record(folder / "model")}
 
     def _resolved(self, st: Stage):
         """The stage's method with a relative ``from_probe`` read from the run folder
@@ -250,7 +286,7 @@ class _Runner:
         if path and not Path(path).is_absolute():
             full = (self.out / path).resolve()
             if not full.is_file():
-                raise ConfigError(f"stage {st.id}: from_probe {path} is not in {self.out} "
+                raise ConfigError(f"from_probe {path} is not in {self.out} "
                                   "(run the probe stage first)")
             method = dataclasses.replace(method, from_probe=str(full))
             self.overrides[st.id] = dataclasses.replace(
@@ -269,7 +305,7 @@ class _Runner:
                            out_dir=folder / "heal-state", train_samples=o.train_samples,
                            eval_samples=o.eval_samples)
         self._save_model(lm, st, folder, {"healing": rec})
-        return {"healing": rec}
+        return {"healing": rec, "files": files_record(folder / "model")}
 
     def _evaluate(self, st: Stage, folder: Path) -> dict:
         from prunelab.workflow.evaluate import evaluate_model
@@ -298,8 +334,12 @@ class _Runner:
             man.update({k: stored[k] for k in ("data", "report", "healing", "recipe")
                         if k in stored})
             man["recipe"]["stages"][-1] = {"save": {"path": st.options.path}}
+        if (target.exists() or target.is_symlink()) and not _own_checkpoint(target):
+            raise OutputExistsError(f"path {st.options.path}: {target} exists and is not a "
+                                    "checkpoint this run saved; remove it or choose "
+                                    "another path")
         api.save(lm, target, manifest=man, overwrite=target.exists())
-        return {"model": src, "path": str(target)}
+        return {"model": src, "path": str(target), "files": files_record(target)}
 
     def _report(self, st: Stage, folder: Path) -> dict:
         from prunelab.workflow.leaderboard import write_study
@@ -320,6 +360,51 @@ class _Runner:
                            summary={"model": self.recipe.model, "calibration":
                                     self.recipe.data, "test": self.recipe.test,
                                     "seed": self.recipe.seed})
+
+
+def _own_checkpoint(target: Path) -> bool:
+    """Whether ``target`` is a real folder holding a checkpoint a recipe's save stage
+    wrote (its manifest names a ``recipe_stage``): only that is replaced by a rerun."""
+    man = target / "manifest.json"
+    if target.is_symlink() or not target.is_dir() or not man.is_file():
+        return False
+    try:
+        return "recipe_stage" in json.loads(man.read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def files_record(folder: Path) -> dict:
+    """``{relative path: {"size", "sha256"}}`` of every file of a checkpoint folder, as
+    written (a later run reuses the stage only if they verify: :func:`verify_files`)."""
+    return {str(f.relative_to(folder)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def verify_files(folder: Path, recorded: Any) -> str | None:
+    """None when every file of ``recorded`` (:func:`files_record`) is in ``folder`` with
+    its size and sha256; else what differs, in a few words."""
+    if not isinstance(recorded, dict) or not recorded:
+        return f"{folder} has no recorded file hashes (written by an older prunelab)"
+    for rel, want in recorded.items():
+        f = folder / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if not isinstance(want, dict) or f.stat().st_size != want.get("size"):
+            return f"{f} changed size since it was written"
+        if _sha256(f) != want.get("sha256"):
+            return f"{f} changed since it was written (sha256 differs)"
+    return None
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def heal_eval_data(o, test: str) -> str | None:

@@ -55,7 +55,7 @@ def run_stages_on_ray(runner, address: str, cpus: float, gpus: float) -> dict:
     for st in stages:
         point = runner._point(st)
         done = finished(runner.out, point)
-        if done is not None and runner._outputs_exist(st):
+        if done is not None and runner._outputs_exist(st, done):
             runner.results[st.id] = done
             rows[st.id] = runner._row(st, "reused", 0.0)
         else:
@@ -107,8 +107,7 @@ def one_stage(runner, stage_id: str) -> dict:
                 pass  # not an ancestor that ran: its path is not needed
     folder = runner._attempt(runner._point(st))
     start = time.perf_counter()
-    res = getattr(runner, f"_{st.kind}")(st, folder)
-    res = {**res, "stage": st.id, "kind": st.kind, "from": runner.inputs[st.id]}
+    res = runner.run_stage(stages.index(st), st, folder)
     return {"result": res, "seconds": time.perf_counter() - start}
 
 

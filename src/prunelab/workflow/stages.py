@@ -24,10 +24,16 @@ from typing import Any
 from prunelab.budget import budget_options
 from prunelab.errors import ConfigError
 from prunelab.registry import check_range, strict_kwargs, to_dict
+from prunelab.workflow.fields import typed
 
 _ID = re.compile(r"^[A-Za-z0-9._+-]{1,60}$")
 #: stages whose output is a new model (a checkpoint under ``OUT/points/<id>/model``)
 MODEL_STAGES = ("prune", "heal")
+#: what a run writes in its folder beside the save stages' checkpoints (a save path may
+#: not be one of these, nor lie under ``points``)
+RUN_OWN = ("points", "run.json", "leaderboard.md", "leaderboard.csv", "leaderboard.json",
+           "report.html", "quality_vs_params.png", "speed_vs_params.png", "budget_curves.png",
+           "plots", "probes")
 
 
 def _opt(default, text: str):
@@ -127,9 +133,26 @@ class SaveStage:
     path: str = _opt("model", "checkpoint folder, relative to --out")
 
     def __post_init__(self) -> None:
-        if not self.path or self.path.startswith(("/", "..")) or "/../" in self.path \
-                or self.path == "points":
-            raise ConfigError(f"path must be a folder name inside --out, got {self.path!r}")
+        if save_path(self.path) is None:
+            raise ConfigError(f"path must be a folder inside the run folder (not the run "
+                              f"folder itself, nor {', '.join(RUN_OWN[:2])}, ... of its "
+                              f"own), got {self.path!r}")
+
+
+def save_path(path: Any) -> str | None:
+    """``path`` normalised (``a/./b/`` -> ``a/b``), or None when it is not a folder
+    strictly inside the run folder or is one of the run's own names (:data:`RUN_OWN`)."""
+    import posixpath
+
+    if not isinstance(path, str) or not path or "\\" in path or path.startswith(("/", "~")) \
+            or ".." in path.split("/"):
+        return None
+    norm = posixpath.normpath(path)
+    parts = norm.split("/")
+    if norm in (".", "") or ".." in parts or parts[0] in RUN_OWN \
+            or any(p.startswith(".") for p in parts):
+        return None
+    return norm
 
 
 @dataclass(frozen=True)
@@ -205,9 +228,10 @@ def parse_stage(index: int, raw: Any) -> Stage:
     label = f"stage {index} ({kind} {sid!r})" if "id" in raw[kind] else \
         f"stage {index} ({kind})"
     try:
-        if not isinstance(sid, str) or not _ID.match(sid) or sid == "dense":
-            raise ConfigError(f"id must be 1-60 letters, digits or . _ + - and not 'dense', "
-                              f"got {sid!r}")
+        if not isinstance(sid, str) or not _ID.match(sid) or sid == "dense" \
+                or sid.startswith("."):
+            raise ConfigError(f"id must be 1-60 letters, digits or . _ + - not starting "
+                              f"with '.', and not 'dense', got {sid!r}")
         if source is not None and not isinstance(source, str):
             raise ConfigError(f"from must be a stage id or dense, got {source!r}")
         return Stage(kind, sid, source, _BUILDERS[kind](opts))
@@ -222,7 +246,10 @@ def _calib(opts: dict) -> Calib:
     if not isinstance(raw, dict):
         raise ConfigError(f"calib must be a mapping, got {raw!r}")
     strict_kwargs(Calib, raw, "calib")
-    return Calib(**raw)
+    try:
+        return Calib(**typed(Calib, raw))
+    except ConfigError as exc:
+        raise ConfigError(f"calib: {exc}") from None
 
 
 def _build_probe(opts: dict) -> ProbeStage:
@@ -233,9 +260,22 @@ def _build_probe(opts: dict) -> ProbeStage:
     strict_kwargs(ProbeStage, opts, "probe")
     if isinstance(probes, (str, dict)):
         probes = [probes]
-    if not probes:
-        raise ConfigError("probes must name at least one probe")
-    return ProbeStage(tuple(PROBES.from_dict(p) for p in probes), calib)
+    if not isinstance(probes, (list, tuple)) or not probes:
+        raise ConfigError(f"probes must name at least one probe, got {probes!r}")
+    return ProbeStage(tuple(PROBES.from_dict(_typed_piece(PROBES, p, "probes"))
+                            for p in probes), calib)
+
+
+def _typed_piece(registry, piece: Any, label: str) -> Any:
+    """A ``{name: NAME, FIELD: VALUE}`` mapping with its fields typed against the
+    registered config NAME (a bare name unchanged)."""
+    if not isinstance(piece, dict) or not isinstance(piece.get("name"), str):
+        return piece  # the registry's own one-line error
+    cls = registry.get(piece["name"])
+    try:
+        return typed(cls, piece, skip=("name",))
+    except ConfigError as exc:
+        raise ConfigError(f"{label} {piece['name']!r}: {exc}") from None
 
 
 def _build_prune(opts: dict) -> PruneStage:
@@ -249,7 +289,8 @@ def _build_prune(opts: dict) -> PruneStage:
     cls = METHODS.get(name)
     if "budget" in opts and not _own_budget_field(cls, opts["budget"]):
         opts.update(_budget(cls, opts.pop("budget"), f"method {name}", opts))
-    return PruneStage(METHODS.from_dict({"name": name, **opts}), calib)
+    strict_kwargs(cls, opts, f"method {name!r}")
+    return PruneStage(METHODS.from_dict({"name": name, **typed(cls, opts)}), calib)
 
 
 def _own_budget_field(cls: type, value: Any) -> bool:
@@ -275,17 +316,14 @@ def _budget(cls: type, budget: Any, label: str, opts: dict) -> dict:
 def _build_heal(opts: dict) -> HealStage:
     from prunelab.train.config import HealConfig
 
-    own = {k: opts.pop(k) for k in ("teacher", "train_samples", "eval_samples", "data",
-                                    "eval_data") if k in opts}
+    own = typed(HealStage, {k: opts.pop(k) for k in ("teacher", "train_samples",
+                                                     "eval_samples", "data", "eval_data")
+                            if k in opts})
     budget = opts.pop("budget", None)
     if budget is not None:
         opts.update(_budget(HealConfig, budget, "heal", opts))
     strict_kwargs(HealConfig, opts, "heal")
-    hints = {f.name: f.type for f in dataclasses.fields(HealConfig)}
-    for k, v in opts.items():  # YAML writes 1 for 1.0
-        if isinstance(v, int) and not isinstance(v, bool) and "float" in str(hints[k]):
-            opts[k] = float(v)
-    cfg = HealConfig(**opts)
+    cfg = HealConfig(**typed(HealConfig, opts))  # YAML writes 1 for 1.0: read as a float
     if own.get("teacher") == "dense" and not cfg.needs_teacher:
         raise ConfigError(f"heal: teacher: dense is used by loss kd, hidden and mix only "
                           f"(this stage's loss is {cfg.loss})")
@@ -297,19 +335,22 @@ def _build_evaluate(opts: dict) -> EvaluateStage:
 
     strict_kwargs(EvaluateStage, opts, "evaluate")
     if opts.get("press") is not None:
-        opts["press"] = PRESSES.from_dict(opts["press"])
+        opts["press"] = PRESSES.from_dict(_typed_piece(PRESSES, opts["press"], "press"))
     if "tasks" in opts:
         tasks = opts["tasks"]
-        opts["tasks"] = tuple(tasks.split(",") if isinstance(tasks, str) else tasks)
-    if isinstance(opts.get("press_context"), int):
-        opts["press_context"] = float(opts["press_context"])
-    return EvaluateStage(**opts)
+        if isinstance(tasks, str):
+            tasks = tasks.split(",")
+        if not isinstance(tasks, (list, tuple)) or not all(
+                isinstance(t, str) and t.strip() for t in tasks):
+            raise ConfigError(f"tasks must be a list of task names, got {opts['tasks']!r}")
+        opts["tasks"] = tuple(t.strip() for t in tasks)
+    return EvaluateStage(**typed(EvaluateStage, opts, skip=("press", "tasks")))
 
 
 def _simple(cls: type, kind: str):
     def build(opts: dict):
         strict_kwargs(cls, opts, kind)
-        return cls(**opts)
+        return cls(**typed(cls, opts))
     return build
 
 
