@@ -200,3 +200,12 @@ def test_existing_file_targets_and_folders(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(OutputExistsError, match="is a folder, not a file"):
         check_output_path(tmp_path / "d", kind="file", overwrite=False)
+
+
+def test_state_may_not_overlap_the_run_s_output_even_before_it_exists(tmp_path):
+    out = tmp_path / "out"
+    for state in (out, out / "state", tmp_path):
+        with pytest.raises(OutputWriteError, match="may not overlap"):
+            check_state_dir(state, outputs={"--out": out})
+    check_state_dir(tmp_path / "out.heal-state", outputs={"--out": out})
+    assert not out.exists()

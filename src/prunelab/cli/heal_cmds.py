@@ -98,7 +98,7 @@ def heal_cmd(
 
     inputs = {"--model": model, "--teacher": teacher,
               "--data": data_paths(data, held_out)}
-    check_state_dir(state, {**inputs, "--out": out_dir})
+    check_state_dir(state, {**inputs, "--out": out_dir}, outputs={"--out": out_dir})
     with writing(out_dir, "checkpoint", overwrite, on_interrupt=(
             f"the run's state is in {state}/; rerun the same command to resume"),
             inputs=inputs):

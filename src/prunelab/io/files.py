@@ -225,18 +225,21 @@ def _resolved(path: str | Path) -> Path:
     return Path(os.path.realpath(os.path.abspath(path)))
 
 
-def check_not_input(path: str | Path, inputs: Mapping[str, Any] | Iterable) -> None:
+def check_not_input(path: str | Path, inputs: Mapping[str, Any] | Iterable,
+                    what: str = "input") -> None:
     """Refuse (one line, :class:`~prunelab.errors.OutputWriteError`) an output ``path``
     that is one of ``inputs``, lies inside one or holds one, comparing resolved paths
     (symlinks followed). ``inputs``: label -> path (or paths), or ``(label, path)`` pairs;
     ``None`` and specs that name nothing on disk (a hub id, an embedded model's name) are
-    skipped."""
+    skipped. ``what="output"``: ``inputs`` are the command's other outputs, compared
+    whether they exist yet or not (two outputs of one command may not overlap)."""
     out = _resolved(path)
     items = inputs.items() if isinstance(inputs, Mapping) else inputs
     for label, value in items:
         values = value if isinstance(value, (list, tuple, set)) else [value]
         for v in values:
-            if v is None or str(v) == "" or not os.path.lexists(os.path.abspath(v)):
+            if v is None or str(v) == "" or (
+                    what == "input" and not os.path.lexists(os.path.abspath(v))):
                 continue
             src = _resolved(v)
             if out == src:
@@ -247,6 +250,10 @@ def check_not_input(path: str | Path, inputs: Mapping[str, Any] | Iterable) -> N
                 how = "holds"
             else:
                 continue
+            if what != "input":
+                raise OutputWriteError(f"output {path} {how} the other output {label} {v}: "
+                                       "one command's outputs may not overlap; choose "
+                                       "another path")
             raise OutputWriteError(f"output {path} {how} the input {label} {v}: an output "
                                    "may never be an input of the same command (even with "
                                    "--overwrite); choose another path")

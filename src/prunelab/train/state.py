@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from prunelab.errors import CorruptCheckpointError, OutputWriteError, ResumeMismatchError
-from prunelab.io.files import check_output_path, write_json
+from prunelab.io.files import check_not_input, check_output_path, write_json
 
 STATE_FILE = "heal-state.pt"
 SUMMARY_FILE = "heal-state.json"
@@ -49,12 +49,16 @@ def _marked(folder: Path) -> bool:
         return False
 
 
-def check_state_dir(path: str | Path, inputs: dict | None = None) -> Path:
+def check_state_dir(path: str | Path, inputs: dict | None = None,
+                    outputs: dict | None = None) -> Path:
     """Refuse, in one line and before any work, a ``--state`` that heal may not use: an
     unusable path (:func:`~prunelab.io.files.check_output_path`: ``.``, ``..``, an
-    unwritable parent...), one of the run's ``inputs`` (or inside / holding one), a file,
-    a folder that is not heal's own state, a folder without write permission."""
+    unwritable parent...), one of the run's ``inputs`` or ``outputs`` (or inside / holding
+    one), a file, a folder that is not heal's own state, a folder without write
+    permission."""
     folder = check_output_path(path, inputs=inputs)
+    if outputs:
+        check_not_input(folder, outputs, what="output")
     if not os.path.lexists(folder):
         return folder
     if not folder.is_dir():
