@@ -6,7 +6,6 @@ rename into place, ``--overwrite`` rules) are :mod:`prunelab.io.files`.
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 import tempfile
@@ -15,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from prunelab.errors import PrunelabError
-from prunelab.io.files import _check_target, _install, _os_errors, write_json
+from prunelab.io.files import (
+    _check_target,
+    _install,
+    _os_errors,
+    check_not_input,
+    usual_modes,
+    write_json,
+)
 from prunelab.io.lock import (
     clean_leftovers,
     fsync_tree,
@@ -92,6 +98,8 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     from prunelab.checkpoint.remote import has_bridges, has_custom_modules
 
     out = Path(out_dir)
+    check_not_input(out, {"model (the checkpoint it was loaded from)":
+                          getattr(lm, "source", None)})
     _check_target(out, overwrite, "checkpoint")
     # per-block widths from prunelab's width pruning: the modeling file resizes the
     # projections at load; other shapes a plain config cannot hold are refused
@@ -138,6 +146,6 @@ def finish_checkpoint(lm, tmp: Path, out: Path, manifest: dict | None, remote: b
     man["loads_with"] = (load_hint(lm.model) if remote
                          else "plain transformers (no remote code)")
     write_json(tmp / "manifest.json", man)
-    os.chmod(tmp, 0o755)
+    usual_modes(tmp)  # save_pretrained / mkdtemp leave 0600 / 0700
     fsync_tree(tmp)
     _install(tmp, out, overwrite, "checkpoint")

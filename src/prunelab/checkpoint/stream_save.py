@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from prunelab.checkpoint.save import finish_checkpoint
-from prunelab.io.files import _check_target, _os_errors
+from prunelab.io.files import _check_target, _os_errors, check_not_input
 from prunelab.io.lock import clean_leftovers, output_lock, temp_prefix
 
 
@@ -107,6 +107,8 @@ def save_streamed(lm, out_dir: str | Path, manifest: dict | None = None,
     from prunelab.checkpoint.remote import has_bridges, has_custom_modules
 
     out = Path(out_dir)
+    check_not_input(out, {"model (the checkpoint it was loaded from)":
+                          getattr(lm, "source", None)})
     _check_target(out, overwrite, "checkpoint")
     widths = bool(lm.adapter.vanilla_problems()) and any(
         op.get("operation") == "prune-width" for op in getattr(lm, "history", []))

@@ -118,10 +118,13 @@ def fmt_bytes(n: float) -> str:
 
 @contextlib.contextmanager
 def writing(path: Path | None, kind: str | None, overwrite: bool,
-            on_interrupt: str | None = None) -> Iterator[None]:
+            on_interrupt: str | None = None,
+            inputs: dict | None = None) -> Iterator[None]:
     """Guard a command that writes ``path``: refuse an unusable or existing path before any
-    work (``kind`` "file" / "checkpoint"; ``None`` for a resumable folder), hold the
-    one-writer lock for the whole command, and say on Ctrl-C what was kept."""
+    work (``kind`` "file" / "checkpoint"; ``None`` for a resumable folder), refuse an
+    output that is, lies inside or holds one of the command's ``inputs`` (flag -> path or
+    spec; with or without ``--overwrite``), hold the one-writer lock for the whole
+    command, and say on Ctrl-C what was kept."""
     if path is None:
         state["on_interrupt"] = "nothing was written"
         yield
@@ -130,12 +133,29 @@ def writing(path: Path | None, kind: str | None, overwrite: bool,
     from prunelab.io.lock import output_lock
 
     if kind is None:
-        check_output_path(path)
+        check_output_path(path, inputs=inputs)
     else:
-        check_output_path(path, kind=kind, overwrite=overwrite)
+        check_output_path(path, kind=kind, overwrite=overwrite, inputs=inputs)
     state["on_interrupt"] = on_interrupt or f"nothing was written ({path} unchanged)"
     with output_lock(path):
         yield
+
+
+def data_paths(*specs: str | None) -> list[str]:
+    """The files and folders data specs read (``text:PATH``, ``jsonl:PATH[:FIELD]``,
+    ``KIND@DIR``), for the output guard's ``inputs``; named sets give nothing."""
+    found: list[str] = []
+    for spec in specs:
+        if not isinstance(spec, str):
+            continue
+        kind, _, rest = spec.strip().partition(":")
+        if kind in ("text", "jsonl") and rest:
+            found.append(rest)
+            if kind == "jsonl" and ":" in rest:
+                found.append(rest.rpartition(":")[0])
+        elif "@" in spec:
+            found.append(spec.partition("@")[2])
+    return found
 
 
 def check_positive(name: str, value: int | None, low: int = 1) -> None:

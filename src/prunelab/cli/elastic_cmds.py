@@ -109,7 +109,7 @@ def export_cmd(
     keep = size.to("keep").value
     if allocation not in ("global", "uniform"):
         raise ConfigError(f"--allocation must be global or uniform, got {allocation!r}")
-    with writing(out_dir, "checkpoint", overwrite):
+    with writing(out_dir, "checkpoint", overwrite, inputs={"--model": model}):
         path = export(model, keep, out_dir, allocation=allocation, round_to=round_to,
                       overwrite=overwrite, device=device, dtype=dtype)
     import json

@@ -5,7 +5,6 @@ vision or speech encoder, feature distillation from the dense model
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +21,7 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     budget_fields,
+    data_paths,
     out,
     parse_settings,
     writing,
@@ -94,14 +94,20 @@ def heal_cmd(
     cfg = cls(**{"quiet": is_quiet(), **given, **parse_settings(settings, cls)})
     state = state_dir if state_dir is not None else out_dir.with_name(out_dir.name +
                                                                       ".heal-state")
+    from prunelab.train.state import check_state_dir, release_state_dir
+
+    inputs = {"--model": model, "--teacher": teacher,
+              "--data": data_paths(data, held_out)}
+    check_state_dir(state, {**inputs, "--out": out_dir}, outputs={"--out": out_dir})
     with writing(out_dir, "checkpoint", overwrite, on_interrupt=(
-            f"the run's state is in {state}/; rerun the same command to resume")):
+            f"the run's state is in {state}/; rerun the same command to resume"),
+            inputs=inputs):
         lm, rec = api.heal(model, teacher, data, held_out, config=cfg, out_dir=state,
                            train_samples=train_samples, eval_samples=eval_samples,
                            load_options=load)
         api.save(lm, out_dir, overwrite=overwrite, data=rec.get("data", {}).get("train"),
                  metrics=_metrics(rec), extra={"healing": rec})
-    shutil.rmtree(state, ignore_errors=True)
+    release_state_dir(state)  # only heal's own, marked state folder
     _show(rec, model, out_dir)
     log.info(f"wrote {out_dir}/")
 
@@ -170,7 +176,9 @@ def _heal_encoder(model: str, teacher, data: str, held_out, out_dir: Path, overw
     from prunelab.registry import check_range
 
     check_range("--image-size", size, 14, 4096, integer=True)  # at least one 14-px patch
-    with writing(out_dir, "checkpoint", overwrite):
+    with writing(out_dir, "checkpoint", overwrite,
+                 inputs={"--model": model, "--teacher": teacher,
+                         "--data": data_paths(data, held_out)}):
         lm = api.load(model, **load)
         lm, rec = heal_encoder_specs(lm, teacher, data, held_out, config=cfg,
                                      train_samples=extra["train_samples"],

@@ -24,8 +24,10 @@ from prunelab.cli.common import (
     StackOpt,
     StreamOpt,
     check_positive,
+    data_paths,
     fmt_bytes,
     out,
+    parse_list,
     parse_pairs,
     parse_settings,
     runtime_budgets,
@@ -45,7 +47,7 @@ def info(model: str = ModelOpt, dtype: str = DtypeOpt, device: str = DeviceOpt,
     from prunelab import api
     from prunelab.io.files import write_json
 
-    with writing(json_path, "file", overwrite):
+    with writing(json_path, "file", overwrite, inputs={"--model": model}):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights, stack=stack).load()
         d = api.info(lm)
@@ -174,7 +176,10 @@ def eval_cmd(ctx: typer.Context,
         from prunelab.calib.streamed import check_streamed_eval
         check_streamed_eval(speed=speed, press=press_name, moe_mass=moe_mass,
                             gradient_alignment=gradient_alignment)
-    with writing(json_path, "file", overwrite):
+    with writing(json_path, "file", overwrite,
+                 inputs={"--model": model, "--reference": kl_reference,
+                         "--gradient-alignment": gradient_alignment,
+                         "--data": data_paths(data), "--tasks": list(parse_list(tasks))}):
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights, stream=stream).load()
         moe = _moe_setup(lm, moe_mass)
@@ -442,7 +447,7 @@ def probe(ctx: typer.Context,
     check_positive("--max-remove", max_remove)
     with writing(out_dir, None, overwrite, on_interrupt=f"finished probes and partial "
                  f"results (NAME.partial.json) are in {out_dir}/; rerun the same command to "
-                 "resume"):
+                 "resume", inputs={"--model": model, "--data": data_paths(data)}):
         if stream:
             from prunelab.probes.base import check_streamable_probes
             check_streamable_probes(names)

@@ -28,6 +28,7 @@ from prunelab.cli.common import (
     StreamOpt,
     budget_fields,
     check_positive,
+    data_paths,
     parse_blocks,
     parse_list,
     parse_settings,
@@ -67,7 +68,8 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
 
     check_positive("--batch-size", batch_size)
     check_positive("--samples", samples)
-    with writing(out_dir, "checkpoint", overwrite):
+    with writing(out_dir, "checkpoint", overwrite,
+                 inputs={"--model": load.model, "--data": data_paths(data)}):
         lm = load.load()
         if getattr(lm, "streamer", None) is not None:  # --stream: stage beside the output
             lm.streamer.work_dir = out_dir.parent
@@ -301,7 +303,8 @@ def sweep_depth_cmd(
                         ("--test-samples", test_samples)):
         check_positive(name, value)
     with writing(out_dir, None, overwrite, on_interrupt=f"finished points are in "
-                 f"{out_dir}/points.json; rerun the same command to resume"):
+                 f"{out_dir}/points.json; rerun the same command to resume",
+                 inputs={"--model": model, "--data": data_paths(data, test)}):
         load_args = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                              allow_missing_weights, offload)
         lm = load_args.load()

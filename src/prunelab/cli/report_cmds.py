@@ -16,9 +16,10 @@ from prunelab.cli.generated import generated_command
 def report_cmd(
         folder: Path = typer.Argument(..., help="folder of a probe run, sweep, compare or run"),
         out_file: Optional[Path] = typer.Option(None, "--out",
-                                                help="the HTML file (default DIR/report.html)")):
+                                                help="the HTML file (default DIR/report.html)"),
+        overwrite: bool = typer.Option(False, help="replace an existing report file")):
     """Write DIR/report.html: model summary, probes, leaderboard, plots, commands."""
     from prunelab.report.folder import build_report
 
-    path = build_report(folder, out_file)
+    path = build_report(folder, out_file, overwrite=overwrite)
     print(f"report: {path}")

@@ -63,10 +63,12 @@ def prune_tokens_cmd(
 
     cfg = TokenPruning(**budget_fields(TokenPruning, budget, "prune tokens"),
                        layers=_ints(layers), fuse=fuse)
+    inputs = {"--model": model}
     if out_dir is not None and json_path is not None:
-        check_output_path(json_path, kind="file", overwrite=overwrite)
-    guard = writing(out_dir, "checkpoint", overwrite) if out_dir is not None else \
-        writing(json_path, "file", overwrite)
+        check_output_path(json_path, kind="file", overwrite=overwrite, inputs=inputs)
+        check_output_path(json_path, inputs={"--out": out_dir})
+    guard = writing(out_dir, "checkpoint", overwrite, inputs=inputs) if out_dir is not None \
+        else writing(json_path, "file", overwrite, inputs=inputs)
     with guard:
         lm = LoadArgs(model, dtype, device, False, False, False).load()
         res = evaluate_token_pruning(lm, cfg, _ints(depths), samples=samples, size=size,

@@ -17,6 +17,7 @@ from prunelab.cli.common import (
     GpusOpt,
     RayOpt,
     check_positive,
+    data_paths,
     out,
     parse_list,
     writing,
@@ -46,7 +47,8 @@ def run_cmd(
         out.print(f"{recipe}: {len(rec.stages)} stages, valid")
         return
     with writing(out_dir, None, overwrite,
-                 on_interrupt=f"finished stages are kept in {out_dir}; rerun to resume"):
+                 on_interrupt=f"finished stages are kept in {out_dir}; rerun to resume",
+                 inputs={"the recipe": recipe, "the recipe's model": getattr(rec, "model", None)}):
         prepare_out(out_dir, overwrite)
         man = run_recipe(rec, out_dir, overwrite=False, ray=ray, checked=True,
                          cpus_per_point=cpus_per_point, gpus_per_point=gpus_per_point)
@@ -84,11 +86,10 @@ def recipe_cmd(
     if out_file is None:
         typer.echo(text, nl=False)
         return
-    with writing(out_file, "file", overwrite):
-        from prunelab.io.files import check_output_path
+    with writing(out_file, "file", overwrite, inputs={"--from": source}):
+        from prunelab.io.files import write_text
 
-        check_output_path(out_file, kind="file", overwrite=overwrite)
-        out_file.write_text(text)
+        write_text(out_file, text, overwrite=overwrite)
     log.info(f"wrote {out_file}")
 
 
@@ -129,7 +130,9 @@ def compare_cmd(
                     ("--batch-size", batch_size)):
         check_positive(name, v)
     with writing(out_dir, None, overwrite,
-                 on_interrupt=f"finished methods are kept in {out_dir}; rerun to resume"):
+                 on_interrupt=f"finished methods are kept in {out_dir}; rerun to resume",
+                 inputs={"--model": model, "--methods": list(parse_list(methods)),
+                         "--calib": data_paths(calib), "--test": data_paths(test)}):
         prepare_out(out_dir, overwrite)
         res = compare(model, list(parse_list(methods)), budget, out_dir, calib=calib,
                       test=test, samples=samples, seqlen=seqlen, batch_size=batch_size,

@@ -4,16 +4,20 @@ temporary sibling, make it durable and rename it into place under the output loc
 never both succeed; an existing target is replaced only with ``overwrite=True``, and even
 then only a file replaces a file and a checkpoint a checkpoint (the old one is removed only
 after the new one is in place). :func:`check_output_path` refuses unusable output paths
-before any work is done.
+before any work is done, and an output that is, lies inside or holds one of the command's
+inputs (resolved paths, symlinks followed) -- with or without ``overwrite``. Written files
+get the usual modes (``0666`` / ``0777`` less the umask), never ``mkstemp``'s ``0600``; a
+full disk is one line ("no space left on device") and leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,8 @@ def _check_target(path: Path, overwrite: bool, kind: str) -> None:
     found = _kind(path)
     if found == "missing":
         return
+    if kind == "file" and found not in ("file", "missing"):
+        raise OutputExistsError(f"{path} is a {_NAMES[found]}, not a file: name a file")
     if not overwrite:
         raise OutputExistsError(f"{path} exists; pass --overwrite (overwrite=True) to replace it")
     if kind == "file" and found != "file":
@@ -76,7 +82,51 @@ def _os_errors(path: Path) -> Iterator[None]:
     except PrunelabError:
         raise
     except (OSError, UnicodeError) as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise OutputWriteError(f"cannot write {path}: no space left on device (nothing "
+                                   "was left half-written)") from exc
         raise OutputWriteError(f"cannot write {path}: {_first_line(exc)}") from exc
+
+
+# ---------------------------------------------------------------- modes
+
+def _umask() -> int:
+    """The process's umask (read without changing it where /proc tells it)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def usual_mode(folder: bool = False) -> int:
+    """The mode a plain ``open`` / ``mkdir`` gives: ``0666`` (``0777`` for a folder) less
+    the umask -- not ``mkstemp``'s ``0600`` / ``mkdtemp``'s ``0700``."""
+    return (0o777 if folder else 0o666) & ~_umask()
+
+
+def usual_modes(root: Path) -> None:
+    """Give ``root`` and everything below it (not following links) the usual modes."""
+    root = Path(root)
+    fmode, dmode = usual_mode(), usual_mode(folder=True)
+    if not root.is_dir() or root.is_symlink():
+        os.chmod(root, fmode)
+        return
+    for dirpath, dirs, files in os.walk(root):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, fmode)
+        for name in dirs:
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                os.chmod(p, dmode)
+    os.chmod(root, dmode)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -122,13 +172,17 @@ _TEMP_SUFFIX_BYTES = 32  # ".NAME.tmp-<pid>-<random>" and ".NAME.lock" add at mo
 
 
 def check_output_path(path: str | Path, *, kind: str | None = None,
-                      overwrite: bool | None = None) -> Path:
+                      overwrite: bool | None = None,
+                      inputs: Mapping[str, Any] | None = None) -> Path:
     """Refuse, in one line (:class:`~prunelab.errors.OutputWriteError`), an output path
     that cannot be written -- before any work is done: a name the file system cannot
     encode (or with a NUL), a name too long for the temp names, ``.``/``..``/the current
     folder or one of its ancestors, a parent that is a file, a parent folder without
     write permission. With ``kind`` (``"file"`` or ``"checkpoint"``) and ``overwrite``
-    given, also apply the writers' existing-output rule. Returns ``Path(path)``.
+    given, also apply the writers' existing-output rule. ``inputs`` (label -> path, e.g.
+    ``{"--model": spec}``; entries that name nothing on disk are skipped) are what the same
+    command reads: an output equal to one, inside one or holding one is refused whatever
+    ``overwrite`` says (:func:`check_not_input`). Returns ``Path(path)``.
     """
     p = Path(path)
     text = str(path)
@@ -160,9 +214,49 @@ def check_output_path(path: str | Path, *, kind: str | None = None,
         if len(name.encode(enc)) + extra > limit:
             raise OutputWriteError(f"output name {name[:40]!r}... is too long for this file "
                                    f"system ({limit} bytes per name, temp names included)")
+    if inputs:
+        check_not_input(p, inputs)
     if kind is not None and overwrite is not None:
         _check_target(p, overwrite, kind)
     return p
+
+
+def _resolved(path: str | Path) -> Path:
+    return Path(os.path.realpath(os.path.abspath(path)))
+
+
+def check_not_input(path: str | Path, inputs: Mapping[str, Any] | Iterable,
+                    what: str = "input") -> None:
+    """Refuse (one line, :class:`~prunelab.errors.OutputWriteError`) an output ``path``
+    that is one of ``inputs``, lies inside one or holds one, comparing resolved paths
+    (symlinks followed). ``inputs``: label -> path (or paths), or ``(label, path)`` pairs;
+    ``None`` and specs that name nothing on disk (a hub id, an embedded model's name) are
+    skipped. ``what="output"``: ``inputs`` are the command's other outputs, compared
+    whether they exist yet or not (two outputs of one command may not overlap)."""
+    out = _resolved(path)
+    items = inputs.items() if isinstance(inputs, Mapping) else inputs
+    for label, value in items:
+        values = value if isinstance(value, (list, tuple, set)) else [value]
+        for v in values:
+            if v is None or str(v) == "" or (
+                    what == "input" and not os.path.lexists(os.path.abspath(v))):
+                continue
+            src = _resolved(v)
+            if out == src:
+                how = "is"
+            elif out.is_relative_to(src):
+                how = "lies inside"
+            elif src.is_relative_to(out):
+                how = "holds"
+            else:
+                continue
+            if what != "input":
+                raise OutputWriteError(f"output {path} {how} the other output {label} {v}: "
+                                       "one command's outputs may not overlap; choose "
+                                       "another path")
+            raise OutputWriteError(f"output {path} {how} the input {label} {v}: an output "
+                                   "may never be an input of the same command (even with "
+                                   "--overwrite); choose another path")
 
 
 # ---------------------------------------------------------------- writers
@@ -179,9 +273,35 @@ def write_json(path: str | Path, obj: Any, overwrite: bool = False) -> Path:
             _check_target(path, overwrite, "file")
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
             try:
+                os.fchmod(fd, usual_mode())
                 with os.fdopen(fd, "w") as fh:
                     json.dump(obj, fh, indent=2, default=_json_default)
                     fh.write("\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                _install(Path(tmp), path, overwrite, "file")
+            finally:
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+    return path
+
+
+def write_text(path: str | Path, text: str, overwrite: bool = False) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically and durably, like :func:`write_json`:
+    an existing file is replaced only with ``overwrite``, a folder never; a failure (a full
+    disk included) is one line and leaves nothing behind."""
+    path = Path(path)
+    _check_target(path, overwrite, "file")
+    with _os_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with output_lock(path):
+            clean_leftovers(path)
+            _check_target(path, overwrite, "file")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
+            try:
+                os.fchmod(fd, usual_mode())
+                with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                    fh.write(text)
                     fh.flush()
                     os.fsync(fh.fileno())
                 _install(Path(tmp), path, overwrite, "file")

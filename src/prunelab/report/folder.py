@@ -169,8 +169,29 @@ def report_inputs(folder: str | Path) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v not in ({}, None)}
 
 
-def build_report(folder: str | Path, out: str | Path | None = None) -> Path:
-    """Write the report of ``folder`` to ``out`` (default ``folder/report.html``)."""
-    kw = report_inputs(folder)
+def report_sources(folder: str | Path) -> list[Path]:
+    """The files :func:`report_inputs` reads in ``folder``: what a report may never be
+    written over (``folder`` itself is a folder, which a report never replaces)."""
+    folder = Path(folder)
+    found: list[Path] = []
+    for pattern in ("*.json", "probes/*.json", "probes/summary.md", "*.png", "*.md",
+                    "leaderboard.csv", "recipe.yaml", "recipe.yml", COMMANDS,
+                    "points/*/result.json"):
+        found.extend(p for p in folder.glob(pattern) if p.is_file())
+    return found
+
+
+def build_report(folder: str | Path, out: str | Path | None = None,
+                 overwrite: bool = False) -> Path:
+    """Write the report of ``folder`` to ``out`` (default ``folder/report.html``). An
+    existing file is replaced only with ``overwrite``; the report may never be written
+    over a file it reads (nor over ``folder``), with or without ``overwrite``. Everything
+    is checked before the page is built."""
+    from prunelab.io.files import check_output_path
+
     target = Path(out) if out is not None else Path(folder) / "report.html"
-    return write_report(target.parent, filename=target.name, **kw)
+    if Path(folder).is_dir():
+        check_output_path(target, kind="file", overwrite=overwrite,
+                          inputs={"report source": report_sources(folder)})
+    kw = report_inputs(folder)
+    return write_report(target.parent, filename=target.name, overwrite=overwrite, **kw)

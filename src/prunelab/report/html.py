@@ -21,12 +21,12 @@ import html
 import io
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
+
+from prunelab.io.files import write_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -262,8 +262,11 @@ def write_report(out_dir: str | Path, *, filename: str = "report.html",
                  probe_summary: str | None = None,
                  sections: Mapping[str, str] | None = None,
                  commands: str | Sequence[str] | None = None,
-                 recipe: str | Path | Mapping | None = None) -> Path:
-    """Write ``out_dir/filename`` (atomically; replaced when present) and return its path.
+                 recipe: str | Path | Mapping | None = None,
+                 overwrite: bool = True) -> Path:
+    """Write ``out_dir/filename`` atomically and return its path; an existing file is
+    replaced only with ``overwrite`` (a folder never); a failure, a full disk included,
+    is one line (:class:`~prunelab.errors.OutputWriteError`) and leaves nothing behind.
 
     Every part is optional: ``summary`` (key -> value: model, parameters, data...),
     ``notes`` (Markdown), ``leaderboard`` (rows as dicts, or a CSV path), ``plots``
@@ -276,17 +279,4 @@ def write_report(out_dir: str | Path, *, filename: str = "report.html",
     page = render_report(title=title, summary=summary, notes=notes, leaderboard=leaderboard,
                          plots=plots, probes=probes, probe_summary=probe_summary,
                          sections=sections, commands=commands, recipe=recipe)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / filename
-    fd, tmp = tempfile.mkstemp(prefix=f".{filename}.", suffix=".tmp", dir=out)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(page)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a report is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return write_text(Path(out_dir) / filename, page, overwrite=overwrite)

@@ -37,7 +37,13 @@ from prunelab.train import losses as L
 from prunelab.train.config import HealConfig
 from prunelab.train.lora import Trainables, zero_count
 from prunelab.train.record import heal_record
-from prunelab.train.state import DataOrder, fingerprint, load_state, save_state
+from prunelab.train.state import (
+    DataOrder,
+    claim_state_dir,
+    fingerprint,
+    load_state,
+    save_state,
+)
 
 CHECKPOINT_EVERY = 25  # steps between checkpoints when eval_every is 0
 
@@ -380,6 +386,8 @@ def heal(student_lm, teacher_lm, train_ids: torch.Tensor, eval_ids: torch.Tensor
     cfg = config or HealConfig()
     lm, teacher = _as_loaded(student_lm), _as_loaded(teacher_lm)
     _check_inputs(lm, teacher, torch.as_tensor(train_ids), eval_ids, cfg)
+    if out_dir is not None:
+        out_dir = claim_state_dir(out_dir)  # heal's own folder, or refused in one line
     operations = list((manifest or {}).get("operations") or lm.history)
     if manifest is not None and not lm.history:
         lm.history = [dict(op) for op in operations]

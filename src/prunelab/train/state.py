@@ -8,11 +8,17 @@ torch's RNG state, the step, the evaluation history and the best state, the prun
 log with the student's weights after the last event, and the REP-LIE / CascadeFlow
 accumulators; ``heal-state.json`` beside it is a readable summary. A checkpoint made with
 another config, data or model is refused (:class:`~prunelab.errors.ResumeMismatchError`).
+
+The state folder is heal's own: :func:`claim_state_dir` creates it and marks it with
+``prunelab-heal-state.json`` (a format id), and refuses an existing folder that is not a
+heal state (a user's folder, a model, ``.``, ``..``) or a file; :func:`release_state_dir`
+removes only a marked folder, and in it only heal's own files.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -20,11 +26,92 @@ from typing import Any
 
 import torch
 
-from prunelab.errors import CorruptCheckpointError, ResumeMismatchError
-from prunelab.io.files import write_json
+from prunelab.errors import CorruptCheckpointError, OutputWriteError, ResumeMismatchError
+from prunelab.io.files import check_not_input, check_output_path, write_json
 
 STATE_FILE = "heal-state.pt"
 SUMMARY_FILE = "heal-state.json"
+MARKER_FILE = "prunelab-heal-state.json"
+STATE_FORMAT = "prunelab-heal-state/1"
+
+
+def _is_own(name: str) -> bool:
+    """A name heal writes in its state folder (its files, temp files and locks)."""
+    if name in (STATE_FILE, SUMMARY_FILE, MARKER_FILE):
+        return True
+    return name.startswith((".heal-state.", f".{SUMMARY_FILE}.", f".{MARKER_FILE}."))
+
+
+def _marked(folder: Path) -> bool:
+    try:
+        return json.loads((folder / MARKER_FILE).read_text()).get("format") == STATE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_state_dir(path: str | Path, inputs: dict | None = None,
+                    outputs: dict | None = None) -> Path:
+    """Refuse, in one line and before any work, a ``--state`` that heal may not use: an
+    unusable path (:func:`~prunelab.io.files.check_output_path`: ``.``, ``..``, an
+    unwritable parent...), one of the run's ``inputs`` or ``outputs`` (or inside / holding
+    one), a file, a folder that is not heal's own state, a folder without write
+    permission."""
+    folder = check_output_path(path, inputs=inputs)
+    if outputs:
+        check_not_input(folder, outputs, what="output")
+    if not os.path.lexists(folder):
+        return folder
+    if not folder.is_dir():
+        raise OutputWriteError(f"--state {folder} is a file, not a folder: give a new folder "
+                               "path (heal creates its state folder itself)")
+    try:
+        names = [p.name for p in folder.iterdir()]
+    except OSError as exc:
+        raise OutputWriteError(f"--state {folder} cannot be read: {exc.strerror}") from exc
+    legacy = STATE_FILE in names and all(_is_own(n) for n in names)
+    if not (_marked(folder) or legacy):
+        raise OutputWriteError(f"--state {folder} is an existing folder that is not a heal "
+                               f"state (no {MARKER_FILE}); heal writes and removes only a "
+                               "state folder it created: give a new path")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputWriteError(f"--state {folder}: no permission to write in it")
+    return folder
+
+
+def claim_state_dir(path: str | Path) -> Path:
+    """Make ``path`` heal's state folder: create it and its marker, or accept the folder
+    of an earlier heal run (:func:`check_state_dir` refuses anything else)."""
+    folder = check_state_dir(path)
+    if not _marked(folder):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputWriteError(f"cannot create --state {folder}: {exc.strerror}") from exc
+        write_json(folder / MARKER_FILE, {"format": STATE_FORMAT,
+                                          "what": "resumable state of prunelab heal; "
+                                          "removed when the run ends"}, overwrite=True)
+    return folder
+
+
+def release_state_dir(path: str | Path) -> bool:
+    """Remove heal's state folder ``path`` at the end of a run: only when it carries heal's
+    marker, only heal's own files in it, and the folder itself only when that leaves it
+    empty (anything else put there is kept). Returns whether the folder is gone."""
+    folder = Path(path)
+    if not folder.is_dir() or folder.is_symlink() or not _marked(folder):
+        return False
+    for entry in folder.iterdir():
+        if _is_own(entry.name) and entry.name != MARKER_FILE and not entry.is_dir():
+            entry.unlink(missing_ok=True)
+    try:
+        rest = [p for p in folder.iterdir() if p.name != MARKER_FILE]
+        if rest:
+            return False
+        (folder / MARKER_FILE).unlink(missing_ok=True)
+        folder.rmdir()
+    except OSError:
+        return False
+    return True
 
 
 class DataOrder:

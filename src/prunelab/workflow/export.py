@@ -18,7 +18,7 @@ def export(model: str, keep: float, out: str | Path, allocation: str = "global",
            dtype: str = "auto") -> Path:
     """``prunelab export --model DIR --budget keep-units:0.7 --out SMALL``: load an elastic
     checkpoint, cut it and save the smaller model (manifest: the cut as a width operation)."""
-    check_output_path(out, kind="checkpoint", overwrite=overwrite)
+    check_output_path(out, kind="checkpoint", overwrite=overwrite, inputs={"--model": model})
     lm = load(model, dtype=dtype, device=device, trust_remote_code=True)
     _from_manifest_history(lm)
     cut(lm, keep, allocation, round_to)
