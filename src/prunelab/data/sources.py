@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prunelab.errors import DataError
+from prunelab.io.hub import offline_reason
 
 __all__ = ["SPEC_HELP", "TextSource", "describe_sources", "load_text_source"]
 
@@ -204,6 +205,11 @@ def _offline_error(what: str, split: str, exc: BaseException, local_dir: str | N
     if local_dir is not None:
         return DataError(f"could not load {what} from {local_dir} ({_short(exc)})")
     alt = "wiki-vital:calib" if split == "calib" else "wiki-vital:test"
+    offline = offline_reason()
+    if offline is not None:
+        return DataError(f"{what} is not in the local datasets cache and this machine is "
+                         f"offline ({offline}); use the embedded corpus: --data {alt}, or "
+                         f"local files: {what}:{split}@DIR")
     return DataError(f"could not load {what} ({_short(exc)}); offline? use the embedded "
                      f"corpus: --data {alt}")
 
@@ -225,6 +231,8 @@ def _load_wikitext2(split: str, local_dir: str | None) -> TextSource:
     if local_dir is not None:
         files = _local_files(local_dir, [f"wikitext-2-raw-v1/{hub_split}-*.parquet",
                                          f"{hub_split}-*.parquet"], "wikitext2 parquet")
+    if local_dir is None:
+        offline_reason()  # offline (decided once): datasets reads its cache only, no retries
     try:
         import datasets
 
@@ -252,6 +260,8 @@ def _load_c4(split: str, local_dir: str | None) -> TextSource:
     if local_dir is not None:
         files = _local_files(local_dir, [f"en/{filename}", filename, f"en/c4-{hub_split}.*.json*",
                                          f"c4-{hub_split}.*.json*"], "c4 json.gz")[:1]
+    if local_dir is None:
+        offline_reason()  # offline (decided once): datasets reads its cache only, no retries
     try:
         import datasets
 
