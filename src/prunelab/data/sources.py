@@ -48,6 +48,7 @@ import importlib.util
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -295,8 +296,22 @@ def _read_text(path: Path) -> str:
         raise DataError(f"cannot read {path}: {_short(exc)}") from None
 
 
+def _refuse_special(path: Path, path_str: str, kind: str) -> None:
+    """A named pipe, device or socket is refused (reading one may block for ever)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # absent or unreadable: the caller says so
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    what = ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device")
+    raise DataError(f"{kind}:{path_str} is {what}, not a file or a directory of files")
+
+
 def _load_text(path_str: str) -> TextSource:
     path = Path(path_str).expanduser()
+    _refuse_special(path, path_str, "text")
     if path.is_file():
         files = [path]
     elif path.is_dir():
@@ -338,6 +353,7 @@ def _split_jsonl(rest: str) -> tuple[str, str]:
 def _load_jsonl(rest: str) -> TextSource:
     path_str, field = _split_jsonl(rest)
     path = Path(path_str).expanduser()
+    _refuse_special(path, path_str, "jsonl")
     if not path.is_file():
         raise DataError(f"jsonl file {path_str!r} does not exist")
     docs = []

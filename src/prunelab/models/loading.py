@@ -71,13 +71,18 @@ def resolve_device(device: str | None) -> torch.device:
     name = (device or "auto").lower()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: CUDA is not available on this machine")
-        return torch.device(name)
     if name == "cpu":
         return torch.device("cpu")
-    raise ConfigError(f"--device must be cpu, cuda or auto, got {device!r}")
+    if not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+    dev = torch.device(name)
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(f"--device {device}: this machine has {count} CUDA device"
+                          f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
