@@ -225,6 +225,8 @@ def test_documented_command_passes_the_checks_before_the_model(where, line, comm
     assert code == 2 and len(lines) == 1, f"{where}:{line}: {command}\n{cap.err}"
     assert MISSING in lines[0] and "does not exist" in lines[0], \
         f"{where}:{line}: {command}\n  {lines[0]}"
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert not left, f"{where}:{line}: a failed command left {left}"
 
 
 # --------------------------------------------------------------------------- run for real
