@@ -315,7 +315,10 @@ def test_hub_unreachable_points_to_embedded(monkeypatch, datasets_cache):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'wikitext' on the Hub (offline)\nsecond line")
 
+    from prunelab.io import hub
+
     monkeypatch.setattr(datasets_cache, "load_dataset", offline)
+    monkeypatch.setattr(hub, "_state", {"reason": None})  # the hub answers; the load fails
     for spec, alt in (("wikitext2", "wiki-vital:test"), ("c4:calib", "wiki-vital:calib")):
         with pytest.raises(DataError) as err:
             load_text_source(spec)
