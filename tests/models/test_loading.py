@@ -49,10 +49,35 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_hub_id_offline_is_a_clear_error(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    from prunelab.io import hub
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    with pytest.raises(ModelNotFoundError, match="smollm2-135m"):
-        prunelab.load("some-org/some-model-that-is-not-cached")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE",
+                        huggingface_hub.constants.HF_HUB_OFFLINE)
+    hub.reset()
+    try:
+        with pytest.raises(ModelNotFoundError, match="smollm2-135m") as err:
+            prunelab.load("some-org/some-model-that-is-not-cached")
+    finally:
+        hub.reset()
+    assert "this machine is offline (HF_HUB_OFFLINE is set)" in str(err.value)
+
+
+def test_a_device_the_machine_lacks_is_one_line(monkeypatch):
+    """cuda:7 on a one-GPU machine used to pass and fail later with a traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device("cuda:0") == torch.device("cuda:0")
+    assert resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"^--device cuda:7: this machine has 1 CUDA device "
+                       r"\(cuda:0 to cuda:0\)$"):
+        resolve_device("cuda:7")
+    for bad in ("cuda:x", "cuda:-1", "cudax", "bogus"):
+        with pytest.raises(ConfigError, match="--device must be cpu, cuda, cuda:N or auto"):
+            resolve_device(bad)
 
 
 def test_dtype_and_device_validation():

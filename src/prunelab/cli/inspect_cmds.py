@@ -170,6 +170,10 @@ def eval_cmd(ctx: typer.Context,
 
     check_positive("--batch-size", batch_size)
     press_ratio, moe_mass = runtime_budgets(budget, "eval")
+    if tasks and press_name is not None:
+        raise ConfigError("--tasks and --press do not combine (a press prunes the prompt of "
+                          "each perplexity window; task items are scored whole): run them "
+                          "as two commands")
     if tasks and samples is None:  # tasks are the point: a quick perplexity, not the whole set
         samples = TASKS_PPL_WINDOWS  # (--help says so; the table shows the window count)
     if stream:
@@ -184,7 +188,7 @@ def eval_cmd(ctx: typer.Context,
                       allow_missing_weights, stream=stream).load()
         moe = _moe_setup(lm, moe_mass)
         pressing = _press_context(lm, press_name, press_ratio, press_options, press_context,
-                                  values(ctx))
+                                  values(ctx), data=data, seqlen=seqlen)
         with pressing as session:
             res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
                                batch_size=batch_size, reference=kl_reference, speed=speed,
@@ -264,9 +268,10 @@ def _encoder_rows(res: dict) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def _press_context(lm, name, ratio, options, context, gen=None):
+def _press_context(lm, name, ratio, options, context, gen=None, data=None, seqlen=None):
     """The press session of ``eval --press`` (``None`` without a press); ``gen``: the
-    generated press options (:func:`prunelab.cli.generated.values`)."""
+    generated press options (:func:`prunelab.cli.generated.values`); ``data`` / ``seqlen``:
+    the command's, for the decay press' calibration windows (:func:`_decay_windows`)."""
     if name is None:
         if ratio is not None or options:
             raise ConfigError("--budget remove-cache:F / --press-option need --press NAME")
@@ -278,18 +283,19 @@ def _press_context(lm, name, ratio, options, context, gen=None):
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
     own = {} if gen is None else gen.piece("presses", name, f"--press {name}")
-    cfg = _press_config(lm, name, ratio, options, own)
+    cfg = _press_config(lm, name, ratio, options, own, data=data, seqlen=seqlen)
     with press(lm, cfg, context=context) as session:
         yield session
 
 
-def _press_config(lm, name: str, ratio, options, own=None):
+def _press_config(lm, name: str, ratio, options, own=None, data=None, seqlen=None):
     """``--press NAME --budget remove-cache:R --press-option K=V``; the decay press is fitted
     first: by least squares on 8 calibration windows (``fit=ls``, the default; with
     ``observe > 0`` to the attention of the next 64 tokens), or end-to-end by the
     continuation KL (``fit=kl``: the blended press of
     :mod:`prunelab.inference.decay_kl`, on 6 windows of 1024 + 32 tokens). ``own``: the
-    press' options given as flags (``--press-window 16``)."""
+    press' options given as flags (``--press-window 16``); ``data`` / ``seqlen``: the
+    command's, for the least-squares fit (:func:`_decay_windows`)."""
     from prunelab.inference import PRESSES, press_for
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
@@ -309,11 +315,30 @@ def _press_config(lm, name: str, ratio, options, own=None):
         from prunelab import api
         from prunelab.inference import fit_decay
 
-        calib = api.tokens_for(lm, "wiki-vital:calib", seqlen=512, samples=8, mode="calib")
+        spec, length = _decay_windows(lm, data, seqlen)
+        calib = api.tokens_for(lm, spec, seqlen=length, samples=8, mode="calib")
         fitted = fit_decay(lm, calib.input_ids, ratio=cfg.ratio, window=cfg.window,
                            observe=cfg.observe, horizon=64 if cfg.observe else 0)
         cfg = dataclasses.replace(cfg, weights=fitted.weights)
     return cfg
+
+
+def _decay_windows(lm, data, seqlen) -> tuple[str, int]:
+    """The decay press' least-squares calibration windows: the calibration part of the
+    command's data (``wiki-vital:test`` -> ``wiki-vital:calib``, ``wikitext2`` / ``c4`` ->
+    their ``calib`` split, a local ``text:`` / ``jsonl:`` source as it is; without data,
+    ``wiki-vital:calib``), ``seqlen`` tokens long (512 without one), capped by the model's
+    positions."""
+    spec = (data or "wiki-vital:calib").strip()
+    head, at, local = spec.partition("@")
+    kind = head.partition(":")[0]
+    if kind in ("wiki-vital", "wikitext2", "c4"):
+        spec = f"{kind}:calib" + (f"@{local}" if at else "")
+    length = seqlen if isinstance(seqlen, int) and seqlen > 0 else 512
+    limit = getattr(lm.model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and 0 < limit < length:
+        length = limit
+    return spec, length
 
 
 def _press_fit(name: str, options) -> tuple[str, int, list]:

@@ -48,10 +48,12 @@ import importlib.util
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from prunelab.errors import DataError
+from prunelab.io.hub import offline_reason
 
 __all__ = ["SPEC_HELP", "TextSource", "describe_sources", "load_text_source"]
 
@@ -204,6 +206,11 @@ def _offline_error(what: str, split: str, exc: BaseException, local_dir: str | N
     if local_dir is not None:
         return DataError(f"could not load {what} from {local_dir} ({_short(exc)})")
     alt = "wiki-vital:calib" if split == "calib" else "wiki-vital:test"
+    offline = offline_reason()
+    if offline is not None:
+        return DataError(f"{what} is not in the local datasets cache and this machine is "
+                         f"offline ({offline}); use the embedded corpus: --data {alt}, or "
+                         f"local files: {what}:{split}@DIR")
     return DataError(f"could not load {what} ({_short(exc)}); offline? use the embedded "
                      f"corpus: --data {alt}")
 
@@ -225,6 +232,8 @@ def _load_wikitext2(split: str, local_dir: str | None) -> TextSource:
     if local_dir is not None:
         files = _local_files(local_dir, [f"wikitext-2-raw-v1/{hub_split}-*.parquet",
                                          f"{hub_split}-*.parquet"], "wikitext2 parquet")
+    if local_dir is None:
+        offline_reason()  # offline (decided once): datasets reads its cache only, no retries
     try:
         import datasets
 
@@ -252,6 +261,8 @@ def _load_c4(split: str, local_dir: str | None) -> TextSource:
     if local_dir is not None:
         files = _local_files(local_dir, [f"en/{filename}", filename, f"en/c4-{hub_split}.*.json*",
                                          f"c4-{hub_split}.*.json*"], "c4 json.gz")[:1]
+    if local_dir is None:
+        offline_reason()  # offline (decided once): datasets reads its cache only, no retries
     try:
         import datasets
 
@@ -285,8 +296,22 @@ def _read_text(path: Path) -> str:
         raise DataError(f"cannot read {path}: {_short(exc)}") from None
 
 
+def _refuse_special(path: Path, path_str: str, kind: str) -> None:
+    """A named pipe, device or socket is refused (reading one may block for ever)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # absent or unreadable: the caller says so
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return
+    what = ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device")
+    raise DataError(f"{kind}:{path_str} is {what}, not a file or a directory of files")
+
+
 def _load_text(path_str: str) -> TextSource:
     path = Path(path_str).expanduser()
+    _refuse_special(path, path_str, "text")
     if path.is_file():
         files = [path]
     elif path.is_dir():
@@ -328,6 +353,7 @@ def _split_jsonl(rest: str) -> tuple[str, str]:
 def _load_jsonl(rest: str) -> TextSource:
     path_str, field = _split_jsonl(rest)
     path = Path(path_str).expanduser()
+    _refuse_special(path, path_str, "jsonl")
     if not path.is_file():
         raise DataError(f"jsonl file {path_str!r} does not exist")
     docs = []

@@ -99,12 +99,18 @@ def output_lock(path: str | Path) -> Iterator[Path]:
             nested = True
         else:
             nested = False
+    made: list[Path] = []  # the folders this lock created, deepest first
     if not nested:
+        made = [d for d in (lock.parent, *lock.parent.parents) if not d.exists()]
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise OutputWriteError(f"cannot create {lock.parent}: {exc}") from exc
-        fd = _acquire(lock, target)
+        try:
+            fd = _acquire(lock, target)
+        except BaseException:
+            _remove_empty(made)
+            raise
         with _guard:
             _held[key] = [fd, 1]
     try:
@@ -122,6 +128,18 @@ def output_lock(path: str | Path) -> Iterator[Path]:
             except OSError:
                 pass
             os.close(entry[0])
+            if not os.path.lexists(target):  # nothing written: no empty folders left behind
+                _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders this run created for an output it never wrote, deepest first,
+    while they are empty (a folder anything else wrote into stays)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 # ---------------------------------------------------------------- temp names, leftovers

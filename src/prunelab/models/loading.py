@@ -32,6 +32,7 @@ from prunelab.errors import (
     PickleRefusedError,
     UnsupportedArchitectureError,
 )
+from prunelab.io.hub import offline_reason
 from prunelab.log import info, warn
 from prunelab.models.adapters import Adapter, get_adapter
 from prunelab.models.embedded import EMBEDDED, resolve_embedded, sha256_file
@@ -70,13 +71,18 @@ def resolve_device(device: str | None) -> torch.device:
     name = (device or "auto").lower()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"--device {device}: CUDA is not available on this machine")
-        return torch.device(name)
     if name == "cpu":
         return torch.device("cpu")
-    raise ConfigError(f"--device must be cpu, cuda or auto, got {device!r}")
+    if not re.fullmatch(r"cuda(:\d+)?", name):
+        raise ConfigError(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+    dev = torch.device(name)
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ConfigError(f"--device {device}: this machine has {count} CUDA device"
+                          f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -200,6 +206,7 @@ def resolve_source(spec: str) -> Path | str:
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec!r} has no config.json (not a checkpoint directory)")
         return path
+    offline_reason()  # a hub id: offline (decided once), the hub libraries read the cache only
     return spec
 
 
@@ -212,6 +219,12 @@ def _load_config(source, trust_remote_code: bool):
         if isinstance(source, Path):
             raise ModelNotFoundError(
                 f"cannot read the config in {source}: {_first_line(exc)}") from exc
+        offline = offline_reason()
+        if offline is not None:
+            raise ModelNotFoundError(
+                f"model {source!r} is not an embedded model, a local checkpoint or in the hub "
+                f"cache, and this machine is offline ({offline}); embedded models: "
+                f"{', '.join(EMBEDDED)}") from exc
         raise ModelNotFoundError(
             f"cannot find model {source!r} locally, in the hub cache or on the hub "
             f"({_first_line(exc)}); embedded models: {', '.join(EMBEDDED)}"
