@@ -14,7 +14,6 @@ import transformers as tf
 
 import prunelab
 from prunelab.pruning import Depth
-
 from tiny_media import SIZE, ct2_variables, pixels, tiny_vision, write_ct2
 
 

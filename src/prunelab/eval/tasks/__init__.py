@@ -19,12 +19,12 @@ from prunelab.eval.tasks.embedded import EMBEDDED_TASKS, EmbeddedTask
 from prunelab.eval.tasks.jsonl import jsonl_files, read_jsonl
 from prunelab.eval.tasks.scorer import (
     Item,
+    _max_positions,
+    check_item,
     encode_pair,
     loglikelihood_metrics,
     mc_metrics,
     mean_stderr,
-    _max_positions,
-    check_item,
     score_item,
 )
 from prunelab.log import progress, warn

@@ -6,8 +6,8 @@ moves to the continuation; the context is tokenized alone, the continuation's to
 those of ``tokenize(context + continuation)`` after the context's length; an empty context
 is replaced by the BOS (else EOS) token; a request longer than the model's positions + 1 is
 cut on the left (the caller warns how many items were cut); a continuation longer than the
-positions by itself is refused. The score is the sum of ``log p(token | prefix)`` over the continuation's
-tokens, and ``is_greedy`` says whether every continuation token is the argmax.
+positions by itself is refused. The score is the sum of ``log p(token | prefix)`` over the
+continuation's tokens, and ``is_greedy`` says whether every continuation token is the argmax.
 
 Batching: the choices of one item usually share their context, so the context runs once
 (one forward, its KV cache repeated for each choice) and the continuations run together as
