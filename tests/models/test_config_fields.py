@@ -26,6 +26,10 @@ CASES = [  # (arch, field, value, words of the message)
     ("llama", "max_position_embeddings", math.inf, "max_position_embeddings is inf"),
     ("gpt2", "n_positions", "128", 'n_positions must be a positive integer, got "128"'),
     ("gpt2", "layer_norm_epsilon", -math.inf, "layer_norm_epsilon is -inf"),
+    # transformers' own validators, one line instead of a multi-line traceback
+    ("llama", "hidden_size", 33, "hidden size (33) is not a multiple of the number of "
+     "attention heads (4)"),
+    ("llama", "head_dim", 7, "head_dim`=7"),
 ]
 
 

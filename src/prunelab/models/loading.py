@@ -214,9 +214,9 @@ def _load_config(source, trust_remote_code: bool):
     try:
         cfg = transformers.AutoConfig.from_pretrained(source,
                                                       trust_remote_code=trust_remote_code)
-    except TypeError as exc:  # transformers' typed fields: "Field 'x' expected int, ..."
+    except _config_validation_errors() as exc:  # transformers' typed, validated configs
         raise CorruptCheckpointError(
-            f"{_config_name(source)}: {_first_line(exc)}") from exc
+            f"{_config_name(source)}: {_validation_reason(exc)}") from exc
     except (OSError, ValueError) as exc:
         if isinstance(source, Path):
             raise ModelNotFoundError(
@@ -315,6 +315,27 @@ def json_repr(value) -> str:
         return json.dumps(value)[:60]
     except (TypeError, ValueError):
         return repr(value)[:60]
+
+
+def _config_validation_errors() -> tuple[type, ...]:
+    """The errors of transformers' strict config dataclasses: a field of the wrong type
+    (``TypeError``) or a class validator refusing the shapes (huggingface_hub's
+    ``StrictDataclassError``, e.g. a hidden size no multiple of the heads)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (TypeError,)
+    return (TypeError, StrictDataclassError)
+
+
+def _validation_reason(exc: BaseException) -> str:
+    """The reason of a config validation error in one line: the cause's message
+    (``The hidden size (33) is not a multiple of ...``), else the last line of the text."""
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip():
+        return _first_line(cause)
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else type(exc).__name__
 
 
 def _first_line(exc: BaseException) -> str:
