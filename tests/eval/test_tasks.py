@@ -119,6 +119,36 @@ def test_long_requests_are_cut_on_the_left():
         [s[0] for s in score_item(lm, cut, share_prefix=False)], abs=1e-4)
 
 
+def test_cut_contexts_are_warned_and_over_long_continuations_refused(tmp_path, capsys):
+    """Issue 39: a task prompt longer than the model's positions is cut on the left with a
+    warning (the documented truncation); a continuation that alone exceeds them is one
+    line naming the task and the item, before any scoring; a non-UTF-8 line is one line."""
+    lm = wrap(tiny_model("llama"), char_tokenizer())  # 128 positions
+    f = _write(tmp_path / "long.jsonl", [
+        json.dumps({"context": "w" * 300, "choices": ["end", "stop"], "gold": 0}),
+        json.dumps({"context": "short", "choices": ["end", "stop"], "gold": 0})])
+    capsys.readouterr()
+    res = evaluate_tasks(lm, str(f), per_item=True)["long"]
+    err = capsys.readouterr().err
+    assert "long: 1 of 2 items are longer than the 128 positions" in err
+    assert "cut on the left" in err and "first: item 1" in err
+    cut = score_item(lm, Item("1", (("w" * 125, " end"), ("w" * 124, " stop"))),
+                     share_prefix=False)
+    assert res["items"][0]["loglik"] == pytest.approx([s[0] for s in cut], abs=1e-4)
+    g = _write(tmp_path / "huge.jsonl", [
+        json.dumps({"context": "Q:", "choices": ["x" * 300, "y"], "gold": 0, "id": "big"})])
+    with pytest.raises(ConfigError) as exc:
+        evaluate_tasks(lm, str(g))
+    assert str(exc.value) == (f"task huge ({g}): item big: a continuation of 301 tokens is "
+                              "beyond the 128 positions of LlamaForCausalLM; shorten the "
+                              "choice")
+    (tmp_path / "bad.jsonl").write_bytes(
+        b'{"context": "a", "choices": ["a", "b"], "gold": 0}\n'
+        b'{"context": "\xff\xfe", "choices": ["a", "b"], "gold": 0}\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not UTF-8 text \(invalid start byte"):
+        read_jsonl(tmp_path / "bad.jsonl")
+
+
 # --- prompts: the exact strings of lm-eval's tasks -------------------------------------
 
 ARC_DOC = {"id": "x1", "question": "Which is a gas?",

@@ -4,7 +4,6 @@ checkpoint folder when there is one."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prunelab.errors import ConfigError
@@ -14,13 +13,10 @@ from prunelab.train.config import HealConfig
 
 def read_manifest(lm) -> dict | None:
     """``manifest.json`` of the folder ``lm`` was loaded from, if any."""
-    path = Path(str(getattr(lm, "source", ""))) / "manifest.json"
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {type(exc).__name__}") from exc
+    from prunelab.io.manifest import read_manifest as read_checked
+
+    source = str(getattr(lm, "source", "") or "")
+    return read_checked(Path(source)) if source and Path(source).is_dir() else None
 
 
 def heal_specs(model, teacher=None, data="wiki-vital:calib", eval_data="wiki-vital:test",

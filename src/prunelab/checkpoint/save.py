@@ -36,6 +36,62 @@ from prunelab.models.size import model_size
 SAVE_EXTRAS: list = []
 
 
+#: Files a model's users load beside its weights (processors, feature extractors, image
+#: processors, chat templates, tokenizers): copied from the source checkpoint into every
+#: checkpoint prunelab writes, unless the save wrote its own.
+PROCESSOR_FILES = (
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "feature_extractor_config.json", "image_processor_config.json", "chat_template.json",
+    "chat_template.jinja")
+#: The tokenizer's own files: copied only when the model is saved without a tokenizer (a
+#: saved tokenizer writes its own, and they must not be mixed with the source's).
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "vocab.txt", "merges.txt", "normalizer.json", "tokenizer.model",
+    "spiece.model", "sentencepiece.bpe.model", "spm.model")
+
+
+def source_files(source, names=PROCESSOR_FILES) -> dict[str, Path]:
+    """``{name: path}`` of the files ``names`` the source checkpoint holds: a local folder,
+    or a hub id's files already in the local hub cache (no download)."""
+    if not source:
+        return {}
+    folder = Path(str(source))
+    if folder.is_dir():
+        return {n: folder / n for n in names if (folder / n).is_file()}
+    if str(source).count("/") != 1:
+        return {}
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return {}
+    found = {}
+    for n in names:
+        try:
+            hit = try_to_load_from_cache(str(source), n)
+        except (ValueError, OSError):
+            return {}
+        if isinstance(hit, str) and Path(hit).is_file():
+            found[n] = Path(hit)
+    return found
+
+
+def copy_source_files(lm, folder: Path) -> list[str]:
+    """Copy into ``folder`` the processor / tokenizer files of ``lm``'s source that the save
+    did not write (a pruned Whisper keeps its feature extractor, a DINOv2 its image
+    processor, so ``AutoProcessor.from_pretrained(out)`` works as on the source)."""
+    names = PROCESSOR_FILES if lm.tokenizer is not None else PROCESSOR_FILES + TOKENIZER_FILES
+    copied = []
+    for name, path in source_files(getattr(lm, "source", None), names).items():
+        target = folder / name
+        if target.exists():
+            continue
+        shutil.copyfile(path, target)
+        os.chmod(target, 0o644)
+        copied.append(name)
+    return sorted(copied)
+
+
 def register_save_extra(fn):
     """Register ``fn(lm, folder)`` to add files to every checkpoint being saved."""
     if fn not in SAVE_EXTRAS:
@@ -135,10 +191,12 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
 
 def finish_checkpoint(lm, tmp: Path, out: Path, manifest: dict | None, remote: bool,
                       overwrite: bool, **extra) -> None:
-    """Write the manifest (plus ``extra`` fields) and the remote code into the temporary
-    checkpoint folder ``tmp``, make it durable and rename it into place at ``out``."""
+    """Copy the source's processor files, write the manifest (plus ``extra`` fields) and the
+    remote code into the temporary checkpoint folder ``tmp``, make it durable and rename it
+    into place at ``out``."""
     from prunelab.checkpoint.remote import load_hint, write_remote_code
 
+    copy_source_files(lm, tmp)  # processors, feature extractors, chat templates
     man = dict(manifest) if manifest is not None else build_manifest(lm)
     man.update(extra)
     if remote:

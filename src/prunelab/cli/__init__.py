@@ -30,8 +30,18 @@ from prunelab.errors import PrunelabError
 
 
 def run(argv: list[str] | None = None) -> None:
-    """Console entry point (see the module docstring for the exit codes)."""
-    sys.exit(cli_main(argv))
+    """Console entry point (see the module docstring for the exit codes); a Ctrl-C that
+    lands outside the command (before it is parsed, while it exits) is exit 130 too, and a
+    second Ctrl-C while it exits is ignored."""
+    import signal
+
+    try:
+        code = cli_main(argv)
+    except KeyboardInterrupt:
+        code = _interrupted()
+    if code == 130:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)
 
 
 def _quiet_transformers() -> None:

@@ -150,17 +150,13 @@ def generate_cmd(
 
     check_positive("--max-new-tokens", max_new_tokens)
     press_ratio, _ = runtime_budgets([budget] if budget else None, "generate", mass=False)
-    text = prompt
-    if prompt.startswith("@"):
-        try:
-            text = Path(prompt[1:]).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {prompt[1:]}: {exc.strerror or exc}") from None
+    text = prompt_text(prompt)
     lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                   allow_missing_weights).load()
     if lm.is_encoder or lm.tokenizer is None:
         raise ConfigError(f"{model} cannot generate (an encoder, or no tokenizer)")
     ids = lm.tokenizer(text, return_tensors="pt")["input_ids"].to(lm.device)
+    check_positions(lm, ids.shape[1], max_new_tokens)
     with _press_context(lm, press_name, press_ratio, press_options, 1.0,
                         values(ctx)) as session:
         start = time.perf_counter()
@@ -177,3 +173,51 @@ def generate_cmd(
         for k, v in _press_report(session)["last_prefill"].items():
             t.add_row(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else str(v))
     out.print(t)
+
+
+def prompt_text(prompt: str) -> str:
+    """The text of ``--prompt`` (``@FILE`` reads a file): UTF-8, not empty, else one line."""
+    from prunelab.errors import ConfigError
+
+    where = "--prompt"
+    if prompt.startswith("@"):
+        where = f"--prompt file {prompt[1:]}"
+        try:
+            raw = Path(prompt[1:]).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {prompt[1:]}: {exc.strerror or exc}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{where} is not UTF-8 text ({exc.reason} at byte "
+                              f"{exc.start})") from None
+    else:
+        text = prompt
+        try:  # bytes that are not UTF-8 reach argv as lone surrogates
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"{where} is not UTF-8 text (character {exc.start} cannot be "
+                              "encoded)") from None
+    if not text:
+        raise ConfigError(f"{where} is empty: give the text to continue")
+    return text
+
+
+def check_positions(lm, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a prompt that tokenizes to nothing, or a prompt plus ``--max-new-tokens`` beyond
+    the positions the model was trained on (``max_position_embeddings``, ``n_positions``):
+    a learned-position model (GPT-2) has no embedding there, a RoPE model runs past its
+    trained length and gives text of no meaning."""
+    from prunelab.errors import ConfigError
+    from prunelab.models.loading import model_positions
+
+    if prompt_tokens < 1:
+        raise ConfigError("--prompt gives no tokens: give the text to continue")
+    limit = model_positions(lm.model.config)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        room = limit - prompt_tokens
+        fix = (f"give --max-new-tokens {room} or less" if room > 0
+               else "shorten the prompt")
+        raise ConfigError(
+            f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} is "
+            f"beyond the {limit} positions of {lm.spec}: {fix}")

@@ -211,10 +211,19 @@ def resolve_source(spec: str) -> Path | str:
 
 
 def _load_config(source, trust_remote_code: bool):
+    """The model's config, checked (:func:`check_config_fields`) before any model is built:
+    the raw ``config.json`` of a local checkpoint, then the parsed config of any source."""
     import transformers
 
+    if isinstance(source, Path):
+        check_config_fields(_read_config_json(source / "config.json"),
+                            str(source / "config.json"))
     try:
-        return transformers.AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        cfg = transformers.AutoConfig.from_pretrained(source,
+                                                      trust_remote_code=trust_remote_code)
+    except _config_validation_errors() as exc:  # transformers' typed, validated configs
+        raise CorruptCheckpointError(
+            f"{_config_name(source)}: {_validation_reason(exc)}") from exc
     except (OSError, ValueError) as exc:
         if isinstance(source, Path):
             raise ModelNotFoundError(
@@ -229,6 +238,117 @@ def _load_config(source, trust_remote_code: bool):
             f"cannot find model {source!r} locally, in the hub cache or on the hub "
             f"({_first_line(exc)}); embedded models: {', '.join(EMBEDDED)}"
         ) from exc
+    check_config_fields(cfg.to_dict(), _config_name(source))
+    return cfg
+
+
+#: Config fields that hold a count or a size: a positive integer (or null where a family
+#: allows it), never a string, a float or a list, at any depth of the config.
+SIZE_FIELDS = frozenset({
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "max_position_embeddings", "vocab_size", "head_dim",
+    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "n_ctx", "ffn_dim",
+    "word_embed_proj_dim", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "sliding_window",
+    "encoder_layers", "decoder_layers", "d_model", "encoder_attention_heads",
+    "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim", "num_mel_bins",
+    "max_source_positions", "max_target_positions", "image_size", "patch_size",
+    "num_channels", "query_pre_attn_scalar", "type_vocab_size", "mlp_ratio"})
+_MAY_BE_FLOAT = frozenset({"mlp_ratio", "query_pre_attn_scalar"})
+
+
+def _read_config_json(path: Path) -> dict:
+    """The raw ``config.json`` (Python's reader keeps ``NaN`` / ``Infinity``): a JSON object,
+    else a one-line :class:`~prunelab.errors.CorruptCheckpointError`."""
+    import json
+
+    try:
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CorruptCheckpointError(f"{path} is not UTF-8 text ({exc.reason} at byte "
+                                     f"{exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise CorruptCheckpointError(f"{path} is not valid JSON ({exc.msg}, line "
+                                     f"{exc.lineno})") from exc
+    except OSError as exc:
+        raise ModelNotFoundError(f"cannot read {path}: {_first_line(exc)}") from exc
+    if not isinstance(raw, dict):
+        raise CorruptCheckpointError(
+            f"{path} must hold a JSON object, got a {type(raw).__name__}")
+    return raw
+
+
+def check_config_fields(cfg: dict, where: str, prefix: str = "") -> None:
+    """Refuse, in one line naming the field, a config whose sizes and counts
+    (:data:`SIZE_FIELDS`) are not positive integers (``"4"``, ``4.0``, ``[32]``, ``-48``,
+    ``true``), or that holds a NaN or infinite number anywhere (``rms_norm_eps: NaN``
+    would make every output NaN). Nested configs (``text_config``, ...) are checked too."""
+    import math
+
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            check_config_fields(value, where, f"{name}.")
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise CorruptCheckpointError(f"{where}: {name} is {value}; a model needs finite "
+                                         "numbers")
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise CorruptCheckpointError(f"{where}: {name}[{i}] is {v}; a model "
+                                                 "needs finite numbers")
+        if key not in SIZE_FIELDS or value is None:
+            continue
+        number = (int, float) if key in _MAY_BE_FLOAT else (int,)
+        if isinstance(value, bool) or not isinstance(value, number):
+            kind = "a positive number" if key in _MAY_BE_FLOAT else "a positive integer"
+            raise CorruptCheckpointError(
+                f"{where}: {name} must be {kind}, got {json_repr(value)} "
+                f"({type(value).__name__})")
+        if value < 0 or value == 0 and key not in ("sliding_window", "num_hidden_layers"):
+            raise CorruptCheckpointError(f"{where}: {name} must be positive, got {value}")
+
+
+def model_positions(config) -> int | None:
+    """The positions a model was trained on (``max_position_embeddings``, GPT-2's
+    ``n_positions``, ``n_ctx``; the text config of a multimodal one), or ``None``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(text, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def json_repr(value) -> str:
+    import json
+
+    try:
+        return json.dumps(value)[:60]
+    except (TypeError, ValueError):
+        return repr(value)[:60]
+
+
+def _config_validation_errors() -> tuple[type, ...]:
+    """The errors of transformers' strict config dataclasses: a field of the wrong type
+    (``TypeError``) or a class validator refusing the shapes (huggingface_hub's
+    ``StrictDataclassError``, e.g. a hidden size no multiple of the heads)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (TypeError,)
+    return (TypeError, StrictDataclassError)
+
+
+def _validation_reason(exc: BaseException) -> str:
+    """The reason of a config validation error in one line: the cause's message
+    (``The hidden size (33) is not a multiple of ...``), else the last line of the text."""
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip():
+        return _first_line(cause)
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else type(exc).__name__
 
 
 def _first_line(exc: BaseException) -> str:

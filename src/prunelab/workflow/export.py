@@ -5,11 +5,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prunelab.api import load, save
 from prunelab.io.files import check_output_path
+from prunelab.io.manifest import read_manifest
 from prunelab.pruning.width.elastic.method import cut
 
 
@@ -31,7 +31,7 @@ def _from_manifest_history(lm) -> None:
     """Carry the source checkpoint's operations into ``lm.history`` (so the exported
     manifest tells the whole story), without the bulky ranking."""
     base = Path(str(lm.source))
-    man = base / "manifest.json" if base.is_dir() else None
-    if man is not None and man.is_file() and not lm.history:
-        ops = json.loads(man.read_text()).get("operations", [])
+    man = read_manifest(base) if base.is_dir() else None
+    if man is not None and not lm.history:
+        ops = man.get("operations", [])
         lm.history.extend({k: v for k, v in op.items() if k != "ranking"} for op in ops)

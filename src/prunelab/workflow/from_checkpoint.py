@@ -20,7 +20,6 @@ its data record -- is a one-line :class:`~prunelab.errors.ConfigError` naming it
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prunelab.errors import ConfigError
@@ -33,10 +32,9 @@ def read_manifest(folder: str | Path) -> dict:
     path = Path(folder) / "manifest.json"
     if not path.is_file():
         raise ConfigError(f"{folder} has no manifest.json: not a prunelab checkpoint")
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {type(exc).__name__}") from None
+    from prunelab.io.manifest import read_manifest as read_checked
+
+    return read_checked(folder)
 
 
 def rebuild(man: dict, folder, depth: int = 0) -> dict:

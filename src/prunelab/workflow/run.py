@@ -434,7 +434,9 @@ def load_stage_model(folder: Path, load_kwargs: dict):
 
     kw = dict(load_kwargs, trust_remote_code=True)  # prunelab's own modeling file
     lm = api.load(str(folder), **kw)
-    man = json.loads((folder / "manifest.json").read_text())
+    from prunelab.io.manifest import read_manifest
+
+    man = read_manifest(folder) or {}
     lm.history = [dict(op) for op in man.get("operations") or []]
     if man.get("size_before"):
         lm.size_before = man["size_before"]

@@ -19,13 +19,15 @@ from prunelab.eval.tasks.embedded import EMBEDDED_TASKS, EmbeddedTask
 from prunelab.eval.tasks.jsonl import jsonl_files, read_jsonl
 from prunelab.eval.tasks.scorer import (
     Item,
+    _max_positions,
+    check_item,
     encode_pair,
     loglikelihood_metrics,
     mc_metrics,
     mean_stderr,
     score_item,
 )
-from prunelab.log import progress
+from prunelab.log import progress, warn
 
 __all__ = ["EMBEDDED_TASKS", "EmbeddedTask", "Item", "check_tasks", "encode_pair", "evaluate_tasks",
            "known_tasks", "mc_metrics", "mean_stderr", "read_jsonl", "resolve_tasks",
@@ -67,9 +69,16 @@ def resolve_tasks(tasks: str | list[str]) -> list[tuple[str, Any]]:
 
 def score_items(lm, items: list[Item], desc: str = "tasks",
                 share_prefix: bool = True) -> list[list[tuple[float, bool]]]:
-    """``(loglikelihood, is_greedy)`` per request of every item."""
-    return [score_item(lm, it, share_prefix=share_prefix)
-            for it in progress(items, total=len(items), desc=desc)]
+    """``(loglikelihood, is_greedy)`` per request of every item; a warning says how many
+    items had their context cut on the left to fit the model's positions."""
+    cut: list[str] = []
+    scores = [score_item(lm, it, share_prefix=share_prefix, cut=cut)
+              for it in progress(items, total=len(items), desc=desc)]
+    if cut:
+        warn(f"{desc}: {len(cut)} of {len(items)} items are longer than the "
+             f"{_max_positions(lm)} positions of {lm.spec}: their contexts were cut on the "
+             f"left (lm-eval's protocol; first: item {cut[0]})")
+    return scores
 
 
 def _check_model(lm) -> None:
@@ -85,10 +94,14 @@ def check_tasks(lm, tasks: str | list[str], limit: int | None = None) -> None:
     raised before any scoring."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
-    for _, task in resolve_tasks(tasks):
-        if isinstance(task, Path):
-            read_jsonl(task, limit)  # schema errors before any scoring
     _check_model(lm)
+    for name, task in resolve_tasks(tasks):
+        if isinstance(task, Path):  # schema and length errors before any scoring
+            for item in read_jsonl(task, limit):
+                try:
+                    check_item(lm, item)
+                except ConfigError as exc:
+                    raise ConfigError(f"task {name} ({task}): {exc}") from None
 
 
 def evaluate_tasks(lm, tasks: str | list[str], limit: int | None = None,

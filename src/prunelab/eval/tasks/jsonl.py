@@ -63,10 +63,15 @@ def read_jsonl(path: str | Path, limit: int | None = None) -> list[Item]:
     if not path.is_file():
         raise ConfigError(f"task file {path} does not exist")
     items: list[Item] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
             if limit is not None and len(items) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{path}:{lineno}: not UTF-8 text ({exc.reason} at byte "
+                                  f"{exc.start} of the line)") from None
             if not line.strip():
                 continue
             try:

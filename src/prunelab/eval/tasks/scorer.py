@@ -5,8 +5,9 @@ compare): a request is ``(context, continuation)``; trailing whitespace of the c
 moves to the continuation; the context is tokenized alone, the continuation's tokens are
 those of ``tokenize(context + continuation)`` after the context's length; an empty context
 is replaced by the BOS (else EOS) token; a request longer than the model's positions + 1 is
-cut on the left. The score is the sum of ``log p(token | prefix)`` over the continuation's
-tokens, and ``is_greedy`` says whether every continuation token is the argmax.
+cut on the left (the caller warns how many items were cut); a continuation longer than the
+positions by itself is refused. The score is the sum of ``log p(token | prefix)`` over the
+continuation's tokens, and ``is_greedy`` says whether every continuation token is the argmax.
 
 Batching: the choices of one item usually share their context, so the context runs once
 (one forward, its KV cache repeated for each choice) and the continuations run together as
@@ -148,14 +149,36 @@ def score_rows(lm, ctxs: list[list[int]], conts: list[list[int]]) -> list[tuple[
     return out
 
 
-def score_item(lm, item: Item, share_prefix: bool = True) -> list[tuple[float, bool]]:
-    """``(loglikelihood, is_greedy)`` of each request of ``item``."""
+def check_item(lm, item: Item) -> list[tuple[list[int], list[int]]]:
+    """The token pairs of ``item``'s requests; a continuation with no tokens, or longer than
+    the model's positions by itself (no left cut can make it fit), is a one-line
+    ``ConfigError``."""
+    from prunelab.errors import ConfigError
+
     limit = _max_positions(lm)
     pairs = [encode_pair(lm.tokenizer, c, k) for c, k in item.requests]
-    ctxs = [_truncate(c, k, limit) for c, k in pairs]
     conts = [k for _, k in pairs]
     if any(len(k) == 0 for k in conts):
-        raise ValueError(f"item {item.id}: a continuation has no tokens")
+        raise ConfigError(f"item {item.id}: a continuation has no tokens")
+    longest = max(len(k) for k in conts)
+    if longest > limit:
+        raise ConfigError(
+            f"item {item.id}: a continuation of {longest} tokens is beyond the {limit} "
+            f"positions of {lm.spec}; shorten the choice")
+    return pairs
+
+
+def score_item(lm, item: Item, share_prefix: bool = True,
+               cut: list | None = None) -> list[tuple[float, bool]]:
+    """``(loglikelihood, is_greedy)`` of each request of ``item``. A context too long for
+    the model's positions is cut on the left (lm-eval's protocol; the item's id is appended
+    to ``cut``); a continuation that alone exceeds them is a one-line ``ConfigError``."""
+    limit = _max_positions(lm)
+    pairs = check_item(lm, item)
+    conts = [k for _, k in pairs]
+    ctxs = [_truncate(c, k, limit) for c, k in pairs]
+    if cut is not None and any(len(a) < len(c) for a, (c, _) in zip(ctxs, pairs, strict=True)):
+        cut.append(item.id)
     if share_prefix and all(c == ctxs[0] for c in ctxs):
         return score_shared(lm, ctxs[0], conts)
     return score_rows(lm, ctxs, conts)

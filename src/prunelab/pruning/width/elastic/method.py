@@ -13,15 +13,15 @@ score, unit ``joint`` under the ``global`` allocation, or heads and channels eac
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from prunelab.checkpoint.save import register_save_extra
-from prunelab.errors import ConfigError
+from prunelab.errors import ConfigError, CorruptCheckpointError
 from prunelab.io.files import write_json
+from prunelab.io.manifest import read_json_file, read_manifest
 from prunelab.pruning.base import METHODS, PRUNERS, MethodReport, Pruner
 from prunelab.pruning.width.elastic.fit import FORMAT, fit_ranking
 from prunelab.registry import check_range, to_dict
@@ -109,13 +109,53 @@ def _from_disk(lm) -> dict | None:
             continue
         path = Path(str(base)) / "elastic.json"
         if path.is_file():
-            return json.loads(path.read_text())
-        man = Path(str(base)) / "manifest.json"
-        if man.is_file():
-            for op in reversed(json.loads(man.read_text()).get("operations", [])):
+            return check_ranking(read_json_file(path), str(path))
+        man = read_manifest(Path(str(base)))
+        if man is not None:
+            for op in reversed(man.get("operations", [])):
                 if isinstance(op.get("ranking"), dict):
-                    return op["ranking"]
+                    return check_ranking(op["ranking"], f"{base}/manifest.json")
     return None
+
+
+def check_ranking(ranking, where: str) -> dict:
+    """``ranking`` if it has the shape :func:`fit_ranking` writes (format, per-block KV
+    group and FFN channel counts, one finite score per unit); else a one-line
+    :class:`CorruptCheckpointError` naming ``where`` (a truncated or edited file)."""
+    import math
+
+    def bad(why: str):
+        return CorruptCheckpointError(f"{where}: not a usable elastic ranking ({why})")
+
+    if not isinstance(ranking, dict):
+        raise bad(f"a JSON {type(ranking).__name__}, not an object")
+    if ranking.get("format") != FORMAT:
+        raise bad(f"format {ranking.get('format')!r}, expected {FORMAT!r}")
+    counts = {}
+    for key in ("heads_per_block", "ffn_per_block", "blocks"):
+        if not isinstance(ranking.get(key), list):
+            raise bad(f"'{key}' must be a list")
+    for key in ("heads_per_block", "ffn_per_block"):
+        v = ranking[key]
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in v):
+            raise bad(f"'{key}' must hold counts")
+        counts[key] = v
+    blocks = ranking["blocks"]
+    if not (len(blocks) == len(counts["heads_per_block"]) == len(counts["ffn_per_block"])):
+        raise bad(f"{len(blocks)} blocks of scores for {len(counts['ffn_per_block'])} "
+                  "blocks of counts")
+    for i, blk in enumerate(blocks):
+        if not isinstance(blk, dict):
+            raise bad(f"block {i} is not an object")
+        for kind, n in (("heads", counts["heads_per_block"][i]),
+                        ("ffn", counts["ffn_per_block"][i])):
+            scores = blk.get(kind)
+            if not isinstance(scores, list) or len(scores) != n:
+                raise bad(f"block {i} needs {n} {kind} scores")
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                       and math.isfinite(x) for x in scores):
+                raise bad(f"block {i}: the {kind} scores must be finite numbers")
+    return ranking
 
 
 def find_ranking(lm, kind: str | None = None, path: str | None = None) -> dict | None:
@@ -127,13 +167,11 @@ def find_ranking(lm, kind: str | None = None, path: str | None = None) -> dict |
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"elastic ranking {path} does not exist")
-        ranking = json.loads(p.read_text())
+        ranking = check_ranking(read_json_file(p), str(p))
     else:
         ranking = getattr(lm, "elastic_ranking", None) or _from_disk(lm)
     if ranking is None:
         return None
-    if ranking.get("format") != FORMAT:
-        raise ConfigError(f"not an elastic ranking (format {ranking.get('format')!r})")
     if not _matches(ranking, lm.adapter, kind):
         raise ConfigError("the elastic ranking was fitted on other shapes (the model was "
                           "pruned since?): cut from the elastic checkpoint itself")
