@@ -19,6 +19,7 @@ from prunelab.io.files import (
     _install,
     _os_errors,
     check_not_input,
+    usual_mode,
     usual_modes,
     write_json,
 )
@@ -87,7 +88,7 @@ def copy_source_files(lm, folder: Path) -> list[str]:
         if target.exists():
             continue
         shutil.copyfile(path, target)
-        os.chmod(target, 0o644)
+        target.chmod(usual_mode())
         copied.append(name)
     return sorted(copied)
 
