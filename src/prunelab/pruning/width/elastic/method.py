@@ -60,6 +60,9 @@ class ElasticRanking:
         check_range("budgets_per_step", self.budgets_per_step, 1, 64, integer=True)
         check_range("t_start", self.t_start, 1e-6, 100.0)
         check_range("t_end", self.t_end, 1e-6, 100.0)
+        if self.t_end > self.t_start:
+            raise ConfigError(f"t_end {self.t_end:g} is above t_start {self.t_start:g}: the "
+                              "temperature anneals downwards (give t_end <= t_start)")
         check_range("seed", self.seed, 0, 2**31 - 1, integer=True)
 
     def fit_kwargs(self) -> dict:
