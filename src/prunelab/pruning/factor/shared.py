@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.pruning.base import METHODS
+from prunelab.pruning.base import METHODS, SKIPPED
 from prunelab.pruning.factor.config import FactorConfig
 from prunelab.pruning.factor.shared_math import (
     adjacent_pairs,
@@ -240,6 +240,8 @@ class _SharedConfig(FactorConfig):
 
     group: ClassVar[int] = 2
     history_keys: ClassVar[tuple] = ("ratio", "ranks")
+    #: removed sublayers (gates) leave layers without the projections a dictionary pairs
+    refuses_kinds: ClassVar[frozenset] = SKIPPED
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -22,7 +22,7 @@ import torch
 from prunelab.checkpoint.save import register_save_extra
 from prunelab.errors import ConfigError
 from prunelab.io.files import write_json
-from prunelab.pruning.base import METHODS, PRUNERS, MethodReport, Pruner
+from prunelab.pruning.base import FACTORED, METHODS, PRUNERS, SKIPPED, TOKENS, MethodReport, Pruner
 from prunelab.pruning.width.elastic.fit import FORMAT, fit_ranking
 from prunelab.registry import check_range, to_dict
 
@@ -87,6 +87,7 @@ class ElasticReport(MethodReport):
 @PRUNERS.register(ElasticRanking)
 class ElasticPruner(Pruner):
     operation = "prune-elastic"
+    refuses_kinds = FACTORED | SKIPPED | TOKENS
 
     def run(self, lm, config: ElasticRanking, input_ids, *, batch_size: int) -> ElasticReport:
         ranking = fit_ranking(lm, input_ids, batch_size=batch_size, **config.fit_kwargs())
