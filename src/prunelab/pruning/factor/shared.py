@@ -249,7 +249,8 @@ class _SharedConfig(FactorConfig):
                                       ("target_params", self.target_params)) if v is not None]
         if len(given) > 1:
             raise ConfigError(f"give one of ratio (--budget remove-weights:F), target_params "
-                              f"(--budget keep-params:F) or rank, not {' and '.join(given)}")
+                              f"(--budget keep-params:F) or rank, not both "
+                              f"{' and '.join(given)}")
         if not given:
             object.__setattr__(self, "ratio", 0.2)
         if self.ratio is not None:
