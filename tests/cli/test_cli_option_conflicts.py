@@ -44,7 +44,7 @@ CASES = {
                               "repeats --seed"),
     # degenerate values
     "slicegpt ratio 0": (["prune", "factor", "--method", "slicegpt", "--budget",
-                          "remove-hidden:0"], "ratio must be > 0"),
+                          "remove-hidden:0"], "not fewer than the dense"),
     "slicegpt larger model": (["prune", "factor", "--method", "slicegpt", "--multiple", "2",
                                "--budget", "remove-hidden:0.01"], "not fewer than the dense"),
     "shared-dict ratio 0": (["prune", "factor", "--method", "shared-dict", "--budget",

@@ -47,8 +47,7 @@ def test_shared_rank_with_a_budget_is_refused(name):
     assert cfg.rank == 4 and cfg.ratio is None  # no ratio reported that did not apply
 
 
-@pytest.mark.parametrize(("name", "budget"), [("slicegpt", "remove-hidden:0"),
-                                              ("svd-llm", "remove-weights:0"),
+@pytest.mark.parametrize(("name", "budget"), [("svd-llm", "remove-weights:0"),
                                               ("shared-dict", "remove-weights:0"),
                                               ("basis-sharing", "remove-weights:0")])
 def test_a_removal_ratio_of_zero_is_refused(name, budget):
@@ -59,15 +58,21 @@ def test_a_removal_ratio_of_zero_is_refused(name, budget):
         METHODS.make(name, **opts)
 
 
-def test_slicegpt_ratio_that_would_grow_the_model_is_refused_before_calibration():
+@pytest.mark.parametrize("ratio", [0.0, 0.01])
+def test_slicegpt_ratio_that_would_grow_the_model_is_refused_before_calibration(ratio):
+    """Ratio 0 (or one that rounds to d' = d) would store the shortcut maps on top of the
+    dense weights: a larger model; refused before any data (the rotation alone stays
+    available to slice_stream, where tests check it leaves the logits unchanged)."""
+    import prunelab
+
     lm = _lm()
     dense = model_size(lm.model)["params"]
-    cfg = METHODS.make("slicegpt", ratio=0.01, multiple=2)  # d' = 32 = d
+    cfg = METHODS.make("slicegpt", ratio=ratio, multiple=2)  # d' = 32 = d
     assert params_at(lm, 32, "per-layer") > dense  # the shortcut maps
     with pytest.raises(ConfigError, match="not fewer than the dense") as info:
-        cfg.precheck(lm)
+        prunelab.prune(lm, cfg, CALIB, batch_size=2)
     assert f"{dense:,}" in str(info.value)
-    assert model_size(lm.model)["params"] == dense  # nothing touched
+    assert model_size(lm.model)["params"] == dense and not lm.history  # nothing touched
 
 
 def test_slicegpt_width_is_one_the_family_config_accepts():

@@ -150,10 +150,7 @@ class SliceGPT(FactorConfig):
         if self.ratio is None and self.target_params is None:
             object.__setattr__(self, "ratio", 0.25)
         if self.ratio is not None:
-            check_range("ratio", self.ratio, 0.0, 0.99)
-            if self.ratio == 0:
-                raise ConfigError("ratio must be > 0: slicing nothing off the hidden size "
-                                  "only adds rotations (and shortcut maps)")
+            check_range("ratio", self.ratio, 0.0, 0.99)  # 0: refused by precheck (larger)
         check_range("multiple", self.multiple, 1, None, integer=True)
         check_range("damping", self.damping, 0.0, 1.0)
         check_range("fisher_samples", self.fisher_samples, 1, None, integer=True)
