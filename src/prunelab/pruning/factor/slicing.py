@@ -195,11 +195,13 @@ class SliceGPT(FactorConfig):
             from prunelab.models.size import model_size
 
             dense, sliced = model_size(lm.model)["params"], params_at(lm, width, self.rotation)
-            if sliced >= dense:
-                raise ConfigError(
-                    f"ratio {self.ratio} keeps d'={width} of {d}: the sliced model would "
+            what = (f"ratio {self.ratio} keeps d'={width} of {d}: the sliced model would "
                     f"store {sliced:,} parameters, not fewer than the dense {dense:,} "
-                    f"(rotation {self.rotation}); remove more of the hidden size")
+                    f"(rotation {self.rotation})")
+            if sliced >= dense and width == d:  # nothing sliced: only larger
+                raise ConfigError(f"{what}; remove more of the hidden size")
+            if sliced >= dense:  # a narrower stream, but the maps outweigh it (small models)
+                warn(what)
 
     def apply(self, lm, input_ids, *, batch_size: int) -> dict:
         if self.basis == "sensitivity" and self.select == "kl":
