@@ -278,3 +278,17 @@ def test_cache_filled_outside_the_press_continues_at_its_length():
     with press(m, H2O(ratio=0.5)):  # a bare HF model is wrapped
         out = m(nxt, cache=cache, use_cache=True).logits
     assert torch.equal(out, ref)
+
+
+def test_press_for_takes_the_ratio_as_an_option_too():
+    """``ratio`` among the options was a TypeError ("multiple values for argument")."""
+    assert press_for("snapkv", ratio=0.5) == SnapKV(ratio=0.5)
+    assert press_for("snapkv", None, ratio=0.5) == SnapKV(ratio=0.5)
+    with pytest.raises(ConfigError, match="give the ratio once"):
+        press_for("snapkv", 0.25, ratio=0.5)
+
+
+def test_a_context_of_zero_is_refused():
+    with pytest.raises(ConfigError, match="context must be > 0"):
+        with press(_lm(), SnapKV(ratio=0.5), context=0.0):
+            pass

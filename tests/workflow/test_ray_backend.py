@@ -248,3 +248,17 @@ def test_join_cluster_by_address(tmp_path, monkeypatch):
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+
+
+def test_more_gpus_or_cpus_than_any_node_is_one_line(tmp_path, local_ray):
+    """A point asking for GPUs (or CPUs) no node has is refused before any task is queued:
+    Ray would otherwise wait for them forever."""
+    from prunelab.workflow.ray_backend import RayError
+
+    gpus = ray.cluster_resources().get("GPU", 0) + 1
+    with pytest.raises(RayError, match=r"--gpus-per-point .*no node of this machine") as info:
+        run_points([Point("g")], crash_once, tmp_path, ray="auto", gpus_per_point=gpus)
+    assert "\n" not in str(info.value)
+    with pytest.raises(RayError, match=r"--cpus-per-point 3: .*largest has 2"):
+        run_points([Point("c")], crash_once, tmp_path, ray="auto", cpus_per_point=3)
+    assert not (tmp_path / "points" / "g").exists() and not (tmp_path / "points" / "c").exists()

@@ -343,12 +343,13 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
     import time
 
     from prunelab.pruning import pruner_for
-    from prunelab.pruning.base import PruneReport, config_dict, method_name
+    from prunelab.pruning.base import PruneReport, check_composable, config_dict, method_name
 
     lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     pruner = pruner_for(config)
+    check_composable(lm, pruner, method_name(config), config)  # custom modules it cannot prune
     pruner.precheck(lm, config)  # user errors before any tokenisation or calibration
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib") \
         if pruner.needs_data else None

@@ -217,6 +217,22 @@ def parse_settings(items: list[str] | None, cls: type) -> dict:
     return opts
 
 
+def settings_over(given: dict, items: list[str] | None, cls: type) -> dict:
+    """``given`` (the options set by flags and ``--budget``) plus the ``--set KEY=VALUE``
+    items (:func:`parse_settings`); a key set both ways is a one-line error naming the
+    flag, never silently overridden."""
+    settings = parse_settings(items, cls)
+    both = [k for k in settings if k in given]
+    if both:
+        f = next((f for f in dataclasses.fields(cls) if f.name == both[0]), None)
+        meta = f.metadata if f is not None else {}
+        flag = (f"--budget {meta['budget']}:..." if meta.get("budget") else
+                "--" + (meta.get("cli") or meta.get("flag", "").lstrip("-") or both[0])
+                .replace("_", "-"))
+        raise ConfigError(f"--set {both[0]}=... repeats {flag} (given as well); give it once")
+    return {**given, **settings}
+
+
 def field_help(cls: type) -> str:
     """``name (default)`` of each field of ``cls`` with its help metadata, for --help."""
     parts = []

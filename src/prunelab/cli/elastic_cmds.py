@@ -59,9 +59,15 @@ def prune_elastic_cmd(
     from prunelab.pruning import METHODS
 
     cls = METHODS.get("elastic")
-    cfg = build_config(cls, "prune elastic", {"seed": ("--seed", seed)}, settings,
-                       **budget_fields(cls, budget, "prune elastic"),
-                       **values(ctx).piece("elastic", "elastic", "prune elastic"))
+    # --seed and --budget have defaults of their own: only given ones clash with --set
+    given = {k: ctx.get_parameter_source(k).name != "DEFAULT" for k in ("seed", "budget")}
+    span = budget_fields(cls, budget, "prune elastic")
+    if not given["budget"]:
+        keys = {item.partition("=")[0].strip().replace("-", "_") for item in settings or ()}
+        span = {k: v for k, v in span.items() if k not in keys}
+    cfg = build_config(cls, "prune elastic",
+                       {"seed": ("--seed", seed if given["seed"] else None)}, settings,
+                       **span, **values(ctx).piece("elastic", "elastic", "prune elastic"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

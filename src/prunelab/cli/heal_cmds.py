@@ -23,7 +23,7 @@ from prunelab.cli.common import (
     budget_fields,
     data_paths,
     out,
-    parse_settings,
+    settings_over,
     writing,
 )
 from prunelab.cli.generated import generated_command, values
@@ -81,17 +81,18 @@ def heal_cmd(
     check_positive("--train-samples", train_samples)
     check_positive("--eval-samples", eval_samples)
     held_out = None if (eval_data or "").lower() in ("", "none") else eval_data
-    if held_out is None and given.get("patience") is None:
-        given["patience"] = 0  # no held-out data: no early stopping unless asked for
+    # no held-out data: no early stopping unless asked for (by a flag or --set)
+    quiet = {"quiet": is_quiet(), **({"patience": 0} if held_out is None and
+                                     given.get("patience") is None else {})}
     if peek_modality(model) is not None:
         _heal_encoder(model, teacher, data, held_out, out_dir, overwrite, load, given,
                       {"train_samples": train_samples, "eval_samples": eval_samples,
-                       "image_size": image_size, "state": state_dir}, settings)
+                       "image_size": image_size, "state": state_dir}, settings, quiet)
         return
     if image_size is not None:
         raise ConfigError("--image-size applies to vision encoders only")
     cls = prunelab.heal.HealConfig
-    cfg = cls(**{"quiet": is_quiet(), **given, **parse_settings(settings, cls)})
+    cfg = cls(**{**quiet, **settings_over(given, settings, cls)})
     state = state_dir if state_dir is not None else out_dir.with_name(out_dir.name +
                                                                       ".heal-state")
     from prunelab.train.state import check_state_dir, release_state_dir
@@ -150,7 +151,8 @@ _TEXT_ONLY = {"ce_weight": "--ce-weight", "kd_weight": "--kd-weight",
 
 
 def _heal_encoder(model: str, teacher, data: str, held_out, out_dir: Path, overwrite: bool,
-                  load: dict, given: dict, extra: dict, settings=None) -> None:
+                  load: dict, given: dict, extra: dict, settings=None,
+                  defaults: dict | None = None) -> None:
     """``prunelab heal`` on a vision or speech encoder: feature distillation from
     ``--teacher`` (see :mod:`prunelab.train.encoders`)."""
     from prunelab import api, log
@@ -169,9 +171,8 @@ def _heal_encoder(model: str, teacher, data: str, held_out, out_dir: Path, overw
     keep = ("loss", "hidden_weight", "lora_rank", "lora_alpha", "full", "train_bridges",
             "steps", "lr", "warmup", "final_lr_ratio", "weight_decay", "max_grad_norm",
             "batch_size", "eval_every", "patience", "min_delta", "seed")
-    cfg = EncoderHealConfig(**{"quiet": is_quiet(), **{k: given[k] for k in keep
-                                                       if given.get(k) is not None},
-                               **parse_settings(settings, EncoderHealConfig)})
+    cfg = EncoderHealConfig(**{"quiet": is_quiet(), **(defaults or {}), **settings_over(
+        {k: given[k] for k in keep if given.get(k) is not None}, settings, EncoderHealConfig)})
     size = extra["image_size"] if extra["image_size"] is not None else 224
     from prunelab.registry import check_range
 

@@ -147,8 +147,9 @@ def eval_cmd(ctx: typer.Context,
                  None, "--press-option", help="KEY=VALUE: any option of the press "
                  "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL), "
                  "needles=N (with fit=kl: N key-retrieval windows join the fit)"),
-             press_context: float = typer.Option(
-                 0.5, help="--press: share of each window that is the pressed prompt"),
+             press_context: Optional[float] = typer.Option(
+                 None, help="--press: share of each window that is the pressed prompt, in "
+                 "(0, 1) (default 0.5); the rest is scored on the pressed cache"),
              tasks: Optional[str] = typer.Option(
                  None, "--tasks", help="zero-shot tasks, comma-separated: arc_easy, "
                  "arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, sciq, mmlu, "
@@ -174,6 +175,7 @@ def eval_cmd(ctx: typer.Context,
         raise ConfigError("--tasks and --press do not combine (a press prunes the prompt of "
                           "each perplexity window; task items are scored whole): run them "
                           "as two commands")
+    press_context = _check_press_context(press_name, press_context, seqlen)
     if tasks and samples is None:  # tasks are the point: a quick perplexity, not the whole set
         samples = TASKS_PPL_WINDOWS  # (--help says so; the table shows the window count)
     if stream:
@@ -211,8 +213,8 @@ def eval_cmd(ctx: typer.Context,
         else:
             shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
         if session is not None:
-            shown = [*shown, ("press", f"{press_name} {_press_dict(session.config)} on the "
-                              f"first {press_context:.0%} of each window")]
+            shown = [*shown, ("press", _press_row(press_name, session, press_context,
+                                                  seqlen))]
         if moe:
             from prunelab.pruning.moe import routing_stats
 
@@ -267,6 +269,37 @@ def _encoder_rows(res: dict) -> list[tuple[str, str]]:
     return shown
 
 
+def _check_press_context(press_name, context, seqlen: int) -> float:
+    """``--press-context`` (default 0.5): only with ``--press``, in (0, 1), and leaving at
+    least 2 prompt tokens and 1 scored token of a ``seqlen`` window (else the press would
+    have nothing to remove, or nothing would be scored on its cache)."""
+    if context is None:
+        return 0.5
+    if press_name is None:
+        raise ConfigError("--press-context applies with --press NAME only")
+    from prunelab.registry import check_range
+
+    check_range("--press-context", context, 0.0, 1.0)
+    prompt = int(seqlen * context)
+    if not 0 < context < 1 or prompt < 2 or prompt >= seqlen:
+        raise ConfigError(f"--press-context {context:g} leaves {prompt} of the {seqlen} tokens "
+                          "of a window as the pressed prompt: it needs at least 2, and 1 left "
+                          "to score on the pressed cache (give 0 < --press-context < 1)")
+    return context
+
+
+def _press_row(name: str, session, context: float, seqlen: int) -> str:
+    """What the press did, as measured on the last window (not only what was asked)."""
+    rep = getattr(session, "report", {}) or {}
+    text = f"{name} {_press_dict(session.config)} on the first {int(seqlen * context)} " \
+        f"tokens ({context:.0%}) of each window"
+    if "prompt" in rep and "kept" in rep:
+        n, kept = int(rep["prompt"]), int(rep["kept"])
+        text += (f"; last window kept {kept} of {n}" if kept < n else
+                 f"; removed nothing (last window kept all {n} prompt tokens)")
+    return text
+
+
 @contextlib.contextmanager
 def _press_context(lm, name, ratio, options, context, gen=None, data=None, seqlen=None):
     """The press session of ``eval --press`` (``None`` without a press); ``gen``: the
@@ -300,7 +333,16 @@ def _press_config(lm, name: str, ratio, options, own=None, data=None, seqlen=Non
 
     PRESSES.get(name)  # unknown names: one line naming the valid ones
     fit, needles, options = _press_fit(name, options)
-    opts = {**(own or {}), **parse_settings(options, PRESSES.get(name))}
+    settings = parse_settings(options, PRESSES.get(name))
+    for key in ("ratio", "max_ratio"):
+        if key in settings:
+            raise ConfigError(f"--press-option {key}: the press' budget is --budget "
+                              "remove-cache:F (fraction of the prompt removed)")
+    both = sorted(set(own or {}) & set(settings))
+    if both:
+        raise ConfigError(f"--press-option {both[0]} repeats --press-{both[0].replace('_', '-')}"
+                          "; give it once")
+    opts = {**(own or {}), **settings}
     cfg = press_for(name, ratio, **opts)
     if fit == "kl":
         if opts:

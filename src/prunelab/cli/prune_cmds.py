@@ -31,7 +31,7 @@ from prunelab.cli.common import (
     data_paths,
     parse_blocks,
     parse_list,
-    parse_settings,
+    settings_over,
     writing,
 )
 from prunelab.cli.generated import generated_command, values
@@ -54,8 +54,7 @@ def build_config(cls: type, label: str, flat: dict, settings: list[str] | None =
         if name not in fields:
             raise ConfigError(f"{flag} does not apply to {label}")
         opts[name] = value
-    opts.update(parse_settings(settings, cls))
-    return cls(**opts)
+    return cls(**settings_over(opts, settings, cls))
 
 
 def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data: str,
@@ -197,8 +196,7 @@ def prune_sparsity_cmd(
     alloc = alloc_cls(**alloc_opts)
     opts = {"allocation": alloc, **gen.piece("sparsity_methods", method, f"--method {method}")}
     opts.update(budget_fields(methods[method], budget, f"prune sparsity --method {method}"))
-    opts.update(parse_settings(settings, methods[method]))
-    cfg = methods[method](**opts)
+    cfg = methods[method](**settings_over(opts, settings, methods[method]))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,

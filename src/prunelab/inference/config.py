@@ -192,7 +192,7 @@ class EntroPrefill(Press):
         return self.max_ratio == 0.0
 
 
-def press_for(name: str, ratio: float | None = None, **options) -> Press:
+def press_for(name: str, ratio: float | None = None, /, **options) -> Press:
     """The press ``name`` at compression ``ratio`` (the fraction of the prompt removed),
     for a CLI's ``--press NAME --budget remove-cache:R``: EntroPrefill takes ``ratio`` as
     its cap ``max_ratio`` (its cut is decided by the mass bound under that cap)."""

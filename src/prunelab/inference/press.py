@@ -29,7 +29,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from prunelab.errors import UnsupportedOperationError
+from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.inference import kv
 from prunelab.inference.config import H2O, PRESSES, Press, StreamingLLM
 from prunelab.inference.decay import DecayEviction, decay_scores
@@ -282,6 +282,8 @@ def press(lm, config: Press | str, context: float = 0.5, **options):
         lm = wrap(lm)
     config = PRESSES.make(config, **options)
     check_range("context", context, 0.0, 1.0)
+    if context == 0:
+        raise ConfigError("context must be > 0: a pressed prompt of no tokens presses nothing")
     session = Session(lm, config, context)
     session.install()
     try:

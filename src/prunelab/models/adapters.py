@@ -398,8 +398,7 @@ class Adapter:
             return ""
         try:
             setattr(cfg, self.spec.layers_field, self.num_blocks)
-            self.spec.write_config(cfg, self.head_geometry(self.first_block_with("attention")),
-                                   self.ffn_width(self.first_block_with("mlp")))
+            self._write_shapes(cfg)
             validate()
         except Exception as exc:  # noqa: BLE001 - any refusal makes the shapes non-vanilla
             cause = exc.__cause__ or exc
@@ -422,8 +421,31 @@ class Adapter:
             )
         cfg = self.config
         setattr(cfg, self.spec.layers_field, self.num_blocks)
-        geo = self.head_geometry(self.first_block_with("attention"))
-        self.spec.write_config(cfg, geo, self.ffn_width(self.first_block_with("mlp")))
+        self._write_shapes(cfg)
+
+    def _write_shapes(self, cfg) -> None:
+        """Write the blocks' (uniform) head geometry and FFN width into ``cfg``; a part
+        that no block has any more (every attention or every MLP branch removed) leaves
+        its config fields as they are."""
+        n = range(self.num_blocks)
+        attn = next((i for i in n if self.has_branch(i, "attention")), None)
+        mlp = next((i for i in n if self.has_branch(i, "mlp")), None)
+        hd = self.spec.head_dim(cfg)
+        geo = self.head_geometry(attn) if attn is not None else HeadGeometry(1, 1, hd)
+        ffn = self.ffn_width(mlp) if mlp is not None else 1
+        if attn is not None and mlp is not None:
+            self.spec.write_config(cfg, geo, ffn)
+            return
+        # the fields of the missing part: those two placeholder writes set differently
+        one, two = copy.deepcopy(cfg), copy.deepcopy(cfg)
+        self.spec.write_config(one, geo, ffn)
+        self.spec.write_config(two, geo if attn is not None else HeadGeometry(2, 2, hd),
+                               ffn if mlp is not None else 2)
+        a, b = one.to_dict(), two.to_dict()
+        keep = {k for k in a if a.get(k) != b.get(k)}
+        for k, v in a.items():
+            if k not in keep and getattr(cfg, k, None) != v:
+                setattr(cfg, k, v)
 
 
 def _ranges(spans: list[tuple[int, int]]) -> torch.Tensor:

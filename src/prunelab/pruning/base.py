@@ -75,6 +75,11 @@ class Pruner(abc.ABC):
     #: ``False``: the method reads no calibration data (``run`` gets ``input_ids=None``)
     needs_data: ClassVar[bool] = True
 
+    #: prunelab custom module kinds (``prunelab_kind``, :mod:`prunelab.models.custom`) this
+    #: method cannot prune through: a model holding one is refused in one line before any
+    #: data is read (:func:`check_composable`); ``"*"``: every kind
+    refuses_kinds: ClassVar[frozenset] = frozenset()
+
     def precheck(self, lm, config) -> None:  # noqa: B027 - optional hook, no-op default
         """Raise the errors a user can cause before any data is read (default: none)."""
 
@@ -88,6 +93,36 @@ PRUNERS = Registry(
     "pruner", by_type=True, instantiate=True,
     missing=lambda cls: (f"no pruning method for {cls.__name__}; registered: "
                          f"{', '.join(METHODS.names())}"))
+
+
+#: custom module kinds by what made them (:attr:`Pruner.refuses_kinds` is built of these)
+FACTORED = frozenset({"low_rank_linear", "shared_dictionary", "shared_basis_linear",
+                      "sparse_lowrank_linear"})
+EXPERTS = frozenset({"prunepath_mlp"})
+SKIPPED = frozenset({"skipped_attention", "skipped_mlp", "skipped_norm"})
+STREAM = frozenset({"residual_shortcut", "stream_shapes"})
+TOKENS = frozenset({"token_pruner"})
+
+
+def check_composable(lm, pruner: Pruner, method: str, config: Any = None) -> None:
+    """Refuse in one line (:class:`~prunelab.errors.UnsupportedOperationError`) a model
+    holding prunelab custom modules that ``pruner`` cannot prune through (its
+    :attr:`Pruner.refuses_kinds`, and a ``refuses_kinds`` of ``config``), naming them and
+    the operations that made them."""
+    from prunelab.errors import UnsupportedOperationError
+    from prunelab.models.custom import custom_modules
+
+    refused = pruner.refuses_kinds | getattr(config, "refuses_kinds", frozenset())
+    kinds = sorted({m.prunelab_kind for _, m in custom_modules(lm.model)})
+    bad = [k for k in kinds if "*" in refused or k in refused]
+    if not bad:
+        return
+    ops = [op.get("operation") for op in getattr(lm, "history", []) or []
+           if op.get("operation") and op.get("operation") != pruner.operation]
+    made = f" (made by {', '.join(dict.fromkeys(ops))})" if ops else ""
+    raise UnsupportedOperationError(
+        f"{method}: the model holds prunelab {', '.join(bad)} modules{made}, which "
+        f"{method} cannot prune through; apply {method} to the model before that step")
 
 
 def pruner_for(config: Any) -> Pruner:

@@ -67,16 +67,16 @@ class HealConfig:
     quiet: bool = _help("no progress output", False)
     prune: str | None = _help("prune while tuning: rep-lie | cascadeflow")
     unit: str = _help("rep-lie: ffn | heads (KV groups)", "ffn")
-    ratio: float = _help("rep-lie: fraction of the unit's channels / groups removed", 0.2,
-                         budget="remove-units")
+    ratio: float | None = _help("rep-lie: fraction of the unit's channels / groups removed "
+                                "(default 0.2)", None, budget="remove-units")
     prune_every: int = field(default=10, metadata={"help": "prune events every K steps",
                                                    "aliases": ("--every",)})
     prune_fraction: float = _help("rep-lie: fraction of the original units per event", 0.05)
     stability: float = _help("rep-lie: a unit is stably unimportant when it sat among the "
                              "event's lowest in at least this fraction of the steps", 0.5)
     round_to: int = _help("rep-lie: FFN widths kept are multiples of this", 8)
-    remove: int = _help("cascadeflow: blocks removed (one per event)", 1,
-                        budget="remove-blocks")
+    remove: int | None = _help("cascadeflow: blocks removed (one per event; default 1)", None,
+                               budget="remove-blocks")
     flow_measure: str = _help("cascadeflow: params (block's trainable parameters' gradient "
                               "norm) | residual (gradient norm of the stream at its output)",
                               "params")
@@ -99,6 +99,8 @@ class HealConfig:
             check_range("tokens", self.tokens, 1, 10**15, integer=True)
         if self.lr is not None:
             check_range("lr", self.lr, 0.0, 10.0)
+            if self.lr == 0:
+                raise ConfigError("lr must be > 0 (a learning rate of 0 trains nothing)")
         check_range("warmup", self.warmup, 0.0, 0.9)
         check_range("final_lr_ratio", self.final_lr_ratio, 0.0, 1.0)
         check_range("weight_decay", self.weight_decay, 0.0, 10.0)
@@ -117,12 +119,22 @@ class HealConfig:
                               f"{self.prune!r}")
         if self.unit not in ("ffn", "heads"):
             raise ConfigError(f"unit must be ffn or heads, got {self.unit!r}")
-        check_range("ratio", self.ratio, 0.0, 0.95)
+        for name, mode, default, kind in (("ratio", "rep-lie", 0.2, "remove-units:F"),
+                                          ("remove", "cascadeflow", 1, "remove-blocks:N")):
+            if getattr(self, name) is None:
+                if self.prune == mode:
+                    object.__setattr__(self, name, default)
+            elif self.prune != mode:
+                raise ConfigError(f"{name} (--budget {kind}) applies to prune {mode} only; "
+                                  f"give prune {mode} (--prune {mode}) or drop it")
+        if self.ratio is not None:
+            check_range("ratio", self.ratio, 0.0, 0.95)
         check_range("prune_every", self.prune_every, 1, 10**9, integer=True)
         check_range("prune_fraction", self.prune_fraction, 1e-6, 0.95)
         check_range("stability", self.stability, 0.0, 1.0)
         check_range("round_to", self.round_to, 1, 4096, integer=True)
-        check_range("remove", self.remove, 1, 10**6, integer=True)
+        if self.remove is not None:
+            check_range("remove", self.remove, 1, 10**6, integer=True)
         if self.flow_measure not in FLOW_MEASURES:
             raise ConfigError(f"flow_measure must be params or residual, got "
                               f"{self.flow_measure!r}")
@@ -184,6 +196,12 @@ class HealConfig:
     @classmethod
     def from_dict(cls, d: dict) -> HealConfig:
         strict_kwargs(cls, d, "heal")
+        d = dict(d)
+        # records written before ratio / remove applied to their prune mode only held
+        # their defaults (0.2, 1) whatever prune was
+        for name, mode, old in (("ratio", "rep-lie", 0.2), ("remove", "cascadeflow", 1)):
+            if d.get("prune") != mode and d.get(name) == old:
+                d[name] = None
         return cls(**d)
 
     def replace(self, **changes) -> HealConfig:

@@ -143,6 +143,19 @@ def check_resources(cpus_per_point: float, gpus_per_point: float) -> None:
     check_range("gpus_per_point (--gpus-per-point)", gpus_per_point, 0.0, 1e6)
 
 
+def check_cluster(ray, address: str, cpus_per_point: float, gpus_per_point: float) -> None:
+    """Refuse in one line a point that asks for more CPUs or GPUs than any node of the
+    cluster has (Ray would wait for them forever)."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    where = "this machine" if address == "auto" else f"the Ray cluster at {address}"
+    for what, flag, ask in (("GPU", "--gpus-per-point", gpus_per_point),
+                            ("CPU", "--cpus-per-point", cpus_per_point)):
+        most = max((float(n.get(what, 0.0)) for n in nodes), default=0.0)
+        if ask > most:
+            raise RayError(f"{flag} {ask:g}: no node of {where} has {ask:g} {what}s (the "
+                           f"largest has {most:g}); a point would wait for them forever")
+
+
 def run_on_ray(points: list[Point], run_point: Callable[[Point, Path], dict], out: Path, *,
                address: str = "auto", cpus_per_point: float = 1.0,
                gpus_per_point: float = 0.0, retries: int = 2,
@@ -164,6 +177,7 @@ def run_on_ray(points: list[Point], run_point: Callable[[Point, Path], dict], ou
     started = connect(address)
     refs: dict = {}
     try:
+        check_cluster(ray, address, cpus_per_point, gpus_per_point)
         task = ray.remote(_run_task).options(
             num_cpus=cpus_per_point, num_gpus=gpus_per_point, max_retries=retries,
             retry_exceptions=list(SYSTEM_ERRORS))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from prunelab.models.size import size_summary
-from prunelab.pruning.base import PRUNERS, DictReport, Pruner
+from prunelab.pruning.base import EXPERTS, FACTORED, PRUNERS, TOKENS, DictReport, Pruner
 from prunelab.registry import check_range
 
 
@@ -77,6 +77,7 @@ class FactorPruner(Pruner):
     """Every factorization method: :meth:`FactorConfig.apply` plus the shared report."""
 
     operation = "prune-factor"
+    refuses_kinds = FACTORED | EXPERTS | TOKENS
 
     def precheck(self, lm, config: FactorConfig) -> None:
         config.precheck(lm)

@@ -66,7 +66,7 @@ import torch
 from torch import nn
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.pruning.base import METHODS
+from prunelab.pruning.base import METHODS, SKIPPED
 from prunelab.pruning.factor.config import FactorConfig
 from prunelab.pruning.factor.shared_math import (
     adjacent_pairs,
@@ -227,9 +227,9 @@ def _help(text: str, **more) -> dict:
 class _SharedConfig(FactorConfig):
     """Options shared by the two dictionary methods (see the module docstring)."""
 
-    ratio: float = field(default=0.2, metadata=_help(
-        "fraction of the targeted linears' weights removed, each dictionary counted once",
-        budget="remove-weights"))
+    ratio: float | None = field(default=None, metadata=_help(
+        "fraction of the targeted linears' weights removed, each dictionary counted once "
+        "(default 0.2)", budget="remove-weights"))
     rank: int | None = field(default=None, metadata=_help(
         "rank of every dictionary (overrides the budget; capped at min(in, sum of outs))"))
     types: str = field(default=DEFAULT_TYPES, metadata=_help(
@@ -240,15 +240,27 @@ class _SharedConfig(FactorConfig):
 
     group: ClassVar[int] = 2
     history_keys: ClassVar[tuple] = ("ratio", "ranks")
+    #: removed sublayers (gates) leave layers without the projections a dictionary pairs
+    refuses_kinds: ClassVar[frozenset] = SKIPPED
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_range("ratio", self.ratio, 0.0, 0.999)
+        given = [name for name, v in (("ratio", self.ratio), ("rank", self.rank),
+                                      ("target_params", self.target_params)) if v is not None]
+        if len(given) > 1:
+            raise ConfigError(f"give one of ratio (--budget remove-weights:F), target_params "
+                              f"(--budget keep-params:F) or rank, not both "
+                              f"{' and '.join(given)}")
+        if not given:
+            object.__setattr__(self, "ratio", 0.2)
+        if self.ratio is not None:
+            check_range("ratio", self.ratio, 0.0, 0.999)
+            if self.ratio == 0:
+                raise ConfigError("ratio must be > 0: removing nothing only refactors the "
+                                  "weights (the model does not get smaller)")
         check_range("damping", self.damping, 0.0, 1.0)
         if self.rank is not None:
             check_range("rank", self.rank, 1, None, integer=True)
-            if self.target_params is not None:
-                raise ConfigError("give rank or target_params, not both")
         bad = [t for t in _type_list(self.types) if t not in ROLES]
         if bad or not _type_list(self.types):
             raise ConfigError(f"types: unknown projection type {bad[0] if bad else ''!r}; "

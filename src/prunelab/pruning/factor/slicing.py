@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 
 from prunelab.errors import ConfigError
-from prunelab.log import info
+from prunelab.log import info, warn
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.factor.config import FactorConfig
 from prunelab.pruning.factor.folding import (
@@ -69,7 +69,8 @@ BASES = ("pca", "sensitivity")
 WIDTHS = ("uniform", "spectrum", "energy", "kl")
 SHORTCUT_ATTR = "prunelab_shortcut"
 
-__all__ = ["SliceGPT", "stream_boundaries", "pca_basis", "width_for_ratio", "params_at"]
+__all__ = ["SliceGPT", "stream_boundaries", "pca_basis", "width_for_ratio", "params_at",
+           "config_refuses"]
 
 
 def _help(text: str, **more) -> dict:
@@ -82,15 +83,18 @@ class SliceGPT(FactorConfig):
     """Residual-stream slicing (SliceGPT, Ashkboos et al. 2024); see the module docstring.
 
     ``target_params``, when given, decides ``d'`` (the largest multiple of ``multiple``
-    whose model keeps at most that fraction of the parameters) and ``ratio`` is ignored.
+    whose model keeps at most that fraction of the parameters); ``ratio`` (default 0.25)
+    otherwise. Giving both is an error. A ratio whose sliced model would store at least
+    as many parameters as the dense one (``ratio`` 0, or so small that the shortcut maps
+    outweigh what slicing removes) is refused before any calibration.
     """
 
     rotation: str = field(default="per-layer", metadata=_help(
         "per-layer: one rotation per boundary with shortcut maps (remote code); global: one "
         "rotation for the whole stream (a plain checkpoint where the family allows)"))
-    ratio: float = field(default=0.25, metadata=_help(
-        "fraction of the hidden size removed (d' rounded to a multiple of --multiple)",
-        budget="remove-hidden"))
+    ratio: float | None = field(default=None, metadata=_help(
+        "fraction of the hidden size removed (d' rounded to a multiple of --multiple); "
+        "default 0.25", budget="remove-hidden"))
     multiple: int = field(default=8, metadata=_help("the kept hidden size is a multiple of this"))
     basis: str = field(default="pca", metadata=_help(
         "pca: keep the stream's principal directions; sensitivity: weight them by the "
@@ -140,7 +144,13 @@ class SliceGPT(FactorConfig):
                               f"got {self.rotation!r}")
         if self.basis not in BASES:
             raise ConfigError(f"basis must be one of {', '.join(BASES)}, got {self.basis!r}")
-        check_range("ratio", self.ratio, 0.0, 0.99)
+        if self.ratio is not None and self.target_params is not None:
+            raise ConfigError("give ratio (--budget remove-hidden:F) or target_params "
+                              "(--budget keep-params:F), not both")
+        if self.ratio is None and self.target_params is None:
+            object.__setattr__(self, "ratio", 0.25)
+        if self.ratio is not None:
+            check_range("ratio", self.ratio, 0.0, 0.99)  # 0: refused by precheck (larger)
         check_range("multiple", self.multiple, 1, None, integer=True)
         check_range("damping", self.damping, 0.0, 1.0)
         check_range("fisher_samples", self.fisher_samples, 1, None, integer=True)
@@ -180,7 +190,18 @@ class SliceGPT(FactorConfig):
         d = lm.adapter.hidden_size()
         if self.multiple > d:
             raise ConfigError(f"multiple {self.multiple} exceeds the hidden size {d}")
-        choose_width(self, lm)  # an unreachable target_params fails before any data
+        width = choose_width(self, lm)  # an unreachable target_params fails before any data
+        if self.target_params is None and self.widths == "uniform":
+            from prunelab.models.size import model_size
+
+            dense, sliced = model_size(lm.model)["params"], params_at(lm, width, self.rotation)
+            what = (f"ratio {self.ratio} keeps d'={width} of {d}: the sliced model would "
+                    f"store {sliced:,} parameters, not fewer than the dense {dense:,} "
+                    f"(rotation {self.rotation})")
+            if sliced >= dense and width == d:  # nothing sliced: only larger
+                raise ConfigError(f"{what}; remove more of the hidden size")
+            if sliced >= dense:  # a narrower stream, but the maps outweigh it (small models)
+                warn(what)
 
     def apply(self, lm, input_ids, *, batch_size: int) -> dict:
         if self.basis == "sensitivity" and self.select == "kl":
@@ -214,16 +235,54 @@ def choose_width(cfg: SliceGPT, lm) -> int:
     from prunelab.models.size import model_size
 
     d = lm.adapter.hidden_size()
-    if cfg.target_params is None:
-        return width_for_ratio(d, cfg.ratio, cfg.multiple)
-    limit = cfg.target_params * model_size(lm.model)["params"]
     widths = range(d - d % cfg.multiple, 0, -cfg.multiple)
-    for w in widths:
+    valid = [w for w in widths if not config_refuses(lm, w)]
+    if not valid:
+        raise ConfigError(f"slicegpt: no hidden size that is a multiple of {cfg.multiple} "
+                          f"below {d} is accepted by {type(lm.model.config).__name__} ("
+                          f"{config_refuses(lm, widths[0] if widths else d)}); change "
+                          "--multiple")
+    if cfg.target_params is None:
+        width = width_for_ratio(d, cfg.ratio, cfg.multiple)
+        if width == d or width in valid:
+            return width
+        near = min(valid, key=lambda w: (abs(w - width), w))
+        key = (id(lm), width, near)
+        if key not in _WARNED:  # precheck and the slicing both choose the width
+            _WARNED.add(key)
+            warn(f"slicegpt: hidden size {width} cannot be a {type(lm.model.config).__name__} "
+                 f"({config_refuses(lm, width)}); slicing to the nearest one that can, "
+                 f"{near} (removes {1 - near / d:.1%} of {d})")
+        return near
+    limit = cfg.target_params * model_size(lm.model)["params"]
+    for w in valid:
         if params_at(lm, w, cfg.rotation) <= limit:
             return w
-    low = params_at(lm, cfg.multiple, cfg.rotation) / model_size(lm.model)["params"]
+    low = params_at(lm, valid[-1], cfg.rotation) / model_size(lm.model)["params"]
     raise ConfigError(f"target_params {cfg.target_params} is below what slicing reaches "
-                      f"({low:.4f} at d'={cfg.multiple})")
+                      f"({low:.4f} at d'={valid[-1]})")
+
+
+_WARNED: set = set()
+
+
+def config_refuses(lm, width: int) -> str:
+    """Why the model's transformers config refuses hidden size ``width`` (e.g. Llama's
+    ``hidden_size % num_attention_heads == 0``); empty when it accepts it. Checked before
+    any calibration: the sliced checkpoint's config must hold the width."""
+    import copy
+
+    cfg = copy.deepcopy(lm.model.config)
+    validate = getattr(cfg, "validate", None)
+    if not callable(validate):
+        return ""
+    cfg.hidden_size = width
+    try:
+        validate()
+    except Exception as exc:  # noqa: BLE001 - any refusal: the width cannot be a config
+        text = str(exc.__cause__ or exc).strip().splitlines()
+        return text[-1].strip().rstrip(".") if text else type(exc).__name__
+    return ""
 
 
 # ---------------------------------------------------------------------- bases

@@ -80,7 +80,7 @@ class Gates:
     rank_weight: float = field(default=1.0, metadata=_help(
         "weight of the pairwise ranking loss"))
     tau: float = field(default=1.0, metadata=_help("ranking loss temperature"))
-    steps: int = field(default=300, metadata=_help("Adam steps of the gate fit"))
+    steps: int = field(default=300, metadata=_help("Adam steps of the gate fit (at least 1)"))
     lr: float = field(default=0.05, metadata=_help("Adam learning rate of the gate fit"))
     rounds: int = field(default=8, metadata=_help(
         "bootstrap resamples of the calibration windows (1: their plain mean)"))
@@ -101,7 +101,7 @@ class Gates:
             raise ConfigError(f"ema must be in [0, 1), got {self.ema!r}")
         check_range("rank_weight", self.rank_weight, 0.0, 1e6)
         check_range("tau", self.tau, 1e-6, 1e6)
-        check_range("steps", self.steps, 0, 1_000_000, integer=True)
+        check_range("steps", self.steps, 1, 1_000_000, integer=True)  # 0: no fit
         check_range("lr", self.lr, 1e-9, 10.0)
         check_range("rounds", self.rounds, 1, 100_000, integer=True)
         check_range("seed", self.seed, 0, None, integer=True)

@@ -17,7 +17,7 @@ import torch
 from prunelab.calib.runner import BlockRunner
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.custom import install
-from prunelab.pruning.base import METHODS, PRUNERS, DictReport, Pruner
+from prunelab.pruning.base import FACTORED, METHODS, PRUNERS, STREAM, TOKENS, DictReport, Pruner
 from prunelab.pruning.moe.convert import convert_block, unsupported_reason
 from prunelab.pruning.moe.module import MASS_ATTR
 from prunelab.registry import check_range
@@ -131,6 +131,7 @@ class PrunePathPruner(Pruner):
     """Runs :meth:`PrunePath.apply` and adds sizes and FLOPs."""
 
     operation = "prune-moe"
+    refuses_kinds = FACTORED | STREAM | TOKENS
 
     def precheck(self, lm, config: PrunePath) -> None:
         config.precheck(lm)

@@ -4,7 +4,7 @@ needs only its own registration in :data:`~prunelab.pruning.base.METHODS`."""
 
 from __future__ import annotations
 
-from prunelab.pruning.base import PRUNERS, Pruner
+from prunelab.pruning.base import EXPERTS, FACTORED, PRUNERS, TOKENS, Pruner
 from prunelab.pruning.sparsity.config import SparsityConfig
 from prunelab.pruning.sparsity.execute import (
     SparsityReport,
@@ -18,6 +18,7 @@ class SparsityPruner(Pruner):
     """Unstructured / N:M sparsity, block by block (:func:`prune_sparsity`)."""
 
     operation = "prune-sparsity"
+    refuses_kinds = FACTORED | EXPERTS | TOKENS
 
     def precheck(self, lm, config: SparsityConfig) -> None:
         """The method's own pre-checks (QK-Wanda: separate q/k projections), then a

@@ -26,7 +26,7 @@ from prunelab.calib.stats import Gram, MeanVar
 from prunelab.errors import UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.models.size import model_size
-from prunelab.pruning.base import PRUNERS, MethodReport, Pruner
+from prunelab.pruning.base import EXPERTS, FACTORED, PRUNERS, SKIPPED, TOKENS, MethodReport, Pruner
 from prunelab.pruning.width import plan as P
 from prunelab.pruning.width import scores as S
 from prunelab.pruning.width.config import Width
@@ -125,6 +125,7 @@ class WidthPruner(Pruner):
     """Width pruning as a :func:`prunelab.prune` method."""
 
     operation = "prune-width"
+    refuses_kinds = FACTORED | EXPERTS | SKIPPED | TOKENS
 
     def precheck(self, lm, config: Width) -> None:
         check_width(lm, config)

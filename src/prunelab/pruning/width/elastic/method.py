@@ -22,7 +22,15 @@ from prunelab.checkpoint.save import register_save_extra
 from prunelab.errors import ConfigError, CorruptCheckpointError
 from prunelab.io.files import write_json
 from prunelab.io.manifest import read_json_file, read_manifest
-from prunelab.pruning.base import METHODS, PRUNERS, MethodReport, Pruner
+from prunelab.pruning.base import (
+    FACTORED,
+    METHODS,
+    PRUNERS,
+    SKIPPED,
+    TOKENS,
+    MethodReport,
+    Pruner,
+)
 from prunelab.pruning.width.elastic.fit import FORMAT, fit_ranking
 from prunelab.registry import check_range, to_dict
 
@@ -60,6 +68,9 @@ class ElasticRanking:
         check_range("budgets_per_step", self.budgets_per_step, 1, 64, integer=True)
         check_range("t_start", self.t_start, 1e-6, 100.0)
         check_range("t_end", self.t_end, 1e-6, 100.0)
+        if self.t_end > self.t_start:
+            raise ConfigError(f"t_end {self.t_end:g} is above t_start {self.t_start:g}: the "
+                              "temperature anneals downwards (give t_end <= t_start)")
         check_range("seed", self.seed, 0, 2**31 - 1, integer=True)
 
     def fit_kwargs(self) -> dict:
@@ -84,6 +95,7 @@ class ElasticReport(MethodReport):
 @PRUNERS.register(ElasticRanking)
 class ElasticPruner(Pruner):
     operation = "prune-elastic"
+    refuses_kinds = FACTORED | SKIPPED | TOKENS
 
     def run(self, lm, config: ElasticRanking, input_ids, *, batch_size: int) -> ElasticReport:
         ranking = fit_ranking(lm, input_ids, batch_size=batch_size, **config.fit_kwargs())
