@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -58,8 +59,31 @@ def prepare_out(out: Path, overwrite: bool) -> None:
         raise OutputExistsError(f"{out} exists and is not a prunelab run or comparison "
                                 "folder: choose another --out")
     if overwrite:
-        for child in out.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        discard_run(out)
+
+
+def discard_run(out: Path) -> list[str]:
+    """Remove what a run or comparison wrote in ``out`` (:data:`RUN_OWN`, ``compare.json``
+    and the checkpoints its save stages wrote, as their manifests say) and nothing else: a
+    user's file beside them stays. Returns the names removed."""
+    from prunelab.workflow.stages import RUN_OWN
+
+    own = set(RUN_OWN) | {"compare.json"}
+    removed = []
+    found = [Path(root) / n for root, dirs, files in os.walk(out) for n in dirs + files]
+    for child in sorted(found, key=lambda p: len(p.parts)):
+        if not child.exists() and not child.is_symlink():
+            continue  # inside something already removed
+        rel = child.relative_to(out)
+        mine = (len(rel.parts) == 1 and rel.parts[0] in own) or _own_checkpoint(child)
+        if not mine:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+        removed.append(rel.as_posix())
+    return removed
 
 
 def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
