@@ -334,7 +334,7 @@ def press_seen(monkeypatch):
     class Dummy:
         pass
 
-    def fake_config(lm, name, ratio, options, own=None):
+    def fake_config(lm, name, ratio, options, own=None, data=None, seqlen=None):
         seen["cfg"] = PRESSES.make(name, **({} if ratio is None else {"ratio": ratio}),
                                    **(own or {}))
         raise ConfigError("stopped by the test")

@@ -129,6 +129,7 @@ def compare_cmd(
                     ("--test-samples", test_samples), ("--test-seqlen", test_seqlen),
                     ("--batch-size", batch_size)):
         check_positive(name, v)
+    _check_ray_flags(ray, cpus_per_point, gpus_per_point)
     with writing(out_dir, None, overwrite,
                  on_interrupt=f"finished methods are kept in {out_dir}; rerun to resume",
                  inputs={"--model": model, "--methods": list(parse_list(methods)),
