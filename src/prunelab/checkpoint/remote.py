@@ -91,13 +91,15 @@ def _prunelab_resize(model, widths):
                 setattr(module, key, value)
 
 
-class PrunelabBridgedConfig(_BaseConfig):
+class {config_class}(_BaseConfig):
     model_type = "{model_type}"
 
 
 def _share_weight_renames():
     """Checkpoints hold the base class's key names (transformers renames some on save, e.g.
-    gpt_neox's lm_head -> embed_out); custom code gets no renames unless registered."""
+    gpt_neox's lm_head -> embed_out); custom code gets no renames unless registered, and
+    they are registered by class name, process-wide: the name is the base class's, so
+    checkpoints of different bases loaded in one process never take each other's."""
     try:
         from transformers import conversion_mapping as cm
     except ImportError:
@@ -108,14 +110,14 @@ def _share_weight_renames():
         return
     renames = get(_BaseModel.__name__) or get(_BaseConfig.model_type)
     if renames:
-        register("PrunelabBridgedModel", renames, overwrite=True)
+        register("{model_class}", renames, overwrite=True)
 
 
 _share_weight_renames()
 
 
-class PrunelabBridgedModel(_BaseModel):
-    config_class = PrunelabBridgedConfig
+class {model_class}(_BaseModel):
+    config_class = {config_class}
 
     def __init__(self, config):
         super().__init__(config)
@@ -187,11 +189,22 @@ def _transformers_base(cls: type) -> type:
     return cls
 
 
+def class_names(model: nn.Module) -> tuple[str, str]:
+    """The generated model and config class names, one pair per transformers base class
+    (``PrunelabLlamaForCausalLM``, ``PrunelabLlamaConfig``): transformers keys weight
+    renames and remote-code modules by class name within a process, so two checkpoints of
+    different bases must not share one."""
+    return (f"Prunelab{_transformers_base(type(model)).__name__}",
+            f"Prunelab{_transformers_base(type(model.config)).__name__}")
+
+
 def modeling_source(model: nn.Module, model_type: str) -> str:
     from prunelab._version import __version__
 
     custom_source, custom_classes = _custom_sources(model)
+    model_class, config_class = class_names(model)
     return _TEMPLATE.format(
+        model_class=model_class, config_class=config_class,
         custom_source=custom_source, custom_classes=custom_classes,
         version=__version__, base_model=_transformers_base(type(model)).__name__,
         base_config=_transformers_base(type(model.config)).__name__,
@@ -269,9 +282,10 @@ def write_remote_code(model: nn.Module, directory: Path) -> dict:
     if widths is not None:
         cfg["prunelab_widths"] = widths
     auto_key = _auto_key(model)
-    cfg["auto_map"] = {"AutoConfig": "modeling_prunelab.PrunelabBridgedConfig",
-                       auto_key: "modeling_prunelab.PrunelabBridgedModel"}
-    cfg["architectures"] = ["PrunelabBridgedModel"]
+    model_class, config_class = class_names(model)
+    cfg["auto_map"] = {"AutoConfig": f"modeling_prunelab.{config_class}",
+                       auto_key: f"modeling_prunelab.{model_class}"}
+    cfg["architectures"] = [model_class]
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     return {"trust_remote_code": True, "modeling_file": MODELING_FILE, "bridges": specs,
             "modules": [{"module": m["module"], "kind": m["kind"]} for m in modules],

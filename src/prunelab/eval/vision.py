@@ -33,6 +33,7 @@ import torch
 
 from prunelab.data.images import images_for, lfw_images, lfw_split, lfw_tensor
 from prunelab.eval.task_metric import TASK_METRICS, TaskMetric
+from prunelab.models.adapters import pixel_options
 
 PHOTO_SIZE = 224
 LFW_SIZE = 112
@@ -55,9 +56,11 @@ def _forward_fn(model):
     if hasattr(model, "adapter"):  # LoadedModel
         dev = next(model.model.parameters()).device
         dtype = next(model.model.parameters()).dtype
-        return lambda x: model.adapter.base(pixel_values=x.to(dev, dtype)).last_hidden_state
+        return lambda x: model.adapter.base(
+            **model.adapter.model_inputs(x.to(dev, dtype))).last_hidden_state
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
-        return lambda x: model(pixel_values=x).last_hidden_state
+        opts = pixel_options(model)
+        return lambda x: model(pixel_values=x, **opts).last_hidden_state
     return model
 
 

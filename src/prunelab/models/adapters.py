@@ -42,6 +42,19 @@ class HeadGeometry:
         return self.num_heads // self.num_kv_heads
 
 
+def pixel_options(module: nn.Module) -> dict:
+    """``{"interpolate_pos_encoding": True}`` when ``module``'s forward takes it (ViT's
+    position embeddings are fixed to one image size unless interpolated; at that size the
+    interpolation is the identity), else ``{}`` (DINOv2 always interpolates)."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"interpolate_pos_encoding": True} if "interpolate_pos_encoding" in params else {}
+
+
 def _get(root: nn.Module, path: str | None) -> nn.Module | None:
     if not path:
         return root if path == "" else None
@@ -91,10 +104,16 @@ class Adapter:
 
     def model_inputs(self, data: torch.Tensor) -> dict:
         """Keyword arguments of the base model's forward for a batch of ``data``: token
-        ids (no KV cache) or, for vision families, ``pixel_values``."""
+        ids (no KV cache) or, for vision families, ``pixel_values`` (with
+        ``interpolate_pos_encoding`` where the family has it, as ViT: any image size)."""
         if self.is_vision:
-            return {"pixel_values": data}
+            return {"pixel_values": data, **pixel_options(self.base)}
         return {"input_ids": data, "use_cache": False}
+
+    def embed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The patch embeddings (CLS first) of ``pixel_values`` at any image size."""
+        emb = self.embeddings()
+        return emb(pixel_values, **pixel_options(emb))
 
     def blocks(self) -> nn.ModuleList:
         """The ``nn.ModuleList`` of transformer blocks."""

@@ -108,3 +108,40 @@ def test_prune_verb_refuses_token_pruning_on_a_text_model():
 
     with pytest.raises(PrunelabError):
         prunelab.prune(wrap(tiny_model("llama")), TokenPruning(keep=0.5, layers=(1,)))
+
+
+def test_checkpoints_of_two_bases_reload_right_in_one_process(tmp_path):
+    """transformers keys weight renames of remote code by class name, process-wide: each
+    base gets its own generated class (``PrunelabDinov2Model``, ``PrunelabViTModel``), so
+    reloading a DINOv2 checkpoint after a ViT one keeps the DINOv2 weights (with one shared
+    name the ViT renames left it partly random)."""
+    x = pixels(2).input_ids
+    got = {}
+    for arch in ("dinov2", "vit"):
+        lm = wrap(tiny_vision(arch))
+        install_token_pruning(lm, TokenPruning(keep=0.5, layers=(1,)))
+        got[arch] = hidden(lm.model, x)
+        out = prunelab.save(lm, tmp_path / arch / "same_name")
+        cfg = json.loads((out / "config.json").read_text())
+        base = "Dinov2Model" if arch == "dinov2" else "ViTModel"
+        assert cfg["architectures"] == [f"Prunelab{base}"]
+    for arch in ("dinov2", "vit", "dinov2"):
+        again = tf.AutoModel.from_pretrained(tmp_path / arch / "same_name",
+                                             trust_remote_code=True).eval()
+        assert torch.equal(hidden(again, x), got[arch]), arch
+
+
+def test_vit_runs_at_any_image_size_and_natively_as_before():
+    """ViT's position embeddings are interpolated to the photos' size (as DINOv2's always
+    are); at the model's own size the interpolation is the identity."""
+    from prunelab.pruning.tokens import evaluate_token_pruning
+
+    dense = tiny_vision("vit")
+    lm = wrap(dense)
+    x = pixels(2).input_ids
+    native = lm.adapter.base(**lm.adapter.model_inputs(x)).last_hidden_state
+    assert torch.equal(native, hidden(dense, x))
+    res = evaluate_token_pruning(lm, TokenPruning(keep=0.5, layers=(1,)), samples=3,
+                                 size=84, lfw_size=28, speed=False)
+    assert res["tokens_per_block"] == [1 + 36, 1 + 18 + 1, 20, 20]
+    assert 0.5 < res["lfw_accuracy"] <= 1.0

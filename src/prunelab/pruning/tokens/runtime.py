@@ -108,7 +108,7 @@ class TokenPrunedEncoder(nn.Module):
     def forward(self, pixel_values: torch.Tensor, depths: tuple = ()):
         ad = self.lm.adapter
         param = next(self.lm.model.parameters())
-        h = ad.embeddings()(pixel_values.to(param.device, param.dtype))
+        h = ad.embed_pixels(pixel_values.to(param.device, param.dtype))
         norm = ad.final_norm() or nn.Identity()
         feats, counts = [], []
         for i in range(ad.num_blocks):
