@@ -25,7 +25,9 @@ def test_info_and_adapter_geometry(arch):
     assert (inf["family"], inf["blocks"], inf["heads"], inf["head_dim"], inf["ffn"]) == \
         (arch, 4, 4, 8, 64)
     assert inf["encoder"] and lm.tokenizer is None and lm.adapter.is_vision
-    assert set(lm.adapter.model_inputs(torch.zeros(1))) == {"pixel_values"}
+    # ViT's position embeddings interpolate to the photos' size; DINOv2's always do
+    extra = {"interpolate_pos_encoding"} if arch == "vit" else set()
+    assert set(lm.adapter.model_inputs(torch.zeros(1))) == {"pixel_values"} | extra
 
 
 @pytest.mark.parametrize("arch", ["dinov2", "vit"])
