@@ -25,6 +25,7 @@ import contextlib
 import os
 import re
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -232,12 +233,27 @@ def test_documented_command_passes_the_checks_before_the_model(where, line, comm
 # --------------------------------------------------------------------------- run for real
 
 #: option -> the small value a run uses
-SMALL = {"--samples": "2", "--seqlen": "32", "--test-seqlen": "32", "--steps": "2",
-         "--tokens": "256", "--limit": "2", "--max-new-tokens": "4", "--train-samples": "4",
+SMALL = {"--samples": "2", "--seqlen": "32", "--test-samples": "2", "--test-seqlen": "32",
+         "--steps": "2", "--tokens": "256", "--limit": "2", "--max-new-tokens": "4",
+         "--train-samples": "4", "--search-windows": "2",
          "--eval-samples": "2", "--bootstrap": "0", "--prune-every": "1", "--every": "1",
          "--eval-every": "1"}
 #: commands that take --samples / --seqlen but were shown without them
 SIZED = ("probe", "prune", "sweep", "compare", "heal", "eval")
+#: commands that run one point per budget / probe: a run keeps two of each
+GRIDS = ("sweep", "compare")
+
+
+def _two_points(flag: str, value: str) -> str:
+    """A grid's ``--budget`` (``K:1..6`` -> ``K:1..2``, ``K:2,4,6`` -> ``K:2,4``) or
+    ``--probes`` list cut to its first two points: the same code runs, on fewer points."""
+    if flag == "--probes":
+        return ",".join(value.split(",")[:2])
+    kind, _, values = value.partition(":")
+    lo, dots, hi = values.partition("..")
+    if dots and lo.isdigit() and hi.isdigit():
+        return f"{kind}:{lo}..{min(int(hi), int(lo) + 1)}"
+    return f"{kind}:{','.join(values.split(',')[:2])}" if "," in values else value
 
 
 def _small(words: list[str], where_dir: Path) -> list[str]:
@@ -245,16 +261,23 @@ def _small(words: list[str], where_dir: Path) -> list[str]:
     while i < len(words):
         w = words[i]
         if w in SMALL and i + 1 < len(words):
-            out += [w, SMALL[w]]
+            # pruning while healing needs more steps than events (one event per step here)
+            out += [w, "8" if w == "--steps" and "--prune" in words else SMALL[w]]
+            i += 2
+            continue
+        if words[0] in GRIDS and w in ("--budget", "--probes") and i + 1 < len(words):
+            out += [w, _two_points(w, words[i + 1])]
             i += 2
             continue
         out.append(w)
         i += 1
     cmd, used = _resolve(out)
     known = {o for p in cmd.params for o in p.opts}
-    for flag in ("--samples", "--seqlen"):
+    for flag in ("--samples", "--seqlen", "--test-samples", "--test-seqlen"):
         if flag in known and flag not in out and out[0] in SIZED:
             out += [flag, SMALL[flag]]
+    if "--batch-size" in known and "--batch-size" not in out and out[0] in SIZED:
+        out += ["--batch-size", "1"]  # two windows still make two batches (held-out splits)
     if out[0] == "run":
         out = [str(ROOT / w) if w.startswith("recipes/") else w for w in out]
     return out
@@ -277,9 +300,14 @@ def test_documented_commands_run(where, commands, tmp_path, capsys):
     try:
         for line, command in commands:
             head, words = _split_globals(command)
+            start = time.perf_counter()
             with _plugins_forgotten():
                 code = cli_main(["--quiet", *head, *_small(words, tmp_path)])
             cap = capsys.readouterr()
+            if os.environ.get("PRUNELAB_DOCS_TIMES"):  # a file: where the slow tier's time goes
+                with open(os.environ["PRUNELAB_DOCS_TIMES"], "a", encoding="utf-8") as log:
+                    log.write(f"{time.perf_counter() - start:7.1f} s  exit {code}  "
+                              f"{where}:{line}\n")
             if code != 0:
                 failures.append(f"{where}:{line}: {command}\n  {cap.err.strip()[-400:]}")
     finally:
@@ -293,3 +321,12 @@ def test_small_values_replace_the_documented_ones(tmp_path):
     assert got[got.index("--steps") + 1] == "2" and got[got.index("--tokens") + 1] == "256"
     assert got[-4:] == ["--samples", "2", "--seqlen", "32"] or "--seqlen" in got
     assert re.search("recipes", " ".join(_small(["run", "recipes/demo.yaml"], tmp_path)))
+    got = _small(_words("prunelab sweep depth --probes a,b,c --budget remove-blocks:1..6 "
+                        "--out o"), tmp_path)
+    assert got[got.index("--probes") + 1] == "a,b"
+    assert got[got.index("--budget") + 1] == "remove-blocks:1..2"
+    got = _small(_words("prunelab compare --methods depth --budget remove-blocks:2,4,6"),
+                 tmp_path)
+    assert got[got.index("--budget") + 1] == "remove-blocks:2,4"
+    got = _small(_words("prunelab compare --budget keep-params:0.8"), tmp_path)
+    assert got[got.index("--budget") + 1] == "keep-params:0.8"
