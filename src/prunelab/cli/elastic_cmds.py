@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from prunelab import log
 from prunelab.cli.apps import app, prune_app
 from prunelab.cli.common import (
     BatchOpt,
@@ -93,18 +94,67 @@ def _show_elastic(rep, model: str, out_dir: Path) -> None:
 @app.command("export", cls=generated_command())
 def export_cmd(
         model: str = ModelOpt,
-        budget: str = BudgetOpt("keep-units:F (of the units' parameters, attention KV groups "
-                                "and FFN channels, kept; remove-units:F the other way)",
-                                default=...),
-        out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
-        allocation: str = typer.Option("global", help="global (one threshold over every "
-                                       "unit: per-block widths, remote code) or uniform "
-                                       "(the same share in every block: a plain checkpoint)"),
-        round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
+        out_path: Path = typer.Option(..., "--out", help="checkpoint directory (--format "
+                                      "checkpoint) or .gguf file (--format gguf) to write"),
+        fmt: str = typer.Option("checkpoint", "--format", help="checkpoint (cut a size from "
+                                "an elastic checkpoint) | gguf (one file llama.cpp runs)"),
+        budget: Optional[str] = BudgetOpt("checkpoint: keep-units:F (of the units' "
+                                          "parameters, attention KV groups and FFN channels, "
+                                          "kept; remove-units:F the other way)"),
+        allocation: Optional[str] = typer.Option(
+            None, help="checkpoint: global (one threshold over every unit: per-block widths, "
+            "remote code; the default) or uniform (the same share in every block: a plain "
+            "checkpoint)"),
+        round_to: Optional[int] = typer.Option(None, help="checkpoint: FFN widths kept are "
+                                               "multiples of this (default 8)"),
+        outtype: Optional[str] = typer.Option(None, help="gguf: f32 | f16 (the default) | "
+                                              "bf16: the type of the 2-D weights"),
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
-        dtype: str = DtypeOpt, device: str = DeviceOpt):
+        dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
     """Cut a size from an elastic checkpoint (`prunelab prune elastic`), in seconds, with
-    no calibration."""
+    no calibration; or write a model (dense or pruned) as one GGUF file for llama.cpp."""
+    from prunelab.errors import ConfigError
+
+    if fmt not in ("checkpoint", "gguf"):
+        raise ConfigError(f"--format must be checkpoint or gguf, got {fmt!r}")
+    if fmt == "gguf":
+        given = [flag for flag, v in (("--budget", budget), ("--allocation", allocation),
+                                      ("--round-to", round_to)) if v is not None]
+        if given:
+            raise ConfigError(f"{given[0]} cuts an elastic checkpoint (--format checkpoint); "
+                              "export that cut with --format gguf")
+        _export_gguf(model, out_path, outtype or "f16", overwrite, dtype, device,
+                     trust_remote_code)
+        return
+    if outtype is not None:
+        raise ConfigError("--outtype is a GGUF option: add --format gguf")
+    if budget is None:
+        raise ConfigError("export of an elastic checkpoint takes --budget keep-units:F "
+                          "(or --format gguf to write a GGUF file)")
+    _export_cut(model, budget, out_path, allocation or "global",
+                8 if round_to is None else round_to, overwrite, dtype, device)
+
+
+def _export_gguf(model: str, out_path: Path, outtype: str, overwrite: bool, dtype: str,
+                 device: str, trust_remote_code: bool) -> None:
+    from prunelab.workflow.export import export_gguf
+
+    if out_path.suffix != ".gguf":
+        from prunelab.errors import ConfigError
+
+        raise ConfigError(f"--format gguf writes one file: --out must end in .gguf, got "
+                          f"{out_path}")
+    with writing(out_path, "file", overwrite, inputs={"--model": model}):
+        rep = export_gguf(model, out_path, outtype, overwrite=overwrite, device=device,
+                          dtype=dtype, trust_remote_code=trust_remote_code)
+    out.print(f"wrote {out_path}: {rep['arch']}, {rep['blocks']} blocks, {rep['out_type']}, "
+              f"{fmt_bytes(rep['bytes'])}; tokenizer {rep['tokenizer']}")
+    for note in rep["notes"]:
+        log.warn(note)
+
+
+def _export_cut(model: str, budget: str, out_dir: Path, allocation: str, round_to: int,
+                overwrite: bool, dtype: str, device: str) -> None:
     from prunelab.budget import parse_budget
     from prunelab.errors import ConfigError
     from prunelab.workflow.export import export

@@ -286,6 +286,35 @@ def write_json(path: str | Path, obj: Any, overwrite: bool = False) -> Path:
     return path
 
 
+@contextmanager
+def atomic_file(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """A temporary file beside ``path`` for a writer that takes a path (e.g. the ``gguf``
+    package's); when the block ends it is fsynced and moved onto ``path`` like
+    :func:`write_text` (an existing file replaced only with ``overwrite``); on any error,
+    Ctrl-C included, it is removed and ``path`` is left as it was."""
+    path = Path(path)
+    _check_target(path, overwrite, "file")
+    with _os_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with output_lock(path):
+            clean_leftovers(path)
+            _check_target(path, overwrite, "file")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
+            os.fchmod(fd, usual_mode())
+            os.close(fd)
+            try:
+                yield Path(tmp)
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                _install(Path(tmp), path, overwrite, "file")
+            finally:
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+
 def write_text(path: str | Path, text: str, overwrite: bool = False) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically and durably, like :func:`write_json`:
     an existing file is replaced only with ``overwrite``, a folder never; a failure (a full

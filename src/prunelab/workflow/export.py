@@ -1,7 +1,5 @@
-"""``prunelab export``: cut an elastic checkpoint to a smaller plain model.
-
-(The home of the export stage; GGUF export belongs here too.)
-"""
+"""``prunelab export``: cut an elastic checkpoint to a smaller plain model, or write any
+model as a GGUF file for llama.cpp (:mod:`prunelab.checkpoint.gguf_export`)."""
 
 from __future__ import annotations
 
@@ -25,6 +23,28 @@ def export(model: str, keep: float, out: str | Path, allocation: str = "global",
     return save(lm, out, overwrite=overwrite,
                 extra={"elastic_export": {"keep": keep, "allocation": allocation,
                                           "source": str(model)}})
+
+
+def export_gguf(model: str, out: str | Path, out_type: str = "f16",
+                overwrite: bool = False, device: str = "cpu", dtype: str = "float32",
+                trust_remote_code: bool = False) -> dict:
+    """``prunelab export --format gguf --model M --out FILE.gguf``: load ``model`` (a
+    prunelab checkpoint, an embedded model, a hub id) and write it as one GGUF file; the
+    file's ``prunelab.operations`` key holds the checkpoint's operations."""
+    from prunelab.checkpoint.gguf_export import write_gguf
+    from prunelab.errors import UnsupportedOperationError
+
+    check_output_path(out, kind="file", overwrite=overwrite, inputs={"--model": model})
+    if (Path(model) / "elastic.json").is_file():
+        raise UnsupportedOperationError(
+            "GGUF export: an elastic checkpoint holds every size: cut one first (prunelab "
+            "export --model DIR --budget keep-units:F --allocation uniform --out SMALL), "
+            "then export SMALL")
+    lm = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+    _from_manifest_history(lm)
+    ops = [{k: v for k, v in op.items() if k in ("operation", "method", "config")}
+           for op in lm.history]
+    return write_gguf(lm, out, out_type, overwrite=overwrite, operations=ops)
 
 
 def _from_manifest_history(lm) -> None:

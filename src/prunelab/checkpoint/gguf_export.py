@@ -1,0 +1,331 @@
+"""Write a loaded model as one GGUF file that llama.cpp runs natively.
+
+GGUF (the file format of llama.cpp, written here with the ``gguf`` package, llama.cpp's own
+reference writer) holds the hyperparameters as ``<arch>.*`` keys, the tokenizer as
+``tokenizer.*`` keys and the tensors under llama.cpp's names (``blk.N.attn_q.weight``...).
+This module writes the models whose every block has the shapes of its configuration, in
+the model's own architecture (``llama`` for Llama / Mistral / SmolLM2, ``qwen2`` for
+Qwen2 / Qwen2.5 with their attention biases): dense models and the uniform results of
+depth pruning (fewer blocks), uniform width pruning and sparsity (zeros stored densely).
+
+Facts followed (llama.cpp ``convert_hf_to_gguf.py`` and ``gguf-py``, read for the names and
+layouts, not copied):
+
+- llama.cpp's ``llama`` graph applies rotary embeddings to interleaved pairs of each head's
+  dimensions, Hugging Face Llama to its two halves: the rows of ``q_proj`` / ``k_proj`` are
+  reordered per head, ``w.reshape(heads, 2, d // 2, in).swapaxes(1, 2)`` (``heads`` = the
+  query heads for ``q``, the KV heads for ``k``); Qwen2 uses the halves in both, no reorder;
+- 1-D tensors (norms, biases) are stored as float32 whatever the output type;
+- a model whose output head is tied to its embeddings stores no ``output.weight``;
+- the tokenizer: when the model descends from a GGUF file (every embedded text model does)
+  its ``tokenizer.*`` keys are copied as they are, so llama.cpp tokenizes exactly as the
+  original file did; otherwise they are built from the Hugging Face ``tokenizer.json``
+  (byte-level BPE: vocabulary by id, merges, control tokens, BOS / EOS / padding, chat
+  template).
+
+What GGUF's own architectures cannot express is refused with one line that says what to do:
+per-block widths and removed sublayers (llama.cpp's ``deci`` architecture: not written
+yet), prunelab's custom modules (low-rank or shared-dictionary factors, PrunePath routers,
+gates, token pruners) and linear bridges, elastic checkpoints before a size is cut, rotary
+scaling other than the default, and other architectures.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prunelab.errors import UnsupportedOperationError
+
+#: Hugging Face ``model_type`` -> GGUF architecture
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+#: output type -> (GGML tensor type of 2-D weights, ``general.file_type``)
+OUT_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
+             "bf16": ("BF16", "MOSTLY_BF16")}
+#: Hugging Face name inside a block -> llama.cpp name inside ``blk.N``
+BLOCK_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
+             "lm_head": "output"}
+
+
+@dataclass(frozen=True)
+class GGUFPlan:
+    """What will be written: the architecture, the hyperparameters, and for each tensor
+    ``(llama.cpp name, Hugging Face name, rope heads or 0)``."""
+
+    arch: str
+    blocks: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tensors: tuple[tuple[str, str, int], ...]
+
+
+def _refuse(why: str) -> UnsupportedOperationError:
+    return UnsupportedOperationError(f"GGUF export: {why}")
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    scaling = getattr(config, "rope_scaling", None)
+    if kind != "default" or (isinstance(scaling, dict) and
+                             scaling.get("rope_type", scaling.get("type")) not in
+                             (None, "default")):
+        raise _refuse(f"rotary scaling {kind!r} is not written yet (only the default)")
+    theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
+
+
+def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
+    """Check that ``model`` (a Hugging Face causal LM) fits a GGUF architecture and list
+    its tensors; raise :class:`UnsupportedOperationError` (one line: why, what to do)."""
+    from prunelab.checkpoint.remote import has_bridges
+    from prunelab.models.custom import custom_modules
+
+    cfg = model.config
+    arch = ARCHES.get(cfg.model_type)
+    if arch is None:
+        raise _refuse(f"{cfg.model_type} models are not written yet (llama, mistral, qwen2)")
+    kinds = sorted({m.prunelab_kind for _, m in custom_modules(model)})
+    if kinds:
+        raise _refuse(f"prunelab modules ({', '.join(kinds)}) have no GGUF form: export the "
+                      "dense product (fold / merge the factors) or prune without them")
+    if has_bridges(model):
+        raise _refuse("linear bridges have no GGUF form: prune with --recovery foldable "
+                      "(folded into the weights) or none")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads, kv, ffn = _block_widths(model, head_dim)
+    state = dict(model.named_parameters())
+    tensors = []
+    for name in state:
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            i, inner = int(parts[2]), ".".join(parts[3:-1])
+            if inner not in BLOCK_NAMES:
+                raise _refuse(f"{name} has no llama.cpp name")
+            rope = 0
+            if arch == "llama" and inner in ("self_attn.q_proj", "self_attn.k_proj"):
+                rope = heads if inner.endswith("q_proj") else kv
+            tensors.append((f"blk.{i}.{BLOCK_NAMES[inner]}.{parts[-1]}", name, rope))
+        else:
+            top = ".".join(parts[:-1])
+            if top not in TOP_NAMES:
+                raise _refuse(f"{name} has no llama.cpp name")
+            if top == "lm_head" and getattr(cfg, "tie_word_embeddings", False):
+                continue
+            tensors.append((f"{TOP_NAMES[top]}.{parts[-1]}", name, 0))
+    blocks = len(model.model.layers)
+    per_block = {}
+    for gguf_name, _, _ in tensors:
+        if gguf_name.startswith("blk."):
+            i = int(gguf_name.split(".")[1])
+            per_block.setdefault(i, set()).add(gguf_name.split(".", 2)[2])
+    full = {per_block_name for names in per_block.values() for per_block_name in names}
+    for i in range(blocks):
+        missing = full - per_block.get(i, set())
+        if missing:
+            raise _refuse(f"block {i} has no {sorted(missing)[0]} (a removed sublayer): "
+                          "llama.cpp's deci architecture expresses it (not written yet)")
+    return GGUFPlan(arch, blocks, cfg.hidden_size, ffn, heads, kv, head_dim, tuple(tensors))
+
+
+def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[int, int, int]:
+    """``(query heads, KV heads, FFN width)`` shared by every block, read off the weights
+    (a uniformly pruned model in memory keeps its original configuration)."""
+    seen = set()
+    for i, block in enumerate(model.model.layers):
+        attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+        if attn is None or mlp is None or not all(
+                hasattr(attn, n) for n in ("q_proj", "k_proj")) or not hasattr(mlp, "up_proj"):
+            raise _refuse(f"block {i} has a removed sublayer: llama.cpp's deci architecture "
+                          "expresses it (not written yet)")
+        seen.add((attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim,
+                  mlp.up_proj.out_features))
+    if len(seen) > 1:
+        widths = ", ".join(f"{h}/{k} heads, FFN {f}" for h, k, f in sorted(seen))
+        raise _refuse(f"per-block widths ({widths}) need llama.cpp's deci architecture (not "
+                      "written yet): prune with --allocation uniform")
+    return seen.pop()
+
+
+def _interleave_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's half-split rotary layout -> llama.cpp's interleaved pairs (rows
+    reordered within each head; a bias is reordered the same way)."""
+    rows = w.shape[0]
+    return (w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def source_gguf(spec: str, depth: int = 32) -> Path | None:
+    """The GGUF file ``spec`` descends from: an embedded GGUF model, a ``.gguf`` path, or
+    a prunelab checkpoint whose manifest's ``source_model`` leads to one; else ``None``."""
+    from prunelab.models.embedded import EMBEDDED, resolve_embedded
+
+    for _ in range(depth):
+        if spec in EMBEDDED:
+            if not EMBEDDED[spec].kind.startswith("gguf"):
+                return None
+            return resolve_embedded(spec)[1]
+        path = Path(spec)
+        if path.suffix == ".gguf" and path.is_file():
+            return path
+        manifest = path / "manifest.json"
+        if not manifest.is_file():
+            return None
+        try:
+            spec = json.loads(manifest.read_text())["source_model"]["spec"]
+        except (ValueError, KeyError, TypeError):
+            return None
+    return None
+
+
+def _copy_tokenizer(writer, path: Path, vocab: int) -> bool:
+    """Copy the ``tokenizer.*`` keys of the GGUF file ``path``; False when its vocabulary
+    is not ``vocab`` tokens (then the caller builds it)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None or len(tokens.data) != vocab:
+        return False
+    for field in reader.fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        types = field.types
+        if types[0] == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(field.name, field.contents(), types[0], sub_type=types[-1])
+        else:
+            writer.add_key_value(field.name, field.contents(), types[0])
+    return True
+
+
+#: a model type -> llama.cpp's pre-tokenizer name, when no GGUF source says it
+PRE_TOKENIZERS = {"qwen2": "qwen2"}
+
+
+def _build_tokenizer(writer, tokenizer, model_type: str, vocab: int) -> list[str]:
+    """``tokenizer.*`` keys from a Hugging Face byte-level BPE tokenizer; returns notes."""
+    import gguf
+
+    notes = []
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise _refuse(f"a {model.get('type')} tokenizer is not written yet (byte-level BPE)")
+    tokens = [f"[PAD{i}]" for i in range(vocab)]
+    types = [gguf.TokenType.UNUSED] * vocab
+    for text, i in model["vocab"].items():
+        if i < vocab:
+            tokens[i], types[i] = text, gguf.TokenType.NORMAL
+    for added in spec.get("added_tokens", []):
+        if added["id"] < vocab:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = (gguf.TokenType.CONTROL if added.get("special")
+                                  else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add_tokenizer_model("gpt2")
+    pre = PRE_TOKENIZERS.get(model_type)
+    if pre is None:
+        pre = "default"
+        notes.append("tokenizer.ggml.pre is 'default' (no GGUF source names the "
+                     "pre-tokenizer): llama.cpp may split some text differently")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    for key, add in (("bos_token_id", writer.add_bos_token_id),
+                     ("eos_token_id", writer.add_eos_token_id),
+                     ("pad_token_id", writer.add_pad_token_id)):
+        value = getattr(tokenizer, key, None)
+        if value is not None:
+            add(int(value))
+    template = getattr(tokenizer, "chat_template", None)
+    if template:
+        writer.add_chat_template(template)
+    return notes
+
+
+def _tensor_data(t: torch.Tensor, rope: int, qtype) -> tuple[np.ndarray, object]:
+    import gguf
+
+    a = t.detach().to("cpu", torch.float32).numpy()
+    if rope:
+        a = _interleave_rope_rows(a, rope)
+    if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(a, dtype=np.float32), gguf.GGMLQuantizationType.F32
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return np.ascontiguousarray(a.astype(np.float16)), qtype
+    return gguf.quants.quantize(np.ascontiguousarray(a), qtype), qtype
+
+
+def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = False,
+               name: str | None = None, operations: list | None = None) -> dict:
+    """Write ``lm`` (a LoadedModel) to the GGUF file ``path`` (atomic: a failure leaves no
+    file) with 2-D weights in ``out_type`` (f32 | f16 | bf16). Returns what was written:
+    architecture, blocks, output type, tensors, bytes, tokenizer source and notes."""
+    import gguf
+
+    from prunelab._version import __version__
+    from prunelab.io.files import atomic_file
+
+    if out_type not in OUT_TYPES:
+        raise _refuse(f"output type {out_type!r}: f32 | f16 | bf16 (quantized types come "
+                      "from llama.cpp's own quantizer)")
+    model = lm.model
+    plan = plan_gguf(model)
+    cfg = model.config
+    qtype = getattr(gguf.GGMLQuantizationType, OUT_TYPES[out_type][0])
+    vocab = model.get_input_embeddings().weight.shape[0]
+    params = dict(model.named_parameters())
+    notes: list[str] = []
+    with atomic_file(path, overwrite=overwrite) as tmp:
+        writer = gguf.GGUFWriter(tmp, plan.arch)
+        writer.add_name(name or Path(str(lm.spec)).name)
+        writer.add_file_type(int(getattr(gguf.LlamaFileType, OUT_TYPES[out_type][1])))
+        writer.add_context_length(int(cfg.max_position_embeddings))
+        writer.add_embedding_length(plan.hidden)
+        writer.add_block_count(plan.blocks)
+        writer.add_feed_forward_length(plan.ffn)
+        writer.add_head_count(plan.heads)
+        writer.add_head_count_kv(plan.kv_heads)
+        writer.add_rope_freq_base(_rope_theta(cfg))
+        writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+        writer.add_rope_dimension_count(plan.head_dim)
+        writer.add_vocab_size(int(vocab))
+        if plan.head_dim * plan.heads != plan.hidden:
+            writer.add_key_length(plan.head_dim)
+            writer.add_value_length(plan.head_dim)
+        writer.add_string("prunelab.version", __version__)
+        writer.add_string("prunelab.operations", json.dumps(operations or [], default=str))
+        src = source_gguf(str(lm.spec))
+        copied = src is not None and _copy_tokenizer(writer, src, vocab)
+        if not copied:
+            if lm.tokenizer is None:
+                raise _refuse("the model has no tokenizer to carry over")
+            notes += _build_tokenizer(writer, lm.tokenizer, cfg.model_type, vocab)
+        nbytes = 0
+        for gguf_name, hf_name, rope in plan.tensors:
+            data, kind = _tensor_data(params[hf_name], rope, qtype)
+            writer.add_tensor(gguf_name, data, raw_dtype=kind)
+            nbytes += data.nbytes
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    return {"format": "gguf", "path": str(path), "arch": plan.arch, "blocks": plan.blocks,
+            "out_type": out_type, "tensors": len(plan.tensors), "tensor_bytes": nbytes,
+            "bytes": Path(path).stat().st_size,
+            "tokenizer": f"copied from {src.name}" if copied else "built from tokenizer.json",
+            "notes": notes}
