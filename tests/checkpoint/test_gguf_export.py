@@ -121,20 +121,40 @@ def test_half_types_hold_the_rounded_weights(out_type, ggml, tmp_path):
     assert (dense - logits(lm)).abs().max() < 0.05
 
 
-def test_refusals_name_the_reason():
+def test_per_block_widths_and_removed_sublayers_plan_deci():
     lm = loaded()
     prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.25, allocation="global"),
                    CALIB, batch_size=2)
     assert [b.mlp.up_proj.out_features for b in lm.model.model.layers] == [32, 32, 40, 32]
-    with pytest.raises(UnsupportedOperationError, match="FFN 32, 4/2 heads, FFN 40.*deci"):
+    plan = plan_gguf(lm.model)
+    assert plan.arch == "deci" and plan.ffn == (32, 32, 40, 32)
+    assert plan.heads == (4,) * 4 and plan.kv_heads == (2,) * 4
+    # sublayers removed: block 1 without attention, block 2 without MLP
+    from prunelab.models.sublayer import remove_sublayers
+
+    lm = loaded()
+    remove_sublayers(lm, [(1, "attention"), (2, "mlp")])
+    plan = plan_gguf(lm.model)
+    assert plan.arch == "deci" and plan.heads == (4, 0, 4, 4) and plan.kv_heads == (2, 0, 2, 2)
+    # attention kept, MLP gone: a 1-channel FFN of zeros (llama.cpp's deci graph drops a
+    # block's attention output when its FFN width is 0)
+    assert plan.ffn == (48, 48, 1, 48)
+    names = {t[0]: t for t in plan.tensors}
+    assert "blk.1.attn_q.weight" not in names and "blk.1.attn_norm.weight" not in names
+    assert names["blk.2.ffn_down.weight"][3] == ("zeros", (32, 1))
+    assert names["blk.2.ffn_norm.weight"][3] == ("ones", (32,))
+    # other families keep to uniform shapes
+    lm = loaded("qwen2")
+    prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.25, allocation="global"),
+                   CALIB, batch_size=2)
+    with pytest.raises(UnsupportedOperationError, match="qwen2 model .*--allocation uniform"):
         plan_gguf(lm.model)
+
+
+def test_refusals_name_the_reason():
     lm = loaded()
     prunelab.prune(lm, Depth(remove=1, recovery="ghost"), CALIB, batch_size=2)
     with pytest.raises(UnsupportedOperationError, match="linear bridges"):
-        plan_gguf(lm.model)
-    lm = loaded()
-    del lm.model.model.layers[1].mlp.gate_proj  # a removed sublayer's tensors missing
-    with pytest.raises(UnsupportedOperationError):
         plan_gguf(lm.model)
     with pytest.raises(UnsupportedOperationError, match="gemma3_text models"):
         plan_gguf(tiny_model("gemma3_text"))

@@ -3,10 +3,13 @@
 GGUF (the file format of llama.cpp, written here with the ``gguf`` package, llama.cpp's own
 reference writer) holds the hyperparameters as ``<arch>.*`` keys, the tokenizer as
 ``tokenizer.*`` keys and the tensors under llama.cpp's names (``blk.N.attn_q.weight``...).
-This module writes the models whose every block has the shapes of its configuration, in
-the model's own architecture (``llama`` for Llama / Mistral / SmolLM2, ``qwen2`` for
-Qwen2 / Qwen2.5 with their attention biases): dense models and the uniform results of
-depth pruning (fewer blocks), uniform width pruning and sparsity (zeros stored densely).
+Models whose blocks all have the same widths keep their own architecture (``llama`` for
+Llama / Mistral / SmolLM2, ``qwen2`` for Qwen2 / Qwen2.5 with their attention biases):
+dense models and the uniform results of depth pruning (fewer blocks), uniform width
+pruning and sparsity (zeros stored densely). Llama-family models with per-block head, KV
+group or FFN widths, or with removed attention / MLP sublayers (sub-block depth search,
+static gates), are written as llama.cpp's ``deci`` architecture (the one written for
+Llama-3.1-Nemotron-51B), whose width keys are arrays with one entry per block.
 
 Facts followed (llama.cpp ``convert_hf_to_gguf.py`` and ``gguf-py``, read for the names and
 layouts, not copied):
@@ -23,11 +26,10 @@ layouts, not copied):
   (byte-level BPE: vocabulary by id, merges, control tokens, BOS / EOS / padding, chat
   template).
 
-What GGUF's own architectures cannot express is refused with one line that says what to do:
-per-block widths and removed sublayers (llama.cpp's ``deci`` architecture: not written
-yet), prunelab's custom modules (low-rank or shared-dictionary factors, PrunePath routers,
-gates, token pruners) and linear bridges, elastic checkpoints before a size is cut, rotary
-scaling other than the default, and other architectures.
+What GGUF cannot express is refused with one line that says what to do: non-uniform
+models of other families, prunelab's custom modules (low-rank or shared-dictionary
+factors, PrunePath routers, gates, token pruners) and linear bridges, elastic checkpoints
+before a size is cut, rotary scaling other than the default, and other architectures.
 """
 
 from __future__ import annotations
@@ -59,17 +61,26 @@ TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
 
 @dataclass(frozen=True)
 class GGUFPlan:
-    """What will be written: the architecture, the hyperparameters, and for each tensor
-    ``(llama.cpp name, Hugging Face name, rope heads or 0)``."""
+    """What will be written: the architecture, per-block widths (query heads, KV heads and
+    FFN width of each block; 0 where a sublayer was removed), and for each tensor
+    ``(llama.cpp name, Hugging Face name or None, rope heads or 0, fill)``: a fill
+    ``("zeros" | "ones", shape)`` is a tensor made here (see :func:`plan_gguf`)."""
 
     arch: str
-    blocks: int
     hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
+    heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+    ffn: tuple[int, ...]
     head_dim: int
-    tensors: tuple[tuple[str, str, int], ...]
+    tensors: tuple[tuple[str, str | None, int, tuple | None], ...]
+
+    @property
+    def blocks(self) -> int:
+        return len(self.ffn)
+
+    @property
+    def uniform(self) -> bool:
+        return self.arch != "deci"
 
 
 def _refuse(why: str) -> UnsupportedOperationError:
@@ -88,9 +99,21 @@ def _rope_theta(config) -> float:
     return float(theta if theta is not None else getattr(config, "rope_theta", 10000.0))
 
 
+#: custom modules that stand for a removed sublayer (the ``deci`` form expresses them)
+SKIPPED = {"skipped_attention", "skipped_mlp", "skipped_norm"}
+
+
 def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
     """Check that ``model`` (a Hugging Face causal LM) fits a GGUF architecture and list
-    its tensors; raise :class:`UnsupportedOperationError` (one line: why, what to do)."""
+    its tensors; raise :class:`UnsupportedOperationError` (one line: why, what to do).
+
+    Every block with the same widths and both sublayers: the model's own architecture.
+    Per-block widths or removed sublayers (Llama family): llama.cpp's ``deci``, whose
+    per-block ``head_count`` / ``head_count_kv`` / ``feed_forward_length`` arrays hold each
+    block's widths and whose graph skips the attention of a block with 0 heads. Its graph
+    also drops a block's attention output when the block's FFN width is 0, so a block that
+    keeps its attention but lost its MLP is written with a 1-channel FFN of zero weights
+    (output exactly 0, as the removed MLP's)."""
     from prunelab.checkpoint.remote import has_bridges
     from prunelab.models.custom import custom_modules
 
@@ -98,7 +121,7 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
     arch = ARCHES.get(cfg.model_type)
     if arch is None:
         raise _refuse(f"{cfg.model_type} models are not written yet (llama, mistral, qwen2)")
-    kinds = sorted({m.prunelab_kind for _, m in custom_modules(model)})
+    kinds = sorted({m.prunelab_kind for _, m in custom_modules(model)} - SKIPPED)
     if kinds:
         raise _refuse(f"prunelab modules ({', '.join(kinds)}) have no GGUF form: export the "
                       "dense product (fold / merge the factors) or prune without them")
@@ -107,57 +130,61 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
                       "(folded into the weights) or none")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     heads, kv, ffn = _block_widths(model, head_dim)
-    state = dict(model.named_parameters())
-    tensors = []
-    for name in state:
+    uniform = len(set(zip(heads, kv, ffn, strict=True))) == 1 and min(heads) > 0 and min(ffn) > 0
+    if not uniform:
+        if arch != "llama":
+            raise _refuse(f"per-block widths or removed sublayers of a {cfg.model_type} model "
+                          "are not written yet (Llama family: deci); prune with --allocation "
+                          "uniform")
+        arch = "deci"
+    params = dict(model.named_parameters())
+    tensors: list[tuple[str, str | None, int, tuple | None]] = []
+    for name in params:
         parts = name.split(".")
         if name.startswith("model.layers."):
             i, inner = int(parts[2]), ".".join(parts[3:-1])
             if inner not in BLOCK_NAMES:
                 raise _refuse(f"{name} has no llama.cpp name")
             rope = 0
-            if arch == "llama" and inner in ("self_attn.q_proj", "self_attn.k_proj"):
-                rope = heads if inner.endswith("q_proj") else kv
-            tensors.append((f"blk.{i}.{BLOCK_NAMES[inner]}.{parts[-1]}", name, rope))
+            if arch in ("llama", "deci") and inner in ("self_attn.q_proj", "self_attn.k_proj"):
+                rope = heads[i] if inner.endswith("q_proj") else kv[i]
+            tensors.append((f"blk.{i}.{BLOCK_NAMES[inner]}.{parts[-1]}", name, rope, None))
         else:
             top = ".".join(parts[:-1])
             if top not in TOP_NAMES:
                 raise _refuse(f"{name} has no llama.cpp name")
             if top == "lm_head" and getattr(cfg, "tie_word_embeddings", False):
                 continue
-            tensors.append((f"{TOP_NAMES[top]}.{parts[-1]}", name, 0))
-    blocks = len(model.model.layers)
-    per_block = {}
-    for gguf_name, _, _ in tensors:
-        if gguf_name.startswith("blk."):
-            i = int(gguf_name.split(".")[1])
-            per_block.setdefault(i, set()).add(gguf_name.split(".", 2)[2])
-    full = {per_block_name for names in per_block.values() for per_block_name in names}
-    for i in range(blocks):
-        missing = full - per_block.get(i, set())
-        if missing:
-            raise _refuse(f"block {i} has no {sorted(missing)[0]} (a removed sublayer): "
-                          "llama.cpp's deci architecture expresses it (not written yet)")
-    return GGUFPlan(arch, blocks, cfg.hidden_size, ffn, heads, kv, head_dim, tuple(tensors))
+            tensors.append((f"{TOP_NAMES[top]}.{parts[-1]}", name, 0, None))
+    d = cfg.hidden_size
+    for i, (h, f) in enumerate(zip(heads, ffn, strict=True)):
+        if h > 0 and f == 0:  # attention kept, MLP removed: a zero 1-channel FFN
+            ffn[i] = 1
+            tensors += [(f"blk.{i}.ffn_norm.weight", None, 0, ("ones", (d,))),
+                        (f"blk.{i}.ffn_gate.weight", None, 0, ("zeros", (1, d))),
+                        (f"blk.{i}.ffn_up.weight", None, 0, ("zeros", (1, d))),
+                        (f"blk.{i}.ffn_down.weight", None, 0, ("zeros", (d, 1)))]
+    return GGUFPlan(arch, d, tuple(heads), tuple(kv), tuple(ffn), head_dim, tuple(tensors))
 
 
-def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[int, int, int]:
-    """``(query heads, KV heads, FFN width)`` shared by every block, read off the weights
-    (a uniformly pruned model in memory keeps its original configuration)."""
-    seen = set()
+def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[list, list, list]:
+    """Per block: query heads, KV heads and FFN width, read off the weights (a pruned model
+    in memory keeps its original configuration); 0 for a removed sublayer."""
+    from prunelab.models.custom import PrunelabModule
+
+    heads, kv, ffn = [], [], []
     for i, block in enumerate(model.model.layers):
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-        if attn is None or mlp is None or not all(
-                hasattr(attn, n) for n in ("q_proj", "k_proj")) or not hasattr(mlp, "up_proj"):
-            raise _refuse(f"block {i} has a removed sublayer: llama.cpp's deci architecture "
-                          "expresses it (not written yet)")
-        seen.add((attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim,
-                  mlp.up_proj.out_features))
-    if len(seen) > 1:
-        widths = ", ".join(f"{h}/{k} heads, FFN {f}" for h, k, f in sorted(seen))
-        raise _refuse(f"per-block widths ({widths}) need llama.cpp's deci architecture (not "
-                      "written yet): prune with --allocation uniform")
-    return seen.pop()
+        for part, module, names in (("attention", attn, ("q_proj", "k_proj")),
+                                    ("MLP", mlp, ("up_proj",))):
+            if not isinstance(module, PrunelabModule) and not all(
+                    hasattr(module, n) for n in names):
+                raise _refuse(f"block {i}'s {part} has no {'/'.join(names)}")
+        skipped_attn = isinstance(attn, PrunelabModule)
+        heads.append(0 if skipped_attn else attn.q_proj.out_features // head_dim)
+        kv.append(0 if skipped_attn else attn.k_proj.out_features // head_dim)
+        ffn.append(0 if isinstance(mlp, PrunelabModule) else mlp.up_proj.out_features)
+    return heads, kv, ffn
 
 
 def _interleave_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -297,14 +324,15 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
         writer.add_context_length(int(cfg.max_position_embeddings))
         writer.add_embedding_length(plan.hidden)
         writer.add_block_count(plan.blocks)
-        writer.add_feed_forward_length(plan.ffn)
-        writer.add_head_count(plan.heads)
-        writer.add_head_count_kv(plan.kv_heads)
+        one = (lambda v: v[0]) if plan.uniform else list  # deci: one entry per block
+        writer.add_feed_forward_length(one(plan.ffn))
+        writer.add_head_count(one(plan.heads))
+        writer.add_head_count_kv(one(plan.kv_heads))
         writer.add_rope_freq_base(_rope_theta(cfg))
         writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
         writer.add_rope_dimension_count(plan.head_dim)
         writer.add_vocab_size(int(vocab))
-        if plan.head_dim * plan.heads != plan.hidden:
+        if plan.arch == "deci" or plan.head_dim * plan.heads[0] != plan.hidden:
             writer.add_key_length(plan.head_dim)
             writer.add_value_length(plan.head_dim)
         writer.add_string("prunelab.version", __version__)
@@ -316,8 +344,10 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
                 raise _refuse("the model has no tokenizer to carry over")
             notes += _build_tokenizer(writer, lm.tokenizer, cfg.model_type, vocab)
         nbytes = 0
-        for gguf_name, hf_name, rope in plan.tensors:
-            data, kind = _tensor_data(params[hf_name], rope, qtype)
+        for gguf_name, hf_name, rope, fill in plan.tensors:
+            t = params[hf_name] if fill is None else (
+                torch.ones if fill[0] == "ones" else torch.zeros)(fill[1])
+            data, kind = _tensor_data(t, rope, qtype)
             writer.add_tensor(gguf_name, data, raw_dtype=kind)
             nbytes += data.nbytes
         writer.write_header_to_file()
@@ -325,6 +355,7 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
         writer.write_tensors_to_file()
         writer.close()
     return {"format": "gguf", "path": str(path), "arch": plan.arch, "blocks": plan.blocks,
+            "heads": list(plan.heads), "kv_heads": list(plan.kv_heads), "ffn": list(plan.ffn),
             "out_type": out_type, "tensors": len(plan.tensors), "tensor_bytes": nbytes,
             "bytes": Path(path).stat().st_size,
             "tokenizer": f"copied from {src.name}" if copied else "built from tokenizer.json",
