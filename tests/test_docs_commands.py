@@ -244,6 +244,12 @@ SIZED = ("probe", "prune", "sweep", "compare", "heal", "eval")
 GRIDS = ("sweep", "compare")
 
 
+def _fewer_blocks(value: str) -> str:
+    """``remove-blocks:N`` -> at most 2 blocks (a search scores every block per step)."""
+    kind, _, n = value.partition(":")
+    return f"{kind}:{min(int(n), 2)}" if kind == "remove-blocks" and n.isdigit() else value
+
+
 def _two_points(flag: str, value: str) -> str:
     """A grid's ``--budget`` (``K:1..6`` -> ``K:1..2``, ``K:2,4,6`` -> ``K:2,4``) or
     ``--probes`` list cut to its first two points: the same code runs, on fewer points."""
@@ -267,6 +273,10 @@ def _small(words: list[str], where_dir: Path) -> list[str]:
             continue
         if words[0] in GRIDS and w in ("--budget", "--probes") and i + 1 < len(words):
             out += [w, _two_points(w, words[i + 1])]
+            i += 2
+            continue
+        if w == "--budget" and "sleb" in words and i + 1 < len(words):
+            out += [w, _fewer_blocks(words[i + 1])]  # a search costs blocks x steps
             i += 2
             continue
         out.append(w)
@@ -328,5 +338,8 @@ def test_small_values_replace_the_documented_ones(tmp_path):
     got = _small(_words("prunelab compare --methods depth --budget remove-blocks:2,4,6"),
                  tmp_path)
     assert got[got.index("--budget") + 1] == "remove-blocks:2,4"
+    got = _small(_words("prunelab prune depth --strategy sleb --budget remove-blocks:8"),
+                 tmp_path)
+    assert got[got.index("--budget") + 1] == "remove-blocks:2"
     got = _small(_words("prunelab compare --budget keep-params:0.8"), tmp_path)
     assert got[got.index("--budget") + 1] == "keep-params:0.8"

@@ -1,0 +1,91 @@
+"""The same windows scored inside llama.cpp (through ``llama-cpp-python``) and by prunelab's
+own forward: next-token log-probabilities side by side, and the perplexity of each.
+
+``llama-cpp-python`` is optional (``pip install 'prunelab[llamacpp]'``; it compiles
+llama.cpp, see the README for the flags this machine kind needs). llama.cpp receives the
+token ids themselves (no BOS added, no tokenizer in the loop), keeps the logits of every
+position (``logits_all``), and is reset between windows, so both sides see exactly the same
+causal contexts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prunelab.errors import ConfigError
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ConfigError("scoring inside llama.cpp needs llama-cpp-python: pip install "
+                          "'prunelab[llamacpp]' (it compiles llama.cpp; see the README)"
+                          ) from exc
+    return llama_cpp
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def llamacpp_logprobs(path: str | Path, windows: torch.Tensor,
+                      threads: int | None = None) -> np.ndarray:
+    """``[N, T, V]`` float64 log-probabilities llama.cpp computes for each of the ``N``
+    windows of ``T`` token ids (row ``t``: the distribution of token ``t + 1``)."""
+    llama_cpp = _llama_cpp()
+    n, t = windows.shape
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(t, 8), n_batch=max(t, 8),
+                          logits_all=True, verbose=False, seed=0,
+                          n_threads=threads or max(1, (os.cpu_count() or 1)))
+    out = []
+    try:
+        for row in windows.tolist():
+            llm.reset()
+            llm.eval(row)
+            out.append(_log_softmax(np.asarray(llm.scores[:t], dtype=np.float32)))
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+    return np.stack(out)
+
+
+@torch.no_grad()
+def prunelab_logprobs(lm, windows: torch.Tensor) -> np.ndarray:
+    """``[N, T, V]`` float64 log-probabilities of prunelab's own forward of ``lm``."""
+    out = []
+    for row in windows:
+        logits = lm.model(input_ids=row[None].to(lm.device), use_cache=False).logits[0]
+        out.append(torch.log_softmax(logits.double(), -1).cpu().numpy())
+    return np.stack(out)
+
+
+def _perplexity(logprobs: np.ndarray, windows: torch.Tensor) -> float:
+    ids = windows.numpy()
+    nll = -np.take_along_axis(logprobs[:, :-1], ids[:, 1:, None], axis=-1)
+    return float(math.exp(nll.mean()))
+
+
+def compare_with_llamacpp(lm, path: str | Path, windows: torch.Tensor,
+                          threads: int | None = None) -> dict:
+    """Score ``windows`` (``[N, T]`` token ids) with ``lm`` and with the GGUF file ``path``
+    inside llama.cpp: the largest absolute difference of next-token log-probabilities,
+    the mean one, both perplexities and their relative difference."""
+    ours = prunelab_logprobs(lm, windows)
+    theirs = llamacpp_logprobs(path, windows, threads)
+    if ours.shape != theirs.shape:
+        raise ConfigError(f"llama.cpp returned {theirs.shape} log-probabilities, prunelab "
+                          f"{ours.shape}: not the same vocabulary")
+    diff = np.abs(ours - theirs)
+    ppl, ppl_cpp = _perplexity(ours, windows), _perplexity(theirs, windows)
+    return {"windows": int(windows.shape[0]), "seqlen": int(windows.shape[1]),
+            "max_abs_logprob_diff": float(diff.max()),
+            "mean_abs_logprob_diff": float(diff.mean()),
+            "perplexity": ppl, "llamacpp_perplexity": ppl_cpp,
+            "perplexity_rel_diff": abs(ppl_cpp - ppl) / ppl}
