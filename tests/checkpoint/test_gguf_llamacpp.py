@@ -1,0 +1,109 @@
+"""GGUF exports run inside llama.cpp (``llama-cpp-python``, built by the test command) and
+give the log-probabilities of prunelab's own forward: tiny uniform and ``deci`` models in
+the default run, SmolLM2 and Qwen2.5-Coder 0.5B (dense, depth, per-block widths, removed
+sublayers) in the slow run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import prunelab
+from prunelab import Depth, Width
+from prunelab.checkpoint.gguf_export import write_gguf
+from prunelab.data import TokenBatches
+from prunelab.eval.llamacpp import compare_with_llamacpp
+from prunelab.models.loading import wrap
+from prunelab.models.sublayer import remove_sublayers
+
+from tiny_models import tiny_model, tiny_tokens
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is built by scripts/test.sh")
+
+IDS = tiny_tokens(4, 12)
+CALIB = TokenBatches(input_ids=IDS, spec="tiny", seqlen=12, samples=4, seed=0, mode="calib",
+                     total_windows=4, sha256="0")
+
+
+def _tiny(arch="llama"):
+    from test_gguf_export import bpe_tokenizer
+
+    return wrap(tiny_model(arch), bpe_tokenizer(), spec=f"tiny-{arch}")
+
+
+def _global_width(lm):
+    prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.25, allocation="global"),
+                   CALIB, batch_size=2)
+    return lm
+
+
+CASES = {
+    "llama": lambda: _tiny(),
+    "qwen2": lambda: _tiny("qwen2"),
+    "depth": lambda: _depth(_tiny()),
+    "deci-widths": lambda: _global_width(_tiny()),
+    "deci-sublayers": lambda: _sublayers(_tiny()),
+}
+
+
+def _depth(lm):
+    prunelab.prune(lm, Depth(remove=1, recovery="foldable"), CALIB, batch_size=2)
+    return lm
+
+
+def _sublayers(lm):
+    remove_sublayers(lm, [(1, "attention"), (2, "mlp")])
+    return lm
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_exports_agree_with_prunelab_inside_llamacpp(case, tmp_path):
+    lm = CASES[case]()
+    rep = write_gguf(lm, tmp_path / "m.gguf", "f32")
+    assert rep["arch"] == ("deci" if case.startswith("deci") else
+                           "qwen2" if case == "qwen2" else "llama")
+    got = compare_with_llamacpp(lm, tmp_path / "m.gguf", tiny_tokens(3, 16, seed=5),
+                                threads=1)
+    assert got["max_abs_logprob_diff"] < 1e-3, got
+    assert got["perplexity_rel_diff"] < 1e-4, got
+
+
+def _real_windows(lm, n=4, seqlen=128):
+    from prunelab.data import make_batches
+
+    return make_batches(lm.tokenizer, "wiki-vital:test", seqlen=seqlen, samples=n,
+                        mode="test").input_ids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dense", "depth", "widths", "sublayers"])
+def test_smollm2_exports_match_prunelab_perplexity_inside_llamacpp(case, tmp_path):
+    lm = prunelab.load("smollm2-135m")
+    calib = "wiki-vital:calib"
+    if case == "depth":
+        prunelab.prune(lm, Depth(remove=6, recovery="foldable"), calib, samples=8, seqlen=128)
+    elif case == "widths":
+        prunelab.prune(lm, Width(unit="ffn", score="wanda-sp", ratio=0.2, allocation="global"),
+                       calib, samples=8, seqlen=128)
+    elif case == "sublayers":
+        remove_sublayers(lm, [(3, "attention"), (7, "mlp"), (12, "attention"), (20, "mlp")])
+    windows = _real_windows(lm)
+    rep = write_gguf(lm, tmp_path / "f32.gguf", "f32")
+    assert rep["arch"] == ("deci" if case in ("widths", "sublayers") else "llama")
+    got = compare_with_llamacpp(lm, tmp_path / "f32.gguf", windows, threads=2)
+    assert got["perplexity_rel_diff"] < 0.005, got
+    assert got["max_abs_logprob_diff"] < 0.05, got
+    write_gguf(lm, tmp_path / "f16.gguf", "f16")
+    got = compare_with_llamacpp(lm, tmp_path / "f16.gguf", windows, threads=2)
+    assert got["perplexity_rel_diff"] < 0.01, got
+
+
+@pytest.mark.slow
+def test_qwen_depth_pruned_export_matches_inside_llamacpp(tmp_path):
+    lm = prunelab.load("qwen2.5-coder-0.5b")
+    prunelab.prune(lm, Depth(remove=4, recovery="foldable"), "wiki-vital:calib", samples=8,
+                   seqlen=128)
+    rep = write_gguf(lm, tmp_path / "q.gguf", "f32")
+    assert rep["arch"] == "qwen2" and rep["blocks"] == 20
+    got = compare_with_llamacpp(lm, tmp_path / "q.gguf", _real_windows(lm, 2), threads=2)
+    assert got["perplexity_rel_diff"] < 0.005, got
