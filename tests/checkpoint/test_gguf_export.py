@@ -160,7 +160,7 @@ def test_refusals_name_the_reason():
         plan_gguf(tiny_model("gemma3_text"))
 
 
-def test_cli_writes_a_file_and_refuses_in_one_line(tmp_path):
+def test_cli_writes_a_file_and_refuses_in_one_line(tmp_path, capsys):
     from prunelab.cli import cli_main
 
     ckpt = save_tiny_checkpoint("llama", tmp_path / "tiny")
@@ -179,8 +179,10 @@ def test_cli_writes_a_file_and_refuses_in_one_line(tmp_path):
                       (["--out", str(tmp_path / "y.gguf"), "--outtype", "q4"], "f32 | f16"),
                       (["--out", str(tmp_path / "y.gguf"), "--budget", "keep-units:0.5"],
                        "--budget cuts an elastic")):
+        capsys.readouterr()
         rc = cli_main(["--quiet", "export", "--model", str(ckpt), "--format", "gguf", *args])
-        assert rc == 2, args
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert rc == 2 and len(err) == 1 and msg in err[0], (args, err)
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny", "tiny.gguf"]
 

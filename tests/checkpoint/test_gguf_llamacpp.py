@@ -6,7 +6,6 @@ sublayers) in the slow run."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import prunelab
 from prunelab import Depth, Width
