@@ -14,9 +14,13 @@ as ``[--flag VALUE]`` is checked with it). In the default run, fast:
   one error it may give is that folder's absence.
 
 Marked ``slow``: each command on a text model runs for real, in the order of its page, on the
-embedded models with small samples (``--samples 2 --seqlen 32``, a few steps; outputs under a
-temporary folder, where later commands of the page find them). Commands that need a GPU, a
-network, a cluster or files a user supplies are in :data:`SKIP` with the reason.
+embedded models with small samples (``--samples 2 --seqlen 32``, a few steps, grids cut to two
+points; outputs under a temporary folder, where later commands of the page find them).
+Commands that need a GPU, a network, a cluster or files a user supplies are in :data:`SKIP`
+with the reason. The slow run takes the front door (:data:`FRONT`: README.md,
+real-models.md, serving.md); every page runs with ``PRUNELAB_DOCS_RUN=all`` (measured at
+about 40 minutes on two cores: more than the slow tier's budget). ``PRUNELAB_DOCS_TIMES=FILE``
+appends each command's seconds to FILE.
 """
 
 from __future__ import annotations
@@ -202,6 +206,7 @@ TEXT_CASES = _text_model_cases()
 
 def test_the_text_commands_are_most_of_them():
     assert len(TEXT_CASES) >= 50
+    assert set(FRONT) <= {w for w, _, _ in TEXT_CASES}  # every front page runs something
 
 
 @pytest.mark.parametrize("where,line,command", TEXT_CASES,
@@ -293,11 +298,16 @@ def _small(words: list[str], where_dir: Path) -> list[str]:
     return out
 
 
+#: the pages whose commands the slow run executes (all of them with PRUNELAB_DOCS_RUN=all)
+FRONT = ("README.md", "real-models.md", "serving.md")
+
+
 def _page_runs():
     pages: dict[str, list[tuple[int, str]]] = {}
     for where, line, command in TEXT_CASES:
         pages.setdefault(where, []).append((line, command))
-    return sorted(pages.items())
+    every = os.environ.get("PRUNELAB_DOCS_RUN") == "all"
+    return sorted((w, c) for w, c in pages.items() if every or w in FRONT)
 
 
 @pytest.mark.slow
