@@ -18,8 +18,9 @@ embedded models with small samples (``--samples 2 --seqlen 32``, a few steps, gr
 points; outputs under a temporary folder, where later commands of the page find them).
 Commands that need a GPU, a network, a cluster or files a user supplies are in :data:`SKIP`
 with the reason. The slow run takes the front door (:data:`FRONT`: README.md,
-real-models.md, serving.md); every page runs with ``PRUNELAB_DOCS_RUN=all`` (measured at
-about 40 minutes on two cores: more than the slow tier's budget). ``PRUNELAB_DOCS_TIMES=FILE``
+real-models.md, serving.md); every page runs with ``PRUNELAB_DOCS_RUN=all`` (the first 29
+commands, README.md to factorization.md, took 20 minutes on two shared cores, so all pages
+would overrun the slow tier's budget). ``PRUNELAB_DOCS_TIMES=FILE``
 appends each command's seconds to FILE.
 """
 
