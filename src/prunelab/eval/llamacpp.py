@@ -75,17 +75,23 @@ def _perplexity(logprobs: np.ndarray, windows: torch.Tensor) -> float:
 def compare_with_llamacpp(lm, path: str | Path, windows: torch.Tensor,
                           threads: int | None = None) -> dict:
     """Score ``windows`` (``[N, T]`` token ids) with ``lm`` and with the GGUF file ``path``
-    inside llama.cpp: the largest absolute difference of next-token log-probabilities,
-    the mean one, both perplexities and their relative difference."""
+    inside llama.cpp: the largest and the mean absolute difference of the next-token
+    log-probabilities over the whole vocabulary (llama.cpp keeps its KV cache in float16, so
+    the far tail of improbable tokens differs most), the largest one of the tokens that
+    follow (what the perplexity sums), both perplexities and their relative difference."""
     ours = prunelab_logprobs(lm, windows)
     theirs = llamacpp_logprobs(path, windows, threads)
     if ours.shape != theirs.shape:
         raise ConfigError(f"llama.cpp returned {theirs.shape} log-probabilities, prunelab "
                           f"{ours.shape}: not the same vocabulary")
     diff = np.abs(ours - theirs)
+    ids = windows.numpy()[:, 1:, None]
+    target = np.abs(np.take_along_axis(ours[:, :-1], ids, -1)
+                    - np.take_along_axis(theirs[:, :-1], ids, -1))
     ppl, ppl_cpp = _perplexity(ours, windows), _perplexity(theirs, windows)
     return {"windows": int(windows.shape[0]), "seqlen": int(windows.shape[1]),
             "max_abs_logprob_diff": float(diff.max()),
             "mean_abs_logprob_diff": float(diff.mean()),
+            "max_abs_target_logprob_diff": float(target.max()),
             "perplexity": ppl, "llamacpp_perplexity": ppl_cpp,
             "perplexity_rel_diff": abs(ppl_cpp - ppl) / ppl}
