@@ -7,15 +7,16 @@ Rows (``--rows``, comma-separated; default all):
   foldable recovery), then heal with cross-entropy / logit distillation / hidden-state MSE
   (the teacher is the dense model);
 * ``wanda50``: 50 % Wanda, then heal (the zero pattern is kept: the row checks it);
-* ``ffn20-wanda-sp``: ``prune width --unit ffn --score wanda-sp --budget remove-units:0.2``, then heal;
-* ``ffn20-rep-lie``: heal with ``--prune rep-lie --unit ffn --budget remove-units:0.2`` from the dense
-  model (pruning while tuning, 4 events of 5 %), same budget as the row above;
+* ``ffn20-wanda-sp``: ``prune width --unit ffn --score wanda-sp --budget remove-units:0.2``,
+  then heal;
+* ``ffn20-rep-lie``: heal with ``--prune rep-lie --unit ffn --budget remove-units:0.2`` from
+  the dense model (pruning while tuning, 4 events of 5 %), same budget as the row above;
 * ``depth6-bi``: remove 6 blocks by block influence (no recovery), then heal;
 * ``span6-fold-ce`` / ``span6-ghost-ce``: remove the best span of 6 blocks by span angular
   with foldable (plain checkpoint) / ghost (remote code; the bridges stay frozen) recovery,
   the best training-free 6-block pipelines of docs/depth.md, then heal with cross-entropy;
-* ``depth6-cascadeflow``: heal with ``--prune cascadeflow --budget remove-blocks:6`` from the dense model
-  (one block per event), same budget.
+* ``depth6-cascadeflow``: heal with ``--prune cascadeflow --budget remove-blocks:6`` from the
+  dense model (one block per event), same budget.
 
 Training text: ``wiki-vital:calib`` windows of ``--seqlen`` tokens (the last
 ``--heldout`` windows are kept apart for early stopping); test perplexity on the first
