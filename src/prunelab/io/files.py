@@ -264,33 +264,18 @@ def check_not_input(path: str | Path, inputs: Mapping[str, Any] | Iterable,
 def write_json(path: str | Path, obj: Any, overwrite: bool = False) -> Path:
     """Write ``obj`` as indented JSON atomically and durably (fsynced temp file renamed
     into place under the output lock). ``overwrite`` replaces a file, never a folder."""
-    path = Path(path)
-    _check_target(path, overwrite, "file")
-    with _os_errors(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with output_lock(path):
-            clean_leftovers(path)
-            _check_target(path, overwrite, "file")
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
-            try:
-                os.fchmod(fd, usual_mode())
-                with os.fdopen(fd, "w") as fh:
-                    json.dump(obj, fh, indent=2, default=_json_default)
-                    fh.write("\n")
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                _install(Path(tmp), path, overwrite, "file")
-            finally:
-                with suppress(FileNotFoundError):
-                    os.unlink(tmp)
-    return path
+    with atomic_file(path, overwrite) as tmp, open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, default=_json_default)
+        fh.write("\n")
+    return Path(path)
 
 
 @contextmanager
 def atomic_file(path: str | Path, overwrite: bool = False) -> Iterator[Path]:
     """A temporary file beside ``path`` for a writer that takes a path (e.g. the ``gguf``
-    package's); when the block ends it is fsynced and moved onto ``path`` like
-    :func:`write_text` (an existing file replaced only with ``overwrite``); on any error,
+    package's, or :func:`write_json` / :func:`write_text`); when the block ends it is
+    fsynced and moved onto ``path`` (an existing file replaced only with ``overwrite``, a
+    folder never); on any error,
     Ctrl-C included, it is removed and ``path`` is left as it was."""
     path = Path(path)
     _check_target(path, overwrite, "file")
@@ -319,25 +304,9 @@ def write_text(path: str | Path, text: str, overwrite: bool = False) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically and durably, like :func:`write_json`:
     an existing file is replaced only with ``overwrite``, a folder never; a failure (a full
     disk included) is one line and leaves nothing behind."""
-    path = Path(path)
-    _check_target(path, overwrite, "file")
-    with _os_errors(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with output_lock(path):
-            clean_leftovers(path)
-            _check_target(path, overwrite, "file")
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=temp_prefix(path))
-            try:
-                os.fchmod(fd, usual_mode())
-                with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                    fh.write(text)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                _install(Path(tmp), path, overwrite, "file")
-            finally:
-                with suppress(FileNotFoundError):
-                    os.unlink(tmp)
-    return path
+    with atomic_file(path, overwrite) as tmp, open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return Path(path)
 
 
 def _json_default(obj):
