@@ -14,7 +14,8 @@ import transformers as tf
 
 import prunelab
 from prunelab import Depth, Width
-from prunelab.checkpoint.gguf_export import _interleave_rope_rows, plan_gguf, write_gguf
+from prunelab.checkpoint.gguf_export import plan_gguf, write_gguf
+from prunelab.models.gguf_llama import interleave_rope_rows, split_rope_rows
 from prunelab.data import TokenBatches
 from prunelab.errors import UnsupportedOperationError
 from prunelab.models.loading import wrap
@@ -60,10 +61,10 @@ def logits(lm, ids=IDS):
 def test_rope_rows_interleave_the_two_halves_of_each_head():
     # one head of 4 rows (d/2 = 2): halves (r0, r1 | r2, r3) -> pairs (r0, r2, r1, r3)
     w = np.arange(8, dtype=np.float32).reshape(4, 2)
-    assert _interleave_rope_rows(w, 1)[:, 0].tolist() == [0, 4, 2, 6]
+    assert interleave_rope_rows(w, 1)[:, 0].tolist() == [0, 4, 2, 6]
     # two heads: each head reordered in place
     w = np.arange(8, dtype=np.float32)
-    assert _interleave_rope_rows(w, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert interleave_rope_rows(w, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

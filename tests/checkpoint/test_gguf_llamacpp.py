@@ -93,6 +93,16 @@ def test_smollm2_exports_match_prunelab_perplexity_inside_llamacpp(case, tmp_pat
     assert got["perplexity_rel_diff"] < 0.005, got
     assert got["max_abs_target_logprob_diff"] < 0.05, got
     assert got["mean_abs_logprob_diff"] < 0.01, got
+    if rep["arch"] == "deci":  # prunelab reads its deci file back: same logits, same tokens
+        import torch
+
+        back = prunelab.load(str(tmp_path / "f32.gguf"))
+        text = "Pruning removes 12.5% of the weights; does the model notice?"
+        assert back.tokenizer(text).input_ids == lm.tokenizer(text).input_ids
+        with torch.no_grad():
+            a = lm.model(input_ids=windows[:2], use_cache=False).logits
+            b = back.model(input_ids=windows[:2], use_cache=False).logits
+        assert (a - b).abs().max() < 1e-3
     write_gguf(lm, tmp_path / "f16.gguf", "f16")
     got = compare_with_llamacpp(lm, tmp_path / "f16.gguf", windows, threads=2)
     assert got["perplexity_rel_diff"] < 0.01, got

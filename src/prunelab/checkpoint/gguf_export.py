@@ -42,23 +42,13 @@ import numpy as np
 import torch
 
 from prunelab.errors import UnsupportedOperationError
+from prunelab.models.gguf_llama import BLOCK_NAMES, TOP_NAMES, interleave_rope_rows
 
 #: Hugging Face ``model_type`` -> GGUF architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 #: output type -> (GGML tensor type of 2-D weights, ``general.file_type``)
 OUT_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
              "bf16": ("BF16", "MOSTLY_BF16")}
-#: Hugging Face name inside a block -> llama.cpp name inside ``blk.N``
-BLOCK_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-             "lm_head": "output"}
-
-
 @dataclass(frozen=True)
 class GGUFPlan:
     """What will be written: the architecture, per-block widths (query heads, KV heads and
@@ -187,14 +177,6 @@ def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[list, list, li
     return heads, kv, ffn
 
 
-def _interleave_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """Hugging Face's half-split rotary layout -> llama.cpp's interleaved pairs (rows
-    reordered within each head; a bias is reordered the same way)."""
-    rows = w.shape[0]
-    return (w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2)
-            .reshape(w.shape))
-
-
 def source_gguf(spec: str, depth: int = 32) -> Path | None:
     """The GGUF file ``spec`` descends from: an embedded GGUF model, a ``.gguf`` path, or
     a prunelab checkpoint whose manifest's ``source_model`` leads to one; else ``None``."""
@@ -289,7 +271,7 @@ def _tensor_data(t: torch.Tensor, rope: int, qtype) -> tuple[np.ndarray, object]
 
     a = t.detach().to("cpu", torch.float32).numpy()
     if rope:
-        a = _interleave_rope_rows(a, rope)
+        a = interleave_rope_rows(a, rope)
     if a.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
         return np.ascontiguousarray(a, dtype=np.float32), gguf.GGMLQuantizationType.F32
     if qtype == gguf.GGMLQuantizationType.F16:

@@ -31,6 +31,7 @@ from prunelab.errors import (
     ModelNotFoundError,
     PickleRefusedError,
     UnsupportedArchitectureError,
+    UnsupportedOperationError,
 )
 from prunelab.io.hub import offline_reason
 from prunelab.log import info, warn
@@ -109,6 +110,17 @@ def _is_hub_id(spec: str) -> bool:
 _GGUF_ERRORS = (ValueError, OSError, KeyError, IndexError, EOFError, struct.error)
 
 
+def _deci_file(spec: str) -> Path | None:
+    """The path of ``spec`` when it is a ``.gguf`` file of llama.cpp's ``deci``
+    architecture (per-block widths: :mod:`prunelab.models.gguf_llama`)."""
+    if not isinstance(spec, str) or not spec.endswith(".gguf"):
+        return None
+    from prunelab.models.gguf_llama import gguf_architecture
+
+    path = Path(spec).expanduser()
+    return path.resolve() if path.is_file() and gguf_architecture(path) == "deci" else None
+
+
 def convert_gguf(path: Path, name: str | None = None) -> Path:
     """De-quantize a GGUF file once into a normal checkpoint in the cache; return its dir.
 
@@ -126,6 +138,12 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     target = cache_dir() / "converted" / key
     if (target / "config.json").is_file():
         return target
+    from prunelab.models.gguf_llama import gguf_architecture
+
+    if gguf_architecture(path) == "deci":
+        raise UnsupportedOperationError(
+            f"{path.name} is a deci GGUF file (per-block widths): it loads in memory only, "
+            "not streamed or converted; drop --stream")
     info(f"prunelab: converting {path.name} to a float checkpoint in {target} (once)")
     start = time.time()
     from prunelab.models.gguf_stream import convert_gguf_streamed  # one tensor at a time
@@ -376,6 +394,15 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
         transformers.utils.logging.disable_progress_bar()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    deci = _deci_file(spec)
+    if deci is not None:  # llama.cpp's per-block form: no transformers reader, built here
+        from prunelab.models.gguf_llama import load_deci
+
+        model, tok, operations = load_deci(deci, dt)
+        lm = LoadedModel(model=model.to(dev), tokenizer=tok, spec=spec, source=str(deci),
+                         dtype=dt, device=dev)
+        lm.history.extend(op for op in operations if isinstance(op, dict))
+        return lm
     source = resolve_source(spec)
     cfg = _load_config(source, trust_remote_code)
     fam = family_for_model_type(getattr(cfg, "model_type", None))
