@@ -15,9 +15,9 @@ import transformers as tf
 import prunelab
 from prunelab import Depth, Width
 from prunelab.checkpoint.gguf_export import plan_gguf, write_gguf
-from prunelab.models.gguf_llama import interleave_rope_rows, split_rope_rows
 from prunelab.data import TokenBatches
 from prunelab.errors import UnsupportedOperationError
+from prunelab.models.gguf_llama import interleave_rope_rows
 from prunelab.models.loading import wrap
 
 from tiny_models import VOCAB, save_tiny_checkpoint, tiny_model, tiny_tokens
