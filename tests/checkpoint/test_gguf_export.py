@@ -200,3 +200,18 @@ def test_cli_refusal_leaves_no_file(tmp_path, capsys):
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1 and err[0].startswith("error: GGUF export:"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g"]
+
+
+def test_quantized_type_without_llama_cpp_is_one_line_before_loading(tmp_path, capsys,
+                                                                    monkeypatch):
+    import sys
+
+    from prunelab.cli import cli_main
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    rc = cli_main(["--quiet", "export", "--model", str(tmp_path / "nowhere"), "--format",
+                   "gguf", "--outtype", "q8_0", "--out", str(tmp_path / "q.gguf")])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    # refused before the (missing) model is even looked for
+    assert rc == 2 and len(err) == 1 and "llama-cpp-python" in err[0], err
+    assert list(tmp_path.iterdir()) == []

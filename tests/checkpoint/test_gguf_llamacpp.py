@@ -117,3 +117,53 @@ def test_qwen_depth_pruned_export_matches_inside_llamacpp(tmp_path):
     assert rep["arch"] == "qwen2" and rep["blocks"] == 20
     got = compare_with_llamacpp(lm, tmp_path / "q.gguf", _real_windows(lm, 2), threads=2)
     assert got["perplexity_rel_diff"] < 0.005, got
+
+
+@pytest.mark.parametrize("out_type", ["q8_0", "q4_k_m"])
+def test_quantized_types_come_from_llamacpps_quantizer(out_type, tmp_path):
+    import gguf
+    import torch
+
+    from prunelab.checkpoint.gguf_export import tensor_types
+
+    lm = _sublayers(_tiny())  # deci
+    rep = write_gguf(lm, tmp_path / "q.gguf", out_type)
+    types = tensor_types(tmp_path / "q.gguf")
+    assert rep["tensor_types"] == types and rep["out_type"] == out_type
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf"]  # no intermediate left
+    reader = gguf.GGUFReader(tmp_path / "q.gguf")
+    by_name = {t.name: t.tensor_type.name for t in reader.tensors}
+    if out_type == "q8_0":
+        # rows of 32 values quantize; ffn_down's rows hold 48 (not a multiple of 32): f16
+        assert by_name["blk.0.attn_q.weight"] == "Q8_0"
+        assert by_name["blk.0.ffn_down.weight"] == "F16"
+    else:  # every row is shorter than a k-quant block of 256: all fall back
+        assert not {"Q4_K", "Q5_K", "Q6_K"} & set(types)
+    assert by_name["blk.0.attn_norm.weight"] == "F32"
+    assert any("fell back" in n for n in rep["notes"])
+    # llama.cpp runs it; prunelab reads it back (deci reader, de-quantized by gguf)
+    got = compare_with_llamacpp(lm, tmp_path / "q.gguf", tiny_tokens(2, 16, seed=5),
+                                threads=1)
+    assert got["perplexity_rel_diff"] < 0.05, got
+    back = prunelab.load(str(tmp_path / "q.gguf"))
+    with torch.no_grad():
+        diff = (back.model(input_ids=IDS, use_cache=False).logits
+                - lm.model(input_ids=IDS, use_cache=False).logits).abs().max()
+    assert 0 < diff < 0.2
+
+
+def test_cli_writes_q8_0_and_names_the_tensor_types(tmp_path, capsys):
+    from prunelab.cli import cli_main
+
+    from tiny_models import save_tiny_checkpoint
+    from test_gguf_export import bpe_tokenizer
+
+    ckpt = save_tiny_checkpoint("llama", tmp_path / "tiny")
+    bpe_tokenizer().save_pretrained(ckpt)
+    out = tmp_path / "t.gguf"
+    assert cli_main(["export", "--model", str(ckpt), "--format", "gguf", "--outtype", "q8_0",
+                     "--out", str(out)]) == 0
+    text = capsys.readouterr()
+    assert "q8_0 (" in text.out and "Q8_0" in text.out, text.out
+    assert "fell back to F16" in text.err  # the 48-value rows of ffn_down
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.gguf", "tiny"]

@@ -35,6 +35,7 @@ before a size is cut, rotary scaling other than the default, and other architect
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,11 @@ ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 #: output type -> (GGML tensor type of 2-D weights, ``general.file_type``)
 OUT_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
              "bf16": ("BF16", "MOSTLY_BF16")}
+#: quantized output types -> llama.cpp's file type (quantized by llama.cpp itself)
+QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+#: the GGML types llama.cpp's recipe for each quantized type uses (others: a fallback)
+QUANT_FAMILY = {"q8_0": {"Q8_0"}, "q6_k": {"Q6_K"}, "q4_k_m": {"Q4_K", "Q5_K", "Q6_K"}}
 @dataclass(frozen=True)
 class GGUFPlan:
     """What will be written: the architecture, per-block widths (query heads, KV heads and
@@ -289,9 +295,10 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
     from prunelab._version import __version__
     from prunelab.io.files import atomic_file
 
+    if out_type in QUANT_TYPES:
+        return _write_quantized(lm, path, out_type, overwrite, name, operations)
     if out_type not in OUT_TYPES:
-        raise _refuse(f"output type {out_type!r}: f32 | f16 | bf16 (quantized types come "
-                      "from llama.cpp's own quantizer)")
+        raise _refuse(f"output type {out_type!r}: {' | '.join([*OUT_TYPES, *QUANT_TYPES])}")
     model = lm.model
     plan = plan_gguf(model)
     cfg = model.config
@@ -342,3 +349,73 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
             "bytes": Path(path).stat().st_size,
             "tokenizer": f"copied from {src.name}" if copied else "built from tokenizer.json",
             "notes": notes}
+
+
+def quantize_gguf(src: str | Path, dst: str | Path, out_type: str,
+                  threads: int | None = None) -> None:
+    """Quantize the GGUF file ``src`` into ``dst`` with llama.cpp's own quantizer
+    (``llama_model_quantize`` through ``llama-cpp-python``): ``out_type`` is one of
+    :data:`QUANT_TYPES`. llama.cpp keeps a tensor whose rows are not a multiple of the
+    type's block (32 values for q8_0, 256 for the k-quants) in a fallback type."""
+    import os
+
+    from prunelab.models.gguf_llama import require_llama_cpp
+
+    llama_cpp = require_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_TYPES[out_type])
+    params.nthread = threads or os.cpu_count() or 1
+    with llama_cpp.suppress_stdout_stderr(disable=False):
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise _refuse(f"llama.cpp's quantizer failed on {Path(src).name} ({out_type}, code "
+                      f"{rc})")
+
+
+def tensor_types(path: str | Path) -> dict[str, int]:
+    """How many tensors of each GGML type the GGUF file ``path`` holds."""
+    import collections
+
+    import gguf
+
+    return dict(collections.Counter(t.tensor_type.name
+                                    for t in gguf.GGUFReader(path).tensors))
+
+
+def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations) -> dict:
+    """Write an f16 (bf16 for a bfloat16 model) GGUF beside ``path``, quantize it into
+    ``path`` with llama.cpp (atomic), remove the intermediate; report the tensor types,
+    with a note when some weights fell back (widths not a multiple of the block)."""
+    import tempfile
+
+    from prunelab.io.files import atomic_file, check_output_path
+    from prunelab.models.gguf_llama import require_llama_cpp
+
+    require_llama_cpp()  # before any work
+    check_output_path(path, kind="file", overwrite=overwrite)
+    plan_gguf(lm.model)  # refusals before writing anything
+    half = "bf16" if lm.model.dtype == torch.bfloat16 else "f16"
+    path = Path(path)
+    fd, mid = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".f16.tmp")
+    os.close(fd)
+    os.unlink(mid)
+    try:
+        rep = write_gguf(lm, mid, half, overwrite=True, name=name or Path(str(lm.spec)).name,
+                         operations=operations)
+        with atomic_file(path, overwrite=overwrite) as tmp:
+            quantize_gguf(mid, tmp, out_type)
+    finally:
+        Path(mid).unlink(missing_ok=True)
+    types = tensor_types(path)
+    block = 32 if out_type == "q8_0" else 256
+    fell = {t: n for t, n in types.items() if t != "F32" and t not in QUANT_FAMILY[out_type]}
+    notes = list(rep["notes"])
+    if fell:
+        notes.append(f"{sum(fell.values())} weight tensors fell back to "
+                     f"{', '.join(sorted(fell))}: their rows are not a multiple of {block} "
+                     f"values (prune with --round-to {block})")
+    rep.update(path=str(path), out_type=out_type, bytes=path.stat().st_size,
+               tensor_types=types, intermediate=half, notes=notes,
+               quantizer=f"llama.cpp (llama-cpp-python {require_llama_cpp().__version__})")
+    rep.pop("tensor_bytes", None)
+    return rep

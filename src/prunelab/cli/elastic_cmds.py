@@ -108,7 +108,9 @@ def export_cmd(
         round_to: Optional[int] = typer.Option(None, help="checkpoint: FFN widths kept are "
                                                "multiples of this (default 8)"),
         outtype: Optional[str] = typer.Option(None, help="gguf: f32 | f16 (the default) | "
-                                              "bf16: the type of the 2-D weights"),
+                                              "bf16 | q8_0 | q6_k | q4_k_m: the type of "
+                                              "the 2-D weights (quantized by llama.cpp's own "
+                                              "quantizer: needs llama-cpp-python)"),
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
     """Cut a size from an elastic checkpoint (`prunelab prune elastic`), in seconds, with
@@ -147,8 +149,10 @@ def _export_gguf(model: str, out_path: Path, outtype: str, overwrite: bool, dtyp
     with writing(out_path, "file", overwrite, inputs={"--model": model}):
         rep = export_gguf(model, out_path, outtype, overwrite=overwrite, device=device,
                           dtype=dtype, trust_remote_code=trust_remote_code)
-    out.print(f"wrote {out_path}: {rep['arch']}, {rep['blocks']} blocks, {rep['out_type']}, "
-              f"{fmt_bytes(rep['bytes'])}; tokenizer {rep['tokenizer']}")
+    types = rep.get("tensor_types")
+    kinds = f" ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})" if types else ""
+    out.print(f"wrote {out_path}: {rep['arch']}, {rep['blocks']} blocks, {rep['out_type']}"
+              f"{kinds}, {fmt_bytes(rep['bytes'])}; tokenizer {rep['tokenizer']}")
     for note in rep["notes"]:
         log.warn(note)
 

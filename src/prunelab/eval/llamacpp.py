@@ -18,16 +18,7 @@ import numpy as np
 import torch
 
 from prunelab.errors import ConfigError
-
-
-def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        raise ConfigError("scoring inside llama.cpp needs llama-cpp-python: pip install "
-                          "'prunelab[llamacpp]' (it compiles llama.cpp; see the README)"
-                          ) from exc
-    return llama_cpp
+from prunelab.models.gguf_llama import require_llama_cpp
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -40,7 +31,7 @@ def llamacpp_logprobs(path: str | Path, windows: torch.Tensor,
                       threads: int | None = None) -> np.ndarray:
     """``[N, T, V]`` float64 log-probabilities llama.cpp computes for each of the ``N``
     windows of ``T`` token ids (row ``t``: the distribution of token ``t + 1``)."""
-    llama_cpp = _llama_cpp()
+    llama_cpp = require_llama_cpp()
     n, t = windows.shape
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(t, 8), n_batch=max(t, 8),
                           logits_all=True, verbose=False, seed=0,

@@ -59,6 +59,19 @@ def split_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
+def require_llama_cpp():
+    """The ``llama_cpp`` module (``llama-cpp-python``), or a one-line ConfigError saying how
+    to install it (it compiles llama.cpp; the README gives the flags)."""
+    from prunelab.errors import ConfigError
+
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ConfigError("this needs llama-cpp-python: pip install 'prunelab[llamacpp]' (it "
+                          "compiles llama.cpp; see the README for the build flags)") from exc
+    return llama_cpp
+
+
 def gguf_architecture(path: str | Path) -> str | None:
     """``general.architecture`` of the GGUF file ``path`` (None when unreadable)."""
     import gguf

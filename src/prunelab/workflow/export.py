@@ -31,9 +31,15 @@ def export_gguf(model: str, out: str | Path, out_type: str = "f16",
     """``prunelab export --format gguf --model M --out FILE.gguf``: load ``model`` (a
     prunelab checkpoint, an embedded model, a hub id) and write it as one GGUF file; the
     file's ``prunelab.operations`` key holds the checkpoint's operations."""
-    from prunelab.checkpoint.gguf_export import write_gguf
-    from prunelab.errors import UnsupportedOperationError
+    from prunelab.checkpoint.gguf_export import OUT_TYPES, QUANT_TYPES, write_gguf
+    from prunelab.errors import ConfigError, UnsupportedOperationError
+    from prunelab.models.gguf_llama import require_llama_cpp
 
+    if out_type not in OUT_TYPES and out_type not in QUANT_TYPES:
+        raise ConfigError(f"--outtype must be one of {' | '.join([*OUT_TYPES, *QUANT_TYPES])}"
+                          f", got {out_type!r}")
+    if out_type in QUANT_TYPES:
+        require_llama_cpp()  # before the model is loaded
     check_output_path(out, kind="file", overwrite=overwrite, inputs={"--model": model})
     if (Path(model) / "elastic.json").is_file():
         raise UnsupportedOperationError(
