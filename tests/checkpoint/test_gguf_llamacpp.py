@@ -153,10 +153,11 @@ def test_quantized_types_come_from_llamacpps_quantizer(out_type, tmp_path):
 
 
 def test_cli_writes_q8_0_and_names_the_tensor_types(tmp_path, capsys):
+    from test_gguf_export import bpe_tokenizer
+
     from prunelab.cli import cli_main
 
     from tiny_models import save_tiny_checkpoint
-    from test_gguf_export import bpe_tokenizer
 
     ckpt = save_tiny_checkpoint("llama", tmp_path / "tiny")
     bpe_tokenizer().save_pretrained(ckpt)

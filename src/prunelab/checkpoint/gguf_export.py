@@ -286,17 +286,20 @@ def _tensor_data(t: torch.Tensor, rope: int, qtype) -> tuple[np.ndarray, object]
 
 
 def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = False,
-               name: str | None = None, operations: list | None = None) -> dict:
+               name: str | None = None, operations: list | None = None,
+               extra: dict[str, str] | None = None) -> dict:
     """Write ``lm`` (a LoadedModel) to the GGUF file ``path`` (atomic: a failure leaves no
-    file) with 2-D weights in ``out_type`` (f32 | f16 | bf16). Returns what was written:
-    architecture, blocks, output type, tensors, bytes, tokenizer source and notes."""
+    file) with 2-D weights in ``out_type`` (f32 | f16 | bf16, or a :data:`QUANT_TYPES`
+    type through llama.cpp's quantizer); ``extra``: more string keys for the header.
+    Returns what was written: architecture, blocks, output type, tensors, bytes, tokenizer
+    source and notes."""
     import gguf
 
     from prunelab._version import __version__
     from prunelab.io.files import atomic_file
 
     if out_type in QUANT_TYPES:
-        return _write_quantized(lm, path, out_type, overwrite, name, operations)
+        return _write_quantized(lm, path, out_type, overwrite, name, operations, extra)
     if out_type not in OUT_TYPES:
         raise _refuse(f"output type {out_type!r}: {' | '.join([*OUT_TYPES, *QUANT_TYPES])}")
     model = lm.model
@@ -326,6 +329,8 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
             writer.add_value_length(plan.head_dim)
         writer.add_string("prunelab.version", __version__)
         writer.add_string("prunelab.operations", json.dumps(operations or [], default=str))
+        for key, value in (extra or {}).items():
+            writer.add_string(key, str(value))
         src = source_gguf(str(lm.spec))
         copied = src is not None and _copy_tokenizer(writer, src, vocab)
         if not copied:
@@ -382,7 +387,8 @@ def tensor_types(path: str | Path) -> dict[str, int]:
                                     for t in gguf.GGUFReader(path).tensors))
 
 
-def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations) -> dict:
+def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations,
+                     extra) -> dict:
     """Write an f16 (bf16 for a bfloat16 model) GGUF beside ``path``, quantize it into
     ``path`` with llama.cpp (atomic), remove the intermediate; report the tensor types,
     with a note when some weights fell back (widths not a multiple of the block)."""
@@ -401,7 +407,7 @@ def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations)
     os.unlink(mid)
     try:
         rep = write_gguf(lm, mid, half, overwrite=True, name=name or Path(str(lm.spec)).name,
-                         operations=operations)
+                         operations=operations, extra=extra)
         with atomic_file(path, overwrite=overwrite) as tmp:
             quantize_gguf(mid, tmp, out_type)
     finally:
@@ -419,3 +425,15 @@ def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations)
                quantizer=f"llama.cpp (llama-cpp-python {require_llama_cpp().__version__})")
     rep.pop("tensor_bytes", None)
     return rep
+
+
+def gguf_string(path: str | Path, key: str) -> str | None:
+    """The string value of ``key`` in the GGUF file ``path`` (None: absent or unreadable)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields.get(key)
+    except (ValueError, OSError, KeyError, IndexError, EOFError):
+        return None
+    value = None if field is None else field.contents()
+    return value if isinstance(value, str) else None

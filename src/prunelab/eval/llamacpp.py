@@ -33,9 +33,10 @@ def llamacpp_logprobs(path: str | Path, windows: torch.Tensor,
     windows of ``T`` token ids (row ``t``: the distribution of token ``t + 1``)."""
     llama_cpp = require_llama_cpp()
     n, t = windows.shape
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(t, 8), n_batch=max(t, 8),
-                          logits_all=True, verbose=False, seed=0,
-                          n_threads=threads or max(1, (os.cpu_count() or 1)))
+    with llama_cpp.suppress_stdout_stderr(disable=False):  # llama.cpp's load log
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(t, 8), n_batch=max(t, 8),
+                              logits_all=True, verbose=False, seed=0,
+                              n_threads=threads or max(1, (os.cpu_count() or 1)))
     out = []
     try:
         for row in windows.tolist():
@@ -86,3 +87,35 @@ def compare_with_llamacpp(lm, path: str | Path, windows: torch.Tensor,
             "max_abs_target_logprob_diff": float(target.max()),
             "perplexity": ppl, "llamacpp_perplexity": ppl_cpp,
             "perplexity_rel_diff": abs(ppl_cpp - ppl) / ppl}
+
+
+def llamacpp_speed(path: str | Path, prompt: list[int], gen: int = 128,
+                   threads: int | None = None, repeats: int = 2) -> dict:
+    """Tokens per second of the GGUF file ``path`` inside llama.cpp: prompt processing of
+    ``prompt`` (one batch) and generation of ``gen`` tokens one at a time after it (the
+    token ids are fixed, not sampled, so every model does the same work); the best of
+    ``repeats`` runs of each."""
+    import time
+
+    llama_cpp = require_llama_cpp()
+    n = len(prompt)
+    with llama_cpp.suppress_stdout_stderr(disable=False):
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n + gen + 8, n_batch=max(n, 8),
+                              verbose=False, seed=0,
+                              n_threads=threads or max(1, (os.cpu_count() or 1)))
+    best_pp = best_tg = 0.0
+    try:
+        for _ in range(repeats):
+            llm.reset()
+            t = time.perf_counter()
+            llm.eval(prompt)
+            best_pp = max(best_pp, n / (time.perf_counter() - t))
+            t = time.perf_counter()
+            for i in range(gen):
+                llm.eval([prompt[i % n]])
+            best_tg = max(best_tg, gen / (time.perf_counter() - t))
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+    return {"prompt_tokens": n, "prompt_tokens_per_s": best_pp, "gen_tokens": gen,
+            "gen_tokens_per_s": best_tg, "threads": threads or os.cpu_count() or 1,
+            "repeats": repeats}

@@ -152,6 +152,9 @@ def report_inputs(folder: str | Path) -> dict[str, Any]:
     kw["summary"].update(_manifest_summary(_read_json(folder / "manifest.json")))
     if (folder / "leaderboard.csv").is_file():
         kw["leaderboard"] = folder / "leaderboard.csv"
+    if (folder / "served.md").is_file():  # a run's export stages (llama.cpp figures)
+        text = (folder / "served.md").read_text()
+        kw["sections"]["Served in llama.cpp"] = text.split("\n", 1)[-1].lstrip("\n")
     elif "leaderboard" not in kw and (rows := _points_rows(folder)):
         kw["leaderboard"] = rows
     for name in ("recipe.yaml", "recipe.yml"):

@@ -105,6 +105,24 @@ def _check_stage(recipe, st, index: int, positions: int | None, counter, out) ->
                 raise ConfigError(f"tasks: {unflag(str(exc))}") from None
     if st.kind == "prune":
         _check_from_probe(recipe, st, index, out)
+    if st.kind == "export":
+        _check_export(recipe, st)
+
+
+def _check_export(recipe, st) -> None:
+    """llama-cpp-python where the stage needs it (quantized types, scoring inside
+    llama.cpp), and a model family GGUF export writes."""
+    from prunelab.checkpoint.gguf_export import ARCHES, QUANT_TYPES
+    from prunelab.models.gguf_llama import require_llama_cpp
+
+    o = st.options
+    if o.llamacpp or o.outtype in QUANT_TYPES:
+        require_llama_cpp()
+    config = _model_config(recipe.model) or {}
+    kind = config.get("model_type")
+    if isinstance(kind, str) and kind not in ARCHES:
+        raise ConfigError(f"GGUF export writes {', '.join(ARCHES)} models; the recipe's "
+                          f"model is {kind}")
 
 
 def _own_seqlen(recipe, st, field: str) -> str:

@@ -184,14 +184,16 @@ def plot_curves(rows: list[dict], kind: str, out: Path) -> Path | None:
 def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
                 title: str = "prunelab", recipe: dict | None = None,
                 probes: dict | None = None, commands: list[str] | None = None,
-                summary: dict | None = None, curves: str | None = None) -> dict:
+                summary: dict | None = None, curves: str | None = None,
+                sections: dict[str, str] | None = None) -> dict:
     """Write ``leaderboard.md``, ``leaderboard.csv``, the plots (``curves``: the budget
     kind of a comparison at several budgets, adds ``budget_curves.png``) and (when
     available) ``report.html`` into ``out``; returns the paths written."""
     from prunelab.io.files import write_json
 
     out = Path(out)
-    (out / "leaderboard.md").write_text(f"# {title}\n\n" + markdown(rows, dense))
+    extra = "".join(f"\n## {head}\n\n{text}" for head, text in (sections or {}).items())
+    (out / "leaderboard.md").write_text(f"# {title}\n\n" + markdown(rows, dense) + extra)
     (out / "leaderboard.csv").write_text(csv_text(rows, dense))
     write_json(out / "leaderboard.json", rows, overwrite=True)
     plots = plot_leaderboard(rows, dense, out)
@@ -204,7 +206,8 @@ def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
                         plots={p.stem.replace("_", " "): p for p in plots},
                         probes=_probe_results(probes or {}),
                         probe_summary=_probe_summary(probes or {}), recipe=recipe,
-                        commands=commands or None, summary=summary)
+                        commands=commands or None, summary=summary,
+                        sections=sections or None)
     res["report"] = html
     return res
 

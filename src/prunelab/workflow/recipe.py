@@ -140,19 +140,25 @@ def parse_recipe(raw: Any, base: Path | None = None) -> Recipe:
 
 
 def check_save_paths(stages) -> None:
-    """Two save stages may not write one folder, nor one inside the other's."""
+    """Two save stages may not write one folder, nor one inside the other's; an export
+    stage's file may not be another's, nor lie inside a save stage's folder."""
     seen: dict[str, tuple[int, Any]] = {}
     for i, st in enumerate(stages):
-        if st.kind != "save":
+        if st.kind not in ("save", "export"):
             continue
         path = save_path(st.options.path)
         for other, (j, ost) in seen.items():
             if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
-                how = "the same folder" if path == other else "nested folders"
-                raise ConfigError(f"stage {i} (save {st.id!r}): path {st.options.path!r} and "
-                                  f"stage {j} (save {ost.id!r}) path {ost.options.path!r} "
-                                  f"are {how}; give each save its own folder")
+                how = "the same path" if path == other else "nested paths"
+                raise ConfigError(f"{_label(i, st)}: path {st.options.path!r} and "
+                                  f"{_label(j, ost)} path {ost.options.path!r} are {how}; "
+                                  "give each its own")
         seen[path] = (i, st)
+
+
+def _label(index: int, st) -> str:
+    default = st.id == f"{st.kind}-{index}"
+    return f"stage {index} ({st.kind})" if default else f"stage {index} ({st.kind} {st.id!r})"
 
 
 def load_recipe(source: str | Path | dict) -> Recipe:

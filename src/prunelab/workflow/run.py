@@ -201,6 +201,8 @@ class _Runner:
             return point_dir(self.out, st.id) / "model"
         if st.kind == "save":
             return self.out / st.options.path
+        if st.kind == "export":  # its one file, recorded relative to the run folder
+            return self.out
         return None
 
     def _outputs_exist(self, st: Stage, done: dict, index: int | None = None) -> bool:
@@ -365,6 +367,52 @@ class _Runner:
         api.save(lm, target, manifest=man, overwrite=target.exists())
         return {"model": src, "path": str(target), "files": files_record(target)}
 
+    def _export(self, st: Stage, folder: Path) -> dict:
+        from prunelab.checkpoint.gguf_export import gguf_string, write_gguf
+
+        src = self.inputs[st.id]
+        lm = self.model(src)
+        o = st.options
+        target = self.out / o.path
+        if target.exists() or target.is_symlink():
+            if target.is_symlink() or not target.is_file() or gguf_string(
+                    target, "prunelab.recipe_stage") is None:
+                raise OutputExistsError(f"path {o.path}: {target} exists and is not a GGUF "
+                                        "file this run exported; remove it or choose "
+                                        "another path")
+        ops = [{k: v for k, v in op.items() if k in ("operation", "method", "config")}
+               for op in lm.history]
+        rep = write_gguf(lm, target, o.outtype, overwrite=target.exists(), operations=ops,
+                         extra={"prunelab.recipe_stage": st.id, "prunelab.model": src})
+        res = {"model": src, "path": str(target),
+               **{k: rep[k] for k in ("arch", "blocks", "out_type", "bytes", "tokenizer",
+                                      "notes", "tensor_types") if k in rep},
+               "files": {o.path: {"size": target.stat().st_size, "sha256": _sha256(target)}}}
+        for note in rep["notes"]:
+            log.warn(f"export {st.id}: {note}")
+        if o.llamacpp:
+            res["llamacpp"] = self._score_in_llamacpp(lm, target, o)
+        return res
+
+    def _score_in_llamacpp(self, lm, path: Path, o) -> dict:
+        """Perplexity of the recipe's test windows inside llama.cpp beside prunelab's own
+        forward, and (``speed``) llama.cpp's prompt / generation tokens per second."""
+        from prunelab.data import make_batches
+        from prunelab.eval.llamacpp import compare_with_llamacpp, llamacpp_speed
+
+        windows = make_batches(lm.tokenizer, self.recipe.test, seqlen=o.seqlen,
+                               samples=o.samples, seed=self.recipe.seed,
+                               mode="test").input_ids
+        log.info(f"scoring {path.name} inside llama.cpp ({windows.shape[0]} windows of "
+                 f"{windows.shape[1]} tokens)")
+        got = compare_with_llamacpp(lm, path, windows, threads=o.threads)
+        got["data"] = self.recipe.test
+        if o.speed:
+            flat = windows.flatten().tolist()
+            prompt = (flat * (512 // len(flat) + 1))[:512]
+            got["speed"] = llamacpp_speed(path, prompt, gen=128, threads=o.threads)
+        return got
+
     def _report(self, st: Stage, folder: Path) -> dict:
         from prunelab.workflow.leaderboard import write_study
 
@@ -378,12 +426,69 @@ class _Runner:
                 dense = rows[-1]
         probes = {n: p["json"] for res in self.results.values() if res.get("kind") == "probe"
                   for n, p in res["probes"].items()}
+        served = served_table([res for res in self.results.values()
+                               if res.get("kind") == "export"], self.out)
+        sections = {}
+        if served:
+            from prunelab.io.files import write_text
+
+            write_text(self.out / "served.md", f"# Served in llama.cpp\n\n{served}",
+                       overwrite=True)
+            sections[SERVED] = served
+        elif (self.out / "served.md").is_file():  # from an earlier version of the recipe
+            (self.out / "served.md").unlink()
         return write_study(self.out, rows, dense=dense, title=st.options.title,
+                           sections=sections,
                            recipe=self.recipe.to_dict(), probes=probes,
                            commands=[f"prunelab run RECIPE.yaml --out {self.out}"],
                            summary={"model": self.recipe.model, "calibration":
                                     self.recipe.data, "test": self.recipe.test,
                                     "seed": self.recipe.seed})
+
+
+SERVED = "Served in llama.cpp"
+
+
+def served_table(exports: list[dict], out: Path) -> str:
+    """The Markdown table of a run's export stages: file, type, size, blocks, perplexity
+    from llama.cpp's logits beside prunelab's, and llama.cpp's speed (ratios to the export
+    of the dense model when the run has one)."""
+    if not exports:
+        return ""
+    dense = next((e for e in exports if e["model"] == "dense" and "llamacpp" in e), None)
+
+    def speed(e: dict, key: str) -> str:
+        sp = (e.get("llamacpp") or {}).get("speed")
+        if not sp:
+            return "-"
+        text = f"{sp[key]:.1f}"
+        base = ((dense or {}).get("llamacpp") or {}).get("speed")
+        if base and e is not dense:
+            text += f" ({sp[key] / base[key]:.2f}x)"
+        return text
+
+    lines = ["| stage | model | file | type | arch | blocks | MiB | ppl prunelab | "
+             "ppl llama.cpp | rel. diff | prompt tok/s | generation tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in exports:
+        cpp = e.get("llamacpp") or {}
+        ppl = (f"{cpp['perplexity']:.3f} | {cpp['llamacpp_perplexity']:.3f} | "
+               f"{100 * cpp['perplexity_rel_diff']:.2f} %") if cpp else "- | - | -"
+        lines.append(f"| {e['stage']} | {e['model']} | {Path(e['path']).name} | "
+                     f"{e['out_type']} | {e['arch']} | {e['blocks']} | "
+                     f"{e['bytes'] / 2**20:.1f} | {ppl} | {speed(e, 'prompt_tokens_per_s')} | "
+                     f"{speed(e, 'gen_tokens_per_s')} |")
+    first = next((e["llamacpp"] for e in exports if e.get("llamacpp")), None)
+    if first:
+        sp = first.get("speed") or {}
+        lines.append("")
+        lines.append(f"Perplexity: {first['windows']} windows of {first['seqlen']} tokens of "
+                     f"{first.get('data')}, the same token ids in both (prunelab: float32 "
+                     "forward of the model before export; llama.cpp: the file)."
+                     + (f" Speed: best of {sp['repeats']} runs, {sp['prompt_tokens']}-token "
+                        f"prompt, {sp['gen_tokens']} generated tokens, {sp['threads']} "
+                        "threads; ratios to the dense export." if sp else ""))
+    return "\n".join(lines) + "\n"
 
 
 def _own_checkpoint(target: Path) -> bool:

@@ -33,7 +33,7 @@ MODEL_STAGES = ("prune", "heal")
 #: not be one of these, nor lie under ``points``)
 RUN_OWN = ("points", "run.json", "leaderboard.md", "leaderboard.csv", "leaderboard.json",
            "report.html", "quality_vs_params.png", "speed_vs_params.png", "budget_curves.png",
-           "plots", "probes")
+           "plots", "probes", "served.md")
 
 
 def _opt(default, text: str):
@@ -156,6 +156,41 @@ def save_path(path: Any) -> str | None:
 
 
 @dataclass(frozen=True)
+class ExportStage:
+    """Write the current model as one GGUF file for llama.cpp (``docs/serving.md``) and,
+    with ``llamacpp``, score that file inside llama.cpp (``llama-cpp-python``): the
+    perplexity of held-out windows (the recipe's test data) from llama.cpp's own logits
+    beside prunelab's forward of the same windows, and with ``speed`` prompt (512 tokens)
+    and generation (128 tokens) tokens per second. The report stage lists every export."""
+
+    path: str = _opt("model.gguf", "GGUF file to write, relative to --out (ends in .gguf)")
+    outtype: str = _opt("f16", "f32 | f16 | bf16 | q8_0 | q6_k | q4_k_m (quantized by "
+                        "llama.cpp's own quantizer)")
+    llamacpp: bool = _opt(True, "score the file inside llama.cpp (needs llama-cpp-python)")
+    samples: int = _opt(4, "held-out windows scored by both")
+    seqlen: int = _opt(256, "window length in tokens")
+    speed: bool = _opt(True, "llama.cpp prompt / generation tokens per second")
+    threads: int | None = _opt(None, "llama.cpp threads (default: every core)")
+
+    def __post_init__(self) -> None:
+        from prunelab.checkpoint.gguf_export import OUT_TYPES, QUANT_TYPES
+
+        norm = save_path(self.path)
+        if norm is None or not norm.endswith(".gguf") or norm == ".gguf":
+            raise ConfigError(f"path must be a .gguf file inside the run folder (not "
+                              f"{', '.join(RUN_OWN[:2])}, ... of its own), got {self.path!r}")
+        if self.outtype not in OUT_TYPES and self.outtype not in QUANT_TYPES:
+            raise ConfigError(f"outtype must be one of "
+                              f"{' | '.join([*OUT_TYPES, *QUANT_TYPES])}, got {self.outtype!r}")
+        check_range("samples", self.samples, 1, None, integer=True)
+        check_range("seqlen", self.seqlen, 2, None, integer=True)
+        if self.threads is not None:
+            check_range("threads", self.threads, 1, None, integer=True)
+        if self.speed and not self.llamacpp:
+            raise ConfigError("speed is measured inside llama.cpp: it needs llamacpp: true")
+
+
+@dataclass(frozen=True)
 class ReportStage:
     """Leaderboard of every evaluation (markdown + CSV), plots, and the HTML report."""
 
@@ -164,7 +199,8 @@ class ReportStage:
 
 STAGE_KINDS: dict[str, type] = {"probe": ProbeStage, "prune": PruneStage,
                                 "heal": HealStage, "evaluate": EvaluateStage,
-                                "save": SaveStage, "report": ReportStage}
+                                "save": SaveStage, "export": ExportStage,
+                                "report": ReportStage}
 
 
 @dataclass(frozen=True)
@@ -356,4 +392,5 @@ def _simple(cls: type, kind: str):
 
 _BUILDERS = {"probe": _build_probe, "prune": _build_prune, "heal": _build_heal,
              "evaluate": _build_evaluate, "save": _simple(SaveStage, "save"),
+             "export": _simple(ExportStage, "export"),
              "report": _simple(ReportStage, "report")}
