@@ -160,8 +160,8 @@ def test_refusals_name_the_reason():
     prunelab.prune(lm, Depth(remove=1, recovery="ghost"), CALIB, batch_size=2)
     with pytest.raises(UnsupportedOperationError, match="linear bridges"):
         plan_gguf(lm.model)
-    with pytest.raises(UnsupportedOperationError, match="gemma3_text models"):
-        plan_gguf(tiny_model("gemma3_text"))
+    with pytest.raises(UnsupportedOperationError, match="phi3 models are not written"):
+        plan_gguf(tiny_model("phi3"))
 
 
 def test_cli_writes_a_file_and_refuses_in_one_line(tmp_path, capsys):
@@ -215,3 +215,35 @@ def test_quantized_type_without_llama_cpp_is_one_line_before_loading(tmp_path, c
     # refused before the (missing) model is even looked for
     assert rc == 2 and len(err) == 1 and "llama-cpp-python" in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gemma3_plan_names_norms_and_refusals():
+    import dataclasses
+
+    model = tiny_model("gemma3_text")
+    plan = plan_gguf(model)
+    assert plan.arch == "gemma3" and plan.uniform
+    names = {t[0]: t for t in plan.tensors}
+    for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm", "attn_q_norm",
+              "attn_k_norm"):
+        assert f"blk.0.{n}.weight" in names, n
+    assert all(t[2] == 0 for t in plan.tensors)  # NEOX rotary: no row reorder
+    from prunelab.checkpoint.gguf_export import _check_gemma3, _sliding
+
+    assert _sliding(model) == [b.self_attn.is_sliding for b in model.model.layers]
+    cfg = dataclasses.replace(model.config) if dataclasses.is_dataclass(model.config) \
+        else model.config
+    cfg.query_pre_attn_scalar = cfg.head_dim * 2
+    with pytest.raises(UnsupportedOperationError, match="query_pre_attn_scalar"):
+        _check_gemma3(cfg)
+    cfg.query_pre_attn_scalar = cfg.head_dim
+    cfg.attn_logit_softcapping = 50.0
+    with pytest.raises(UnsupportedOperationError, match="soft-capping"):
+        _check_gemma3(cfg)
+    # removed sublayers have no gemma3 form
+    from prunelab.models.sublayer import remove_sublayers
+
+    lm = wrap(tiny_model("gemma3_text"), None, spec="tiny-gemma")
+    remove_sublayers(lm, [(1, "mlp")])
+    with pytest.raises(UnsupportedOperationError, match="gemma3_text model .*uniform"):
+        plan_gguf(lm.model)

@@ -168,3 +168,34 @@ def test_cli_writes_q8_0_and_names_the_tensor_types(tmp_path, capsys):
     assert "q8_0 (" in text.out and "Q8_0" in text.out, text.out
     assert "fell back to F16" in text.err  # the 48-value rows of ffn_down
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.gguf", "tiny"]
+
+
+@pytest.mark.slow
+def test_gemma3_depth_pruned_export_keeps_its_sliding_pattern_inside_llamacpp(tmp_path):
+    """Gemma 3 in its own architecture: norms stored plus one, no rotary reorder, and the
+    per-block sliding-window pattern, which a depth-pruned stack changes (block 9 of the
+    15 left is global where llama.cpp's default pattern would make it sliding: the rotary
+    bases differ, so a wrong pattern shows in the log-probabilities)."""
+    import gguf
+    import torch
+
+    lm = prunelab.load("gemma3-270m")
+    windows = _real_windows(lm, 2)
+    prunelab.prune(lm, Depth(remove=3, recovery="none", bootstrap=0), "wiki-vital:calib",
+                   samples=4, seqlen=64)
+    sliding = [b.self_attn.is_sliding for b in lm.model.model.layers]
+    assert len(sliding) == 15 and sliding != [(i + 1) % 6 != 0 for i in range(15)]
+    rep = write_gguf(lm, tmp_path / "g.gguf", "f32")
+    assert rep["arch"] == "gemma3" and rep["tokenizer"] == "copied from gemma3-270m.gguf"
+    field = gguf.GGUFReader(tmp_path / "g.gguf").fields
+    assert list(field["gemma3.attention.sliding_window_pattern"].contents()) == sliding
+    got = compare_with_llamacpp(lm, tmp_path / "g.gguf", windows, threads=2)
+    assert got["perplexity_rel_diff"] < 0.005, got
+    assert got["max_abs_target_logprob_diff"] < 0.05, got
+    # read back by prunelab (transformers' reader plus the pattern): the same logits
+    back = prunelab.load(str(tmp_path / "g.gguf"))
+    assert [b.self_attn.is_sliding for b in back.model.model.layers] == sliding
+    with torch.no_grad():
+        a = lm.model(input_ids=windows[:1], use_cache=False).logits
+        b = back.model(input_ids=windows[:1], use_cache=False).logits
+    assert (a - b).abs().max() < 1e-3

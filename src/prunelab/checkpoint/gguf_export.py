@@ -43,10 +43,15 @@ import numpy as np
 import torch
 
 from prunelab.errors import UnsupportedOperationError
-from prunelab.models.gguf_llama import BLOCK_NAMES, TOP_NAMES, interleave_rope_rows
+from prunelab.models.gguf_llama import (
+    BLOCK_NAMES,
+    GEMMA3_BLOCK_NAMES,
+    TOP_NAMES,
+    interleave_rope_rows,
+)
 
 #: Hugging Face ``model_type`` -> GGUF architecture
-ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
 #: output type -> (GGML tensor type of 2-D weights, ``general.file_type``)
 OUT_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
              "bf16": ("BF16", "MOSTLY_BF16")}
@@ -116,7 +121,9 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
     cfg = model.config
     arch = ARCHES.get(cfg.model_type)
     if arch is None:
-        raise _refuse(f"{cfg.model_type} models are not written yet (llama, mistral, qwen2)")
+        raise _refuse(f"{cfg.model_type} models are not written yet ({', '.join(ARCHES)})")
+    if arch == "gemma3":
+        _check_gemma3(cfg)
     kinds = sorted({m.prunelab_kind for _, m in custom_modules(model)} - SKIPPED)
     if kinds:
         raise _refuse(f"prunelab modules ({', '.join(kinds)}) have no GGUF form: export the "
@@ -134,17 +141,18 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
                           "uniform")
         arch = "deci"
     params = dict(model.named_parameters())
+    names = GEMMA3_BLOCK_NAMES if arch == "gemma3" else BLOCK_NAMES
     tensors: list[tuple[str, str | None, int, tuple | None]] = []
     for name in params:
         parts = name.split(".")
         if name.startswith("model.layers."):
             i, inner = int(parts[2]), ".".join(parts[3:-1])
-            if inner not in BLOCK_NAMES:
+            if inner not in names:
                 raise _refuse(f"{name} has no llama.cpp name")
             rope = 0
             if arch in ("llama", "deci") and inner in ("self_attn.q_proj", "self_attn.k_proj"):
                 rope = heads[i] if inner.endswith("q_proj") else kv[i]
-            tensors.append((f"blk.{i}.{BLOCK_NAMES[inner]}.{parts[-1]}", name, rope, None))
+            tensors.append((f"blk.{i}.{names[inner]}.{parts[-1]}", name, rope, None))
         else:
             top = ".".join(parts[:-1])
             if top not in TOP_NAMES:
@@ -161,6 +169,59 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
                         (f"blk.{i}.ffn_up.weight", None, 0, ("zeros", (1, d))),
                         (f"blk.{i}.ffn_down.weight", None, 0, ("zeros", (d, 1)))]
     return GGUFPlan(arch, d, tuple(heads), tuple(kv), tuple(ffn), head_dim, tuple(tensors))
+
+
+def _check_gemma3(cfg) -> None:
+    """What llama.cpp's ``gemma3`` graph fixes that a Gemma 3 config could change: the
+    query scale 1 / sqrt(head_dim), no attention soft-capping, default rotary (no scaling)
+    in both the global and the sliding layers."""
+    head_dim = cfg.head_dim
+    if getattr(cfg, "query_pre_attn_scalar", head_dim) != head_dim:
+        raise _refuse(f"query_pre_attn_scalar {cfg.query_pre_attn_scalar} is not head_dim "
+                      f"{head_dim} (llama.cpp's gemma3 scales queries by 1/sqrt(head_dim))")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise _refuse("attention soft-capping is not in llama.cpp's gemma3 graph")
+    for kind, params in _gemma3_rope(cfg).items():
+        if params.get("rope_type", "default") != "default":
+            raise _refuse(f"rotary scaling {params.get('rope_type')!r} of the {kind} layers "
+                          "is not written yet (only the default)")
+
+
+def _gemma3_rope(cfg) -> dict:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if not isinstance(params, dict) or "full_attention" not in params:
+        params = {"full_attention": {"rope_theta": getattr(cfg, "rope_theta", 1e6)},
+                  "sliding_attention": {"rope_theta": getattr(cfg, "rope_local_base_freq",
+                                                              1e4)}}
+    return params
+
+
+def _sliding(model) -> list[bool]:
+    """Which blocks use sliding-window attention: each attention's own flag (what the
+    forward uses), else the config's ``layer_types``."""
+    blocks = model.model.layers
+    flags = [getattr(b.self_attn, "is_sliding", None) for b in blocks]
+    if all(isinstance(f, bool) for f in flags):
+        return flags
+    types = list(getattr(model.config, "layer_types", None) or [])
+    if len(types) != len(blocks):
+        raise _refuse(f"layer_types lists {len(types)} blocks, the model has {len(blocks)}")
+    return [t == "sliding_attention" for t in types]
+
+
+def _gemma3_keys(writer, model) -> None:
+    """Gemma 3's own keys: the rotary base of the global and of the sliding layers, the
+    window, and which blocks slide (a per-block array, so a depth-pruned stack keeps its
+    pattern instead of llama.cpp's default of every sixth block global)."""
+    cfg = model.config
+    rope = _gemma3_rope(cfg)
+    writer.add_rope_freq_base(float(rope["full_attention"]["rope_theta"]))
+    writer.add_float32("gemma3.rope.freq_base_swa",
+                       float(rope["sliding_attention"]["rope_theta"]))
+    writer.add_sliding_window(int(cfg.sliding_window))
+    writer.add_array("gemma3.attention.sliding_window_pattern", _sliding(model))
+    if getattr(cfg, "final_logit_softcapping", None):
+        writer.add_float32("gemma3.final_logit_softcapping", float(cfg.final_logit_softcapping))
 
 
 def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[list, list, list]:
@@ -237,6 +298,10 @@ def _build_tokenizer(writer, tokenizer, model_type: str, vocab: int) -> list[str
     notes = []
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     model = spec["model"]
+    if model_type.startswith("gemma"):
+        raise _refuse("Gemma's SentencePiece tokenizer is copied from a source GGUF file; "
+                      "this model descends from none (export from the embedded gemma3-270m "
+                      "or a checkpoint pruned from a GGUF file)")
     if model.get("type") != "BPE":
         raise _refuse(f"a {model.get('type')} tokenizer is not written yet (byte-level BPE)")
     tokens = [f"[PAD{i}]" for i in range(vocab)]
@@ -320,7 +385,10 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
         writer.add_feed_forward_length(one(plan.ffn))
         writer.add_head_count(one(plan.heads))
         writer.add_head_count_kv(one(plan.kv_heads))
-        writer.add_rope_freq_base(_rope_theta(cfg))
+        if plan.arch == "gemma3":
+            _gemma3_keys(writer, model)
+        else:
+            writer.add_rope_freq_base(_rope_theta(cfg))
         writer.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
         writer.add_rope_dimension_count(plan.head_dim)
         writer.add_vocab_size(int(vocab))
@@ -341,6 +409,8 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
         for gguf_name, hf_name, rope, fill in plan.tensors:
             t = params[hf_name] if fill is None else (
                 torch.ones if fill[0] == "ones" else torch.zeros)(fill[1])
+            if plan.arch == "gemma3" and gguf_name.endswith("norm.weight"):
+                t = t.detach().float() + 1  # Gemma multiplies by 1 + weight
             data, kind = _tensor_data(t, rope, qtype)
             writer.add_tensor(gguf_name, data, raw_dtype=kind)
             nbytes += data.nbytes

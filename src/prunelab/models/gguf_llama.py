@@ -42,6 +42,17 @@ BLOCK_NAMES = {
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
              "lm_head": "output"}
+#: Gemma 3 (llama.cpp's ``gemma3``): four norms per block and q / k norms; llama.cpp's
+#: RMS norms multiply by the weight where Gemma's multiply by ``1 + weight``, so every
+#: ``*norm.weight`` is stored plus one (the transformers reader subtracts it)
+GEMMA3_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def interleave_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:

@@ -100,6 +100,7 @@ def plan_gguf(path: Path) -> GGUFPlan | None:
     processor = proc_cls(config=dict(load_gguf_checkpoint(str(path))["config"]))
     config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     config.dtype = torch.float32
+    gemma3_keys(reader, config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     key_map = get_gguf_hf_weights_map(model, processor)
@@ -119,6 +120,30 @@ def plan_gguf(path: Path) -> GGUFPlan | None:
                                       tuple(t.data.shape), t.data.dtype, int(t.n_elements))
     plan.missing = sorted(set(expected) - set(plan.sources) - skip)
     return plan
+
+
+def gemma3_keys(reader, config) -> None:
+    """Apply the ``gemma3`` keys transformers' GGUF reader leaves out: which blocks use
+    sliding-window attention (``attention.sliding_window_pattern``: a per-block array of
+    booleans, as prunelab writes after depth pruning, or the period) and the sliding
+    layers' rotary base (``rope.freq_base_swa``)."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    if read_field(reader, "general.architecture")[0] != "gemma3":
+        return
+    pattern = read_field(reader, "gemma3.attention.sliding_window_pattern")
+    n = config.num_hidden_layers
+    if len(pattern) == n and all(isinstance(p, (bool, np.bool_)) for p in pattern):
+        config.layer_types = ["sliding_attention" if p else "full_attention"
+                              for p in pattern]
+    elif len(pattern) == 1 and int(pattern[0]) > 0:
+        k = int(pattern[0])
+        config.layer_types = ["full_attention" if (i + 1) % k == 0 else "sliding_attention"
+                              for i in range(n)]
+    base = read_field(reader, "gemma3.rope.freq_base_swa")
+    params = getattr(config, "rope_parameters", None)
+    if base and isinstance(params, dict) and "sliding_attention" in params:
+        params["sliding_attention"]["rope_theta"] = float(base[0])
 
 
 def dequantize_tensor(path: Path, tensor: GGUFTensor) -> np.ndarray:
