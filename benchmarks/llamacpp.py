@@ -122,11 +122,11 @@ def main() -> None:
             pp = _median([x[0] for x in runs[case, kind]])
             tg = _median([x[1] for x in runs[case, kind]])
             cells = []
-            for j in (0, 1):
+            for j, what in ((0, "prompt"), (1, "generation")):
                 med, lo, hi = ratio(case, kind, j)
                 cells.append(f"{med:.2f} [{lo:.2f}-{hi:.2f}]" if case != "dense" else "1.00")
                 if case != "dense" and hi - lo > 0.2:
-                    wide.append(f"{case} {kind}")
+                    wide.append(f"{case} {kind} {what}")
             lines.append(f"| {case} | {kind} | {i['arch']} | {i['mib']:.1f} | {pp:.1f} | "
                          f"{cells[0]} | {tg:.1f} | {cells[1]} | {i['ppl']:.3f} | "
                          f"{i['ppl_cpp']:.3f} |")

@@ -71,3 +71,53 @@ def test_speed_fields():
     res = measure_speed(wrap(tiny_model("llama")), prompt_len=16, decode_tokens=4, repeats=1)
     assert res["prefill_tokens_per_s"] > 0 and res["decode_tokens_per_s"] > 0
     assert res["peak_memory_bytes"] > 10_000_000  # a process RSS, never zero
+
+
+def test_speed_against_dense_takes_ratios_within_rounds(monkeypatch):
+    """Rounds alternate the dense model and the pruned one; each ratio compares the two
+    measurements of one round (hand-made figures: a machine slowing down by 2x across
+    rounds leaves the ratio 2.0, while the raw speeds halve)."""
+    import prunelab.eval.speed as sp
+
+    calls = []
+    figures = {"dense": [(100.0, 10.0), (50.0, 5.0), (25.0, 2.5)],
+               "pruned": [(200.0, 20.0), (100.0, 10.0), (50.0, 7.5)]}
+
+    def fake(lm, **kw):
+        calls.append(lm)
+        pre, dec = figures[lm][sum(c == lm for c in calls) - 1]
+        return {"prefill_tokens_per_s": pre, "decode_tokens_per_s": dec,
+                "peak_memory_bytes": len(calls)}
+
+    monkeypatch.setattr(sp, "measure_speed", fake)
+    got = sp.speed_against("pruned", "dense", rounds=3)
+    assert calls == ["dense", "pruned"] * 3
+    assert got["prefill_x_dense"] == 2.0 and got["prefill_x_dense_min"] == 2.0
+    assert got["prefill_tokens_per_s"] == 100.0  # median of 200, 100, 50
+    # decode ratios 2, 2, 3: median 2, range 2-3, wider than 20 % of 2: noisy
+    assert (got["decode_x_dense"], got["decode_x_dense_min"], got["decode_x_dense_max"]) == (
+        2.0, 2.0, 3.0)
+    assert got["speed_noisy"] is True and got["speed_rounds"] == 3
+    assert got["peak_memory_bytes"] == 6  # the largest of the pruned model's measurements
+    figures["pruned"][2] = (50.0, 5.0)
+    calls.clear()
+    assert sp.speed_against("pruned", "dense", rounds=3)["speed_noisy"] is False
+
+
+def test_leaderboard_shows_ratios_and_drops_empty_columns():
+    from prunelab.workflow.leaderboard import csv_text, display_rows, markdown
+
+    rows = [{"method": "dense", "params": 1000, "perplexity": 10.123456,
+             "prefill_tokens_per_s": 100.0},
+            {"method": "w", "params": 800, "perplexity": 11.0, "prefill_tokens_per_s": 150.0,
+             "prefill_x_dense": 1.5, "prefill_x_dense_min": 1.4, "prefill_x_dense_max": 1.8,
+             "speed_noisy": True}]
+    shown = display_rows(rows, dense=rows[0])
+    assert list(shown[0]) == ["method", "params", "params_kept", "perplexity",
+                              "prefill_tok_s", "prefill_x_dense"]
+    assert shown[0]["perplexity"] == "10.123" and shown[1]["params_kept"] == "0.800"
+    assert shown[1]["prefill_x_dense"] == "1.50 [1.40-1.80] noisy"
+    assert shown[0]["prefill_x_dense"] == ""
+    md = markdown(rows, dense=rows[0])
+    assert "achieved" not in md and "noisy: a range wider than 20 %" in md
+    assert "achieved" in csv_text(rows, dense=rows[0]).splitlines()[0]  # CSV keeps all

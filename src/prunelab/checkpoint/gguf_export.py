@@ -4,7 +4,8 @@ GGUF (the file format of llama.cpp, written here with the ``gguf`` package, llam
 reference writer) holds the hyperparameters as ``<arch>.*`` keys, the tokenizer as
 ``tokenizer.*`` keys and the tensors under llama.cpp's names (``blk.N.attn_q.weight``...).
 Models whose blocks all have the same widths keep their own architecture (``llama`` for
-Llama / Mistral / SmolLM2, ``qwen2`` for Qwen2 / Qwen2.5 with their attention biases):
+Llama / Mistral / SmolLM2, ``qwen2`` for Qwen2 / Qwen2.5 with their attention biases,
+``gemma3`` for Gemma 3 text models with their per-block sliding-window pattern):
 dense models and the uniform results of depth pruning (fewer blocks), uniform width
 pruning and sparsity (zeros stored densely). Llama-family models with per-block head, KV
 group or FFN widths, or with removed attention / MLP sublayers (sub-block depth search,
@@ -25,6 +26,9 @@ layouts, not copied):
   original file did; otherwise they are built from the Hugging Face ``tokenizer.json``
   (byte-level BPE: vocabulary by id, merges, control tokens, BOS / EOS / padding, chat
   template).
+
+Output types f32 / f16 / bf16 are written here; q8_0 / q6_k / q4_k_m by llama.cpp's own
+quantizer (``llama_model_quantize`` through ``llama-cpp-python``) from an f16 file.
 
 What GGUF cannot express is refused with one line that says what to do: non-uniform
 models of other families, prunelab's custom modules (low-rank or shared-dictionary

@@ -87,3 +87,34 @@ def measure_speed(lm, prompt_len: int = 256, decode_tokens: int = 32, batch: int
         "speed_decode_tokens": decode_tokens,
         "speed_batch": batch,
     }
+
+
+#: a ratio whose range over the rounds is wider than this fraction of its median is
+#: flagged: too noisy to rank models by
+NOISY_SPREAD = 0.2
+
+
+def speed_against(lm, reference, rounds: int = 3, **kw) -> dict:
+    """:func:`measure_speed` of ``lm`` interleaved with ``reference`` (the dense model):
+    ``rounds`` rounds, each measuring the reference then ``lm`` moments apart, so a busy
+    machine slows both sides of a ratio. Returns ``lm``'s median figures plus, for prefill
+    and decode, the median ratio to the reference (``prefill_x_dense``), its range over the
+    rounds (``..._min`` / ``..._max``), and ``speed_noisy``: some range is wider than
+    :data:`NOISY_SPREAD` of its median (the figures cannot rank close models)."""
+    ours, theirs = [], []
+    for _ in range(rounds):
+        theirs.append(measure_speed(reference, **kw))
+        ours.append(measure_speed(lm, **kw))
+    out = dict(ours[-1])
+    noisy = False
+    for key, short in (("prefill_tokens_per_s", "prefill"), ("decode_tokens_per_s", "decode")):
+        out[key] = statistics.median(r[key] for r in ours)
+        ratios = [a[key] / b[key] for a, b in zip(ours, theirs, strict=True)]
+        med = statistics.median(ratios)
+        out[f"{short}_x_dense"] = med
+        out[f"{short}_x_dense_min"], out[f"{short}_x_dense_max"] = min(ratios), max(ratios)
+        noisy |= max(ratios) - min(ratios) > NOISY_SPREAD * med
+    out["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ours)
+    out["speed_rounds"] = rounds
+    out["speed_noisy"] = noisy
+    return out

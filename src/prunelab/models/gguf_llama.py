@@ -1,4 +1,4 @@
-"""llama.cpp's tensor layout of Llama-family models, and a reader for its ``deci`` files.
+"""llama.cpp's tensor names (Llama family, Gemma 3), and a reader for its ``deci`` files.
 
 Shared by the GGUF writer (:mod:`prunelab.checkpoint.gguf_export`) and the loader: the
 llama.cpp names of a block's tensors (``blk.N.attn_q.weight``...), and the rotary row order

@@ -43,7 +43,8 @@ body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:0;
 main{max-width:1200px;margin:0 auto;padding:1.5em 2em;background:#fff}
 h1{font-size:1.6em;margin:.2em 0 .6em}h2{border-bottom:2px solid #ddd;padding-bottom:.2em;
  margin-top:1.8em}h3{margin-top:1.3em}
-table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:.9em}
+table{border-collapse:collapse;margin:.6em 0 1.2em;font-size:.9em;display:block;
+ max-width:100%;overflow-x:auto}
 th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}
 th{background:#f0f0f0}td.num{text-align:right;font-variant-numeric:tabular-nums}
 figure{margin:1em 0}figure img{max-width:100%;height:auto;border:1px solid #eee}
@@ -68,6 +69,8 @@ def fmt(v: Any) -> str:
         return str(v)
     if isinstance(v, float):
         return "nan" if math.isnan(v) else f"{v:.4g}"
+    if isinstance(v, int) and abs(v) >= 10000:
+        return f"{v:,}"
     if isinstance(v, (list, tuple)):
         return ", ".join(fmt(x) for x in v)
     if isinstance(v, dict):
@@ -79,7 +82,7 @@ def _is_num(v: Any) -> bool:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return True
     try:
-        float(str(v))
+        float(str(v).replace(",", "").split(" [")[0])
         return True
     except ValueError:
         return False
@@ -135,10 +138,28 @@ def _summary_section(summary: Mapping[str, Any]) -> str:
 
 
 def _leaderboard_section(board) -> str:
+    """The leaderboard: rows, or a CSV file whose numbers are read back as numbers (so
+    they print at 4 significant digits, counts with thousands separators); columns empty
+    in every row are left out."""
     if isinstance(board, (str, Path)):
         with open(board, newline="") as fh:
-            board = list(csv.DictReader(fh))
-    return table(list(board))
+            board = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    rows = list(board)
+    cols = [c for c in dict.fromkeys(k for r in rows for k in r)
+            if any(r.get(c) not in (None, "") for r in rows)]
+    return table(rows, cols)
+
+
+def _number(text: str | None) -> Any:
+    """A CSV cell as an int or a float when it is one, else unchanged."""
+    if text is None:
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
 
 
 def _plots_section(plots) -> str:

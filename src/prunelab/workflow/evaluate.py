@@ -18,14 +18,18 @@ def tasks_supported() -> bool:
     return "tasks" in inspect.signature(api.evaluate).parameters
 
 
-def speed_of(lm) -> dict:
+def speed_of(lm, reference=None, rounds: int = 3) -> dict:
     """Prefill and decode tokens/s (:func:`prunelab.eval.speed.measure_speed`) with a
-    prompt of 256 tokens, or half the model's positions when it has fewer."""
-    from prunelab.eval.speed import measure_speed
+    prompt of 256 tokens, or half the model's positions when it has fewer; with a
+    ``reference`` (the dense model), measured in ``rounds`` interleaved with it, with the
+    ratios to it and their range (:func:`prunelab.eval.speed.speed_against`)."""
+    from prunelab.eval.speed import measure_speed, speed_against
 
     limit = getattr(lm.model.config, "max_position_embeddings", None) or 512
-    return measure_speed(lm, prompt_len=min(256, int(limit) // 2),
-                         decode_tokens=min(32, int(limit) // 4))
+    kw = dict(prompt_len=min(256, int(limit) // 2), decode_tokens=min(32, int(limit) // 4))
+    if reference is None or reference is lm:
+        return measure_speed(lm, **kw)
+    return speed_against(lm, reference, rounds=rounds, **kw)
 
 
 def evaluate_model(lm, opts, data: str, reference=None, reference_cache: dict | None = None,
@@ -50,7 +54,7 @@ def evaluate_model(lm, opts, data: str, reference=None, reference_cache: dict | 
 
         res["press"] = {**to_dict(opts.press), "context": opts.press_context}
     if opts.speed:
-        res.update(speed_of(lm))
+        res.update(speed_of(lm, reference, getattr(opts, "speed_rounds", 3)))
     res.pop("data", None)
     res["nonzero_params"] = nonzero_params(lm.model)
     return res

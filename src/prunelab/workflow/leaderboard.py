@@ -26,6 +26,8 @@ COLUMNS = (("method", "method", "{}"), ("achieved", "achieved", "{}"),
            ("top1_agreement", "top1_agreement", "{:.4f}"))
 TAIL = (("prefill_tok_s", "prefill_tokens_per_s", "{:.0f}"),
         ("decode_tok_s", "decode_tokens_per_s", "{:.1f}"),
+        ("prefill_x_dense", "prefill_x_dense", "{}"),
+        ("decode_x_dense", "decode_x_dense", "{}"),
         ("prune_seconds", "prune_seconds", "{:.1f}"),
         ("prune_peak_memory_bytes", "prune_peak_memory_bytes", "{:,}"),
         ("peak_memory_bytes", "peak_memory_bytes", "{:,}"))
@@ -51,6 +53,13 @@ def table(rows: list[dict], dense: dict | None = None) -> tuple[list[str], list[
         r = dict(r)
         if base and r.get("params") and "params_kept" not in r:
             r["params_kept"] = r.get("nonzero_params", r["params"]) / base
+        for short in ("prefill", "decode"):  # interleaved with dense: median [range]
+            med = r.get(f"{short}_x_dense")
+            if isinstance(med, (int, float)):
+                r[f"{short}_x_dense"] = (
+                    f"{med:.2f} [{r.get(f'{short}_x_dense_min', med):.2f}-"
+                    f"{r.get(f'{short}_x_dense_max', med):.2f}]"
+                    + (" noisy" if r.get("speed_noisy") else ""))
         ts = task_scores(r)
         cols = [r.get(k) for _, k, _ in COLUMNS]
         values.append(cols[:1] + ([r.get("budget")] if budget else []) + cols[1:]
@@ -74,13 +83,32 @@ def _fmt(value: Any, fmt: str) -> str:
         return str(value)
 
 
-def markdown(rows: list[dict], dense: dict | None = None) -> str:
+def display_rows(rows: list[dict], dense: dict | None = None) -> list[dict[str, str]]:
+    """The leaderboard as text cells, each number at its column's precision, without the
+    columns that are empty in every row (what the markdown and the HTML report show; the
+    CSV keeps every column and the raw values)."""
     header, values = table(rows, dense)
     fmts = _formats(header)
+    cells = [[_fmt(x, f) for x, f in zip(v, fmts, strict=True)] for v in values]
+    keep = [j for j in range(len(header)) if any(c[j] for c in cells)]
+    return [{header[j]: c[j] for j in keep} for c in cells]
+
+
+def markdown(rows: list[dict], dense: dict | None = None) -> str:
+    shown = display_rows(rows, dense)
+    if not shown:
+        return "(no evaluations)\n"
+    header = list(shown[0])
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for v in values:
-        lines.append("| " + " | ".join(_fmt(x, f) for x, f in zip(v, fmts, strict=True)) + " |")
-    return "\n".join(lines) + "\n"
+    for r in shown:
+        lines.append("| " + " | ".join(r[h] for h in header) + " |")
+    note = ""
+    if any("noisy" in r.get(h, "") for r in shown for h in ("prefill_x_dense",
+                                                            "decode_x_dense")):
+        note = ("\nSpeed ratios are medians over rounds interleaved with the dense model "
+                "[range]; noisy: a range wider than 20 % of its median, too wide to rank "
+                "close models.\n")
+    return "\n".join(lines) + "\n" + note
 
 
 def csv_text(rows: list[dict], dense: dict | None = None) -> str:
@@ -202,7 +230,7 @@ def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
         plots = ([curve] if curve is not None else []) + plots
     res = {"leaderboard": str(out / "leaderboard.md"), "csv": str(out / "leaderboard.csv"),
            "plots": [str(p) for p in plots]}
-    html = _html_report(out, title=title, leaderboard=out / "leaderboard.csv",
+    html = _html_report(out, title=title, leaderboard=display_rows(rows, dense) or None,
                         plots={p.stem.replace("_", " "): p for p in plots},
                         probes=_probe_results(probes or {}),
                         probe_summary=_probe_summary(probes or {}), recipe=recipe,

@@ -110,6 +110,8 @@ class EvaluateStage:
     batch_size: int = _opt(4, "windows per forward")
     reference: bool = _opt(True, "KL and top-1 agreement to the dense model")
     speed: bool = _opt(False, "prefill / decode tokens per second and peak memory")
+    speed_rounds: int = _opt(3, "speed: rounds interleaved with the dense model (ratios to "
+                             "it taken within a round; median and range reported)")
     tasks: tuple = _opt((), "downstream tasks (needs api.evaluate(tasks=...))")
     limit: int | None = _opt(None, "items per downstream task")
     press: Any = _opt(None, "a PRESSES config: {name: snapkv, ratio: 0.5, ...}")
@@ -120,6 +122,7 @@ class EvaluateStage:
             check_range("samples", self.samples, 1, None, integer=True)
         check_range("seqlen", self.seqlen, 2, None, integer=True)
         check_range("batch_size", self.batch_size, 1, None, integer=True)
+        check_range("speed_rounds", self.speed_rounds, 1, 100, integer=True)
         if self.limit is not None:
             check_range("limit", self.limit, 1, None, integer=True)
         check_range("press_context", self.press_context, 0.0, 1.0)
