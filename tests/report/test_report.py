@@ -285,7 +285,11 @@ def test_wide_leaderboard_fits_a_1280_pixel_page(tmp_path):
     page = write_report(tmp_path, leaderboard=board, summary={"model": "tiny"})
     text = page.read_text()
     assert "achieved" not in text  # the empty column is dropped
-    assert re.search(r"\d\.\d{5}", text) is None  # no raw 16-digit floats
+    cells = re.findall(r'<td class="num">([^<]*)</td>', text)
+    assert len(cells) == 6 * 15 and "0.8417633356554161" not in text
+    for c in cells:  # 4 significant digits, or a count grouped in thousands
+        assert re.fullmatch(r"\d{1,3}(,\d{3})+", c) or \
+            len(re.sub(r"\D", "", c).lstrip("0")) <= 4, c
     assert _page_width(page, tmp_path / "p") <= 1280
     # the same page without the table's own scrolling would be wider: the check can fail
     unfit = tmp_path / "unfit.html"

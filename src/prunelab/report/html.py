@@ -68,7 +68,9 @@ def fmt(v: Any) -> str:
     if isinstance(v, bool):
         return str(v)
     if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.4g}"
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        return f"{v:,.0f}" if abs(v) >= 10000 else f"{v:.4g}"
     if isinstance(v, int) and abs(v) >= 10000:
         return f"{v:,}"
     if isinstance(v, (list, tuple)):
