@@ -372,3 +372,60 @@ def test_taylor_terms_need_a_head_and_block_modules():
     lm = wrap(tiny_model("llama"), char_tokenizer(), spec="l")
     with pytest.raises(ValueError, match="head not inside a block"):
         taylor_terms(lm, tiny_tokens(2, 8), {"head": lm.adapter.head()})
+
+
+def test_low_precision_linears_round_only_the_matmuls():
+    from prunelab.calib.runner import low_precision_linears
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    exact = lin(x)
+    with low_precision_linears(torch.nn.Sequential(lin), torch.bfloat16):
+        got = lin(x)
+        assert lin.weight.dtype == torch.float32  # the weights keep their dtype
+    want = torch.nn.functional.linear(x.bfloat16(), lin.weight.bfloat16(),
+                                      lin.bias.bfloat16()).float()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.equal(got, exact)  # bfloat16 rounding shows
+    assert torch.equal(lin(x), exact) and "forward" not in lin.__dict__  # restored
+    with low_precision_linears(torch.nn.Sequential(lin), None):  # float32: untouched
+        assert torch.equal(lin(x), exact)
+
+
+def test_bfloat16_calibration_keeps_float32_statistics_and_weights():
+    """Wanda with bfloat16 matmuls: the first block's q/k/v see exactly the float32
+    inputs (embeddings and a float32 norm), so their statistics and masks are those of the
+    float32 run; later inputs pass bfloat16 matmuls and stay close. Weights stay float32."""
+    import prunelab
+    from prunelab import Wanda
+    from prunelab.data import TokenBatches
+
+    ids = tiny_tokens(8, 16)
+    calib = TokenBatches(input_ids=ids, spec="tiny", seqlen=16, samples=8, seed=0,
+                         mode="calib", total_windows=8, sha256="0")
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        lm = wrap(tiny_model("llama"), char_tokenizer(), spec="tiny")
+        rep = prunelab.prune(lm, Wanda(sparsity=0.5), calib, batch_size=4, calib_dtype=dtype)
+        runs[dtype] = (lm, rep)
+        assert lm.calib_dtype is None  # set for the call only
+    (a, _), (b, rep) = runs["float32"], runs["bfloat16"]
+    assert b.history[-1]["calib_dtype"] == "bfloat16" and "calib_dtype" not in a.history[-1]
+    wa, wb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    assert all(p.dtype == torch.float32 for p in wb.values())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(wa[q] == 0, wb[q] == 0)
+    masks = [(wa[n] == 0) == (wb[n] == 0) for n in wa if n.endswith("proj.weight")]
+    agree = torch.cat([m.flatten() for m in masks]).float().mean().item()
+    assert 0.95 < agree <= 1.0, agree
+
+
+def test_calib_dtype_is_checked_in_one_line():
+    from prunelab.errors import ConfigError
+    from prunelab.models.loading import resolve_calib_dtype
+
+    assert resolve_calib_dtype("bfloat16") is torch.bfloat16
+    assert resolve_calib_dtype("float32") is None
+    with pytest.raises(ConfigError, match="--calib-dtype must be float32 or bfloat16"):
+        resolve_calib_dtype("float16")

@@ -50,10 +50,10 @@ def _logits(model, ids):
     ("  - export: {llamacpp: false, speed: true}\n", ["stage 0 (export)", "speed"]),
     ("  - export: {samples: 0}\n", ["stage 0 (export)", "samples"]),
     ("  - export: {llamacpp: 'false'}\n", ["stage 0 (export)", "llamacpp"]),
-    ("  - save: {path: out}\n  - export: {path: out/m.gguf}\n", ["stage 1 (export)",
-                                                                 "nested"]),
-    ("  - export: {path: a.gguf}\n  - export: {path: a.gguf}\n", ["stage 1 (export)",
-                                                                  "same path"]),
+    ("  - save: {path: out}\n  - export: {path: out/m.gguf}\n",
+     ["stage 1 (export 'export-1')", "nested paths"]),
+    ("  - export: {path: a.gguf}\n  - export: {path: a.gguf}\n",
+     ["stage 1 (export 'export-1')", "same path"]),
 ])
 def test_export_stage_errors_name_the_field(tiny, stages, words):
     with pytest.raises(ConfigError) as err:
@@ -126,12 +126,13 @@ def test_check_refuses_before_running(tiny, tmp_path, monkeypatch):
 
     from prunelab.workflow.run import check_runnable
 
-    save_tiny_checkpoint("gemma3_text", tmp_path / "g")
+    save_tiny_checkpoint("phi3", tmp_path / "g")
     text = _recipe(tiny, "  - prune: {method: wanda, sparsity: 0.5}\n"
                          "  - export: {llamacpp: false, speed: false}\n")
-    gemma = text.replace(str(tiny / "model"), str(tmp_path / "g"))
-    with pytest.raises(ConfigError, match=r"stage 1 \(export\): GGUF export writes llama"):
-        check_runnable(load_recipe(gemma))
+    phi3 = text.replace(str(tiny / "model"), str(tmp_path / "g"))
+    with pytest.raises(ConfigError, match=r"stage 1 \(export\): GGUF export writes llama.* "
+                       r"the recipe's model is phi3"):
+        check_runnable(load_recipe(phi3))
     check_runnable(load_recipe(text))  # llama: fine without llama.cpp
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     for stage in ("  - export: {}\n", "  - export: {outtype: q8_0, llamacpp: false, "

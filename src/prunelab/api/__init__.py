@@ -6,6 +6,7 @@ The CLI is a thin face over these functions; everything it does can be done from
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -300,7 +301,8 @@ def _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
 
 def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: int | None = 16,
           seed: int = 0, batch_size: int = 8, out_dir: str | Path | None = None,
-          overwrite: bool = False, states: str = "memory", tokenizer=None, **options):
+          overwrite: bool = False, states: str = "memory", tokenizer=None,
+          calib_dtype: str | None = None, **options):
     """Run redundancy probes (see :mod:`prunelab.probes`) on calibration windows.
 
     ``probes``: a registered name or a typed config (returns a
@@ -323,15 +325,16 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
         from prunelab.probes.base import check_streamable_probes
         check_streamable_probes(items)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
-    results = run_probes(lm, items, batches.input_ids, data_info=batches.to_dict(),
-                         batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
-                         states=states, seed=seed, **options)
+    with _calibrating_in(lm, calib_dtype):  # bfloat16 matmuls on request (see prune)
+        results = run_probes(lm, items, batches.input_ids, data_info=batches.to_dict(),
+                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
+                             states=states, seed=seed, **options)
     return next(iter(results.values())) if single else results
 
 
 def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
           samples: int | None = 32, seed: int = 0, batch_size: int = 8,
-          tokenizer=None):
+          tokenizer=None, calib_dtype: str | None = None):
     """Prune ``model`` in place with a method config, e.g.
     ``prunelab.prune(lm, Depth(remove=6, recovery="foldable"), "wiki-vital:calib")``.
 
@@ -339,13 +342,36 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
     method's own fields -- removed units, calibration KL before and after recovery... --
     plus ``operation``, ``method``, ``config``, ``data``, ``size_before``, ``size_after``,
     ``seconds``); the operation is also recorded in the model's history for the manifest.
+    ``calib_dtype="bfloat16"``: the calibration forward passes run the blocks' matmuls in
+    bfloat16; statistics, masks and updates stay in float32 (default: the model's dtype).
     """
+    lm = _as_loaded(model, tokenizer)
+    with _calibrating_in(lm, calib_dtype):
+        return _prune(lm, config, data, seqlen, samples, seed, batch_size)
+
+
+@contextlib.contextmanager
+def _calibrating_in(lm, calib_dtype):
+    """``lm.calib_dtype`` set for the call when ``calib_dtype`` is given (else as is)."""
+    from prunelab.models.loading import resolve_calib_dtype
+
+    if calib_dtype is None:
+        yield
+        return
+    before = lm.calib_dtype
+    lm.calib_dtype = resolve_calib_dtype(calib_dtype)
+    try:
+        yield
+    finally:
+        lm.calib_dtype = before
+
+
+def _prune(lm, config, data, seqlen, samples, seed, batch_size):
     import time
 
     from prunelab.pruning import pruner_for
     from prunelab.pruning.base import PruneReport, check_composable, config_dict, method_name
 
-    lm = _as_loaded(model, tokenizer)
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     pruner = pruner_for(config)
@@ -367,6 +393,8 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
                          seconds=time.perf_counter() - start, details=details)
     lm.history.append({"operation": pruner.operation, "method": report.method,
                        "config": report.config, **details.history()})
+    if lm.calib_dtype is not None:
+        lm.history[-1]["calib_dtype"] = str(lm.calib_dtype).removeprefix("torch.")
     lm.last_report = report
     return report
 

@@ -32,6 +32,35 @@ from prunelab.log import progress
 from prunelab.models.adapters import Adapter, get_adapter
 
 
+def _linear_in(module: nn.Linear, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` computed in ``dtype`` (inputs and weights rounded to it, products
+    accumulated by the matmul kernel), returned in ``x``'s dtype."""
+    bias = module.bias.to(dtype) if module.bias is not None else None
+    return nn.functional.linear(x.to(dtype), module.weight.to(dtype), bias).to(x.dtype)
+
+
+@contextlib.contextmanager
+def low_precision_linears(block: nn.Module, dtype: torch.dtype | None):
+    """Inside: every ``nn.Linear`` of ``block`` whose weight is not ``dtype`` computes in
+    ``dtype`` (bfloat16 calibration). Only the matmuls change: the weights keep their
+    dtype (a method's masks and updates stay in float32), the linears' inputs -- what the
+    statistics hooks see -- and outputs stay in the model's dtype, and so does everything
+    between them (norms, attention, residuals)."""
+    import functools
+
+    patched = []
+    if dtype is not None:
+        for m in block.modules():
+            if type(m) is nn.Linear and m.weight.dtype != dtype:
+                m.forward = functools.partial(_linear_in, m, dtype)
+                patched.append(m)
+    try:
+        yield
+    finally:
+        for m in patched:
+            del m.forward  # back to the class's forward
+
+
 class _Recorder(nn.Module):
     """Stands in for a block during capture: records its call, returns its input."""
 
@@ -136,6 +165,8 @@ class BlockRunner:
         self._held: set[int] = set()  # blocks moved to the device by an outer _on_device
         self.store_device = torch.device("cpu") if offload else self.device
         self.batches = list(torch.as_tensor(input_ids).split(batch_size))
+        # bfloat16 calibration (a LoadedModel's ``calib_dtype``): the blocks' matmuls in it
+        self.compute_dtype = getattr(model, "calib_dtype", None)
         self.block_evals = 0  # block x batch evaluations spent
         self.calls: list[list[tuple[tuple, dict]]] = []
         self.inputs: list[torch.Tensor] = []
@@ -210,7 +241,8 @@ class BlockRunner:
         args, kwargs = self.call_args(index, batch)
         self.block_evals += 1
         try:
-            out = blk(hidden.to(self.device), *args, **kwargs)
+            with low_precision_linears(blk, self.compute_dtype):
+                out = blk(hidden.to(self.device), *args, **kwargs)
         except StopBlock:
             return None
         out = out[0] if isinstance(out, tuple) else out

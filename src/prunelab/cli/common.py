@@ -37,6 +37,9 @@ OffloadOpt = typer.Option(False, "--offload", help="keep the weights on the CPU;
 StreamOpt = typer.Option(False, "--stream", help="layer-wise loading from disk: blocks are "
                          "read from the safetensors shards one at a time (memory ~ one block)")
 BatchOpt = typer.Option(8, help="windows per block call")
+CalibDtypeOpt = typer.Option("float32", help="float32 | bfloat16: the dtype of the blocks' "
+                             "matmuls during calibration (statistics, masks and updates stay "
+                             "float32; the saved model keeps its dtype)")
 StackOpt = typer.Option(None, "--stack", help="Whisper: encoder (default) or decoder, the "
                         "stack probes and pruning act on")
 RayOpt = typer.Option(None, "--ray", help="run the points as Ray tasks: 'auto' (a local "
@@ -97,15 +100,20 @@ class LoadArgs:
     offload: bool = False
     stream: bool = False
     stack: str | None = None
+    calib_dtype: str | None = None
 
     def load(self):
         from prunelab import api
+        from prunelab.models.loading import resolve_calib_dtype
 
-        return api.load(self.model, dtype=self.dtype, device=self.device,
-                        trust_remote_code=self.trust_remote_code, offload=self.offload,
-                        allow_pickle=self.allow_pickle,
-                        allow_missing_weights=self.allow_missing_weights, stream=self.stream,
-                        stack=self.stack)
+        calib = resolve_calib_dtype(self.calib_dtype)  # a bad value before the model loads
+        lm = api.load(self.model, dtype=self.dtype, device=self.device,
+                      trust_remote_code=self.trust_remote_code, offload=self.offload,
+                      allow_pickle=self.allow_pickle,
+                      allow_missing_weights=self.allow_missing_weights, stream=self.stream,
+                      stack=self.stack)
+        lm.calib_dtype = calib
+        return lm
 
 
 def fmt_bytes(n: float) -> str:

@@ -13,6 +13,7 @@ from prunelab import log
 from prunelab.cli.apps import app
 from prunelab.cli.common import (
     BatchOpt,
+    CalibDtypeOpt,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -495,7 +496,7 @@ def probe(ctx: typer.Context,
           trust_remote_code: bool = RemoteOpt, allow_pickle: bool = PickleOpt,
           allow_missing_weights: bool = MissingOpt, offload: bool = OffloadOpt,
           stream: bool = StreamOpt,
-          stack: Optional[str] = StackOpt):
+          stack: Optional[str] = StackOpt, calib_dtype: str = CalibDtypeOpt):
     """Measure layer redundancy under several protocols, side by side (0-based layers; each
     --probe's options are listed under their own heading, given to the probes that take
     them)."""
@@ -519,7 +520,8 @@ def probe(ctx: typer.Context,
             from prunelab.probes.base import check_streamable_probes
             check_streamable_probes(names)
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                      allow_missing_weights, offload, stream, stack=stack).load()
+                      allow_missing_weights, offload, stream, stack=stack,
+                      calib_dtype=calib_dtype).load()
         results = api.probe(lm, names, data=data, seqlen=seqlen, samples=samples, seed=seed,
                             batch_size=batch_size, out_dir=out_dir, overwrite=overwrite,
                             states=states, pairs=parse_pairs(pairs) or None,

@@ -13,6 +13,7 @@ from prunelab.cli.apps import prune_app, sweep_app
 from prunelab.cli.common import (
     BatchOpt,
     BudgetOpt,
+    CalibDtypeOpt,
     CpusOpt,
     DeviceOpt,
     DtypeOpt,
@@ -131,7 +132,7 @@ def prune_depth_cmd(
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt, stream: bool = StreamOpt,
-        stack: Optional[str] = StackOpt):
+        stack: Optional[str] = StackOpt, calib_dtype: str = CalibDtypeOpt):
     """Remove whole blocks chosen by a probe, repair the cut in closed form, save (the
     options of each --strategy and --recovery are listed under their own headings)."""
     from prunelab.pruning import depth_from_cli
@@ -152,7 +153,8 @@ def prune_depth_cmd(
                          search_windows=search_windows, max_instability=max_instability,
                          seed=seed, **flat)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload, stream, stack=stack)
+                    allow_missing_weights, offload, stream, stack=stack,
+                    calib_dtype=calib_dtype)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("calib_kl_before_recovery",
@@ -181,7 +183,8 @@ def prune_sparsity_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
-        offload: bool = OffloadOpt, stream: bool = StreamOpt):
+        offload: bool = OffloadOpt, stream: bool = StreamOpt,
+        calib_dtype: str = CalibDtypeOpt):
     """Unstructured or N:M sparsity (Wanda, SparseGPT, ROSE, QK-Wanda, magnitude, ADMM,
     CACTUS, and registered methods; each --method's and --allocation's options are listed
     under their own headings)."""
@@ -198,7 +201,7 @@ def prune_sparsity_cmd(
     opts.update(budget_fields(methods[method], budget, f"prune sparsity --method {method}"))
     cfg = methods[method](**settings_over(opts, settings, methods[method]))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload, stream)
+                    allow_missing_weights, offload, stream, calib_dtype=calib_dtype)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("achieved_sparsity",),
@@ -234,7 +237,7 @@ def prune_width_cmd(
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
         offload: bool = OffloadOpt, stream: bool = StreamOpt,
-        stack: Optional[str] = StackOpt):
+        stack: Optional[str] = StackOpt, calib_dtype: str = CalibDtypeOpt):
     """Structured width pruning: KV groups / heads / query heads and FFN channels removed
     physically (0-based blocks; each --score's and --allocation's options are listed under
     their own headings)."""
@@ -245,7 +248,8 @@ def prune_width_cmd(
                          bias_compensation=not no_bias_compensation, round_to=round_to,
                          damp=damp, **values(ctx).flat())
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
-                    allow_missing_weights, offload, stream, stack=stack)
+                    allow_missing_weights, offload, stream, stack=stack,
+                    calib_dtype=calib_dtype)
     prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
                    samples=samples, seed=seed, batch_size=batch_size,
                    metrics=("removed_params",),

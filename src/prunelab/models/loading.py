@@ -58,6 +58,9 @@ class LoadedModel:
     # Set (e.g. by ``load(..., offload=True)``): the weights stay where they are (the CPU)
     # and every BlockRunner built on this model computes block by block on this device.
     offload_to: torch.device | None = None
+    # Set (``--calib-dtype bfloat16``): calibration runs the blocks' matmuls in this dtype
+    # (BlockRunner); weights, statistics and the saved model keep the model's dtype.
+    calib_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self.adapter = get_adapter(self.model)
@@ -95,6 +98,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)} or auto, got {dtype!r}")
     return DTYPES[dtype]
+
+
+def resolve_calib_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``--calib-dtype``: ``float32`` (or None: the model's own dtype, the default) or
+    ``bfloat16`` (the blocks' matmuls in bfloat16 during calibration)."""
+    if name is None or name in ("float32", torch.float32):
+        return None
+    if name in ("bfloat16", torch.bfloat16):
+        return torch.bfloat16
+    raise ConfigError(f"--calib-dtype must be float32 or bfloat16, got {name!r}")
 
 
 def _looks_like_path(spec: str) -> bool:

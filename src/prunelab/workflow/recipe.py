@@ -149,16 +149,13 @@ def check_save_paths(stages) -> None:
         path = save_path(st.options.path)
         for other, (j, ost) in seen.items():
             if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
-                how = "the same path" if path == other else "nested paths"
-                raise ConfigError(f"{_label(i, st)}: path {st.options.path!r} and "
-                                  f"{_label(j, ost)} path {ost.options.path!r} are {how}; "
-                                  "give each its own")
+                both = "save" if st.kind == ost.kind == "save" else "path"
+                how = (f"the same {'folder' if both == 'save' else 'path'}" if path == other
+                       else f"nested {'folders' if both == 'save' else 'paths'}")
+                raise ConfigError(f"stage {i} ({st.kind} {st.id!r}): path {st.options.path!r}"
+                                  f" and stage {j} ({ost.kind} {ost.id!r}) path "
+                                  f"{ost.options.path!r} are {how}; give each its own")
         seen[path] = (i, st)
-
-
-def _label(index: int, st) -> str:
-    default = st.id == f"{st.kind}-{index}"
-    return f"stage {index} ({st.kind})" if default else f"stage {index} ({st.kind} {st.id!r})"
 
 
 def load_recipe(source: str | Path | dict) -> Recipe:

@@ -216,6 +216,7 @@ def prune_and_score(lm, ctx, cfg: Depth, removed: list[int], how: dict, test_ids
     n = cfg.remove
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
     work.offload_to = getattr(lm, "offload_to", None)  # the copy calibrates alike
+    work.calib_dtype = getattr(lm, "calib_dtype", None)
     try:
         report = prune_depth(work, cfg, ctx.input_ids, batch_size=batch_size, ctx=ctx,
                              removed=removed)

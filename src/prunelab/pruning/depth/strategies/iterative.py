@@ -35,6 +35,7 @@ def _work_copy(job: SelectJob, removed: list[int], how: dict):
     lm = job.lm
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
     work.offload_to = getattr(lm, "offload_to", None)  # the copy calibrates alike
+    work.calib_dtype = getattr(lm, "calib_dtype", None)
     if removed:
         work.adapter.delete_blocks(sorted(removed))
     if removed and job.cfg.recovery_in_loop:

@@ -103,6 +103,7 @@ def repaired_copy(lm, cfg, ctx, removed) -> object | None:
 
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
     work.offload_to = getattr(lm, "offload_to", None)
+    work.calib_dtype = getattr(lm, "calib_dtype", None)
     work.adapter.delete_blocks(sorted(removed))
     try:
         recover(work, cfg, ctx, sorted(removed), ctx.runner.batches[0].shape[0])
