@@ -429,3 +429,39 @@ def test_calib_dtype_is_checked_in_one_line():
     assert resolve_calib_dtype("float32") is None
     with pytest.raises(ConfigError, match="--calib-dtype must be float32 or bfloat16"):
         resolve_calib_dtype("float16")
+
+
+def test_low_precision_linears_leave_replaced_forwards_alone():
+    """The sequential runner replaces some linears' forwards (replay, placeholders): the
+    bfloat16 context must neither override nor remove them."""
+    from prunelab.calib.runner import low_precision_linears
+
+    lin = torch.nn.Linear(4, 4)
+    lin.forward = lambda x: torch.full((x.shape[0], 4), 7.0)
+    with low_precision_linears(torch.nn.Sequential(lin), torch.bfloat16):
+        assert torch.equal(lin(torch.zeros(2, 4)), torch.full((2, 4), 7.0))
+    assert torch.equal(lin(torch.zeros(2, 4)), torch.full((2, 4), 7.0))
+
+
+def test_bfloat16_sparsegpt_runs_its_sequential_replay():
+    """SparseGPT's sequential runner with bfloat16 matmuls: weights stay float32, and the
+    first block's q mask and update (float32 inputs) are those of the float32 run."""
+    import prunelab
+    from prunelab import SparseGPT
+    from prunelab.data import TokenBatches
+
+    ids = tiny_tokens(8, 16)
+    calib = TokenBatches(input_ids=ids, spec="tiny", seqlen=16, samples=8, seed=0,
+                         mode="calib", total_windows=8, sha256="0")
+    got = {}
+    for dtype in ("float32", "bfloat16"):
+        lm = wrap(tiny_model("llama"), char_tokenizer(), spec="tiny")
+        rep = prunelab.prune(lm, SparseGPT(sparsity=0.5), calib, batch_size=4,
+                             calib_dtype=dtype)
+        got[dtype] = (lm, rep)
+    (a, ra), (b, rb) = got["float32"], got["bfloat16"]
+    assert all(p.dtype == torch.float32 for p in b.model.parameters())
+    wa, wb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(wa[q] == 0, wb[q] == 0)  # same float32 inputs, same first mask
+    assert (wa[q] - wb[q]).abs().max() < 1e-5

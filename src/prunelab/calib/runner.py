@@ -51,7 +51,10 @@ def low_precision_linears(block: nn.Module, dtype: torch.dtype | None):
     patched = []
     if dtype is not None:
         for m in block.modules():
-            if type(m) is nn.Linear and m.weight.dtype != dtype:
+            # a module whose forward is already replaced (the sequential runner's replayed
+            # or placeholder linears) does not compute: left as it is
+            if type(m) is nn.Linear and m.weight.dtype != dtype and \
+                    "forward" not in m.__dict__:
                 m.forward = functools.partial(_linear_in, m, dtype)
                 patched.append(m)
     try:
