@@ -324,3 +324,20 @@ def test_recipe_plugin_errors(tiny, tmp_path, plugins, message):
                                      "  - prune: {method: wanda, sparsity: 0.5}\n")
     with pytest.raises(ConfigError, match=message):
         load_recipe(tmp_path / "r.yaml")
+
+
+def test_evaluate_speed_is_measured_beside_the_dense_model(tiny, tmp_path):
+    text = _recipe(tiny, "  - evaluate: {seqlen: 16, samples: 2, speed: true}\n"
+                         "  - prune: {id: w, method: wanda, sparsity: 0.5}\n"
+                         "  - evaluate: {seqlen: 16, samples: 2, speed: true, "
+                         "speed_rounds: 2}\n"
+                         "  - report: {}\n")
+    man = run_recipe(load_recipe(text), tmp_path / "o")
+    evals = [r for r in man["results"].values() if r["kind"] == "evaluate"]
+    dense, pruned = (e["metrics"] for e in evals)
+    assert "prefill_x_dense" not in dense  # the dense model is measured alone
+    assert pruned["speed_rounds"] == 2 and isinstance(pruned["speed_noisy"], bool)
+    lo, mid, hi = (pruned[f"decode_x_dense{s}"] for s in ("_min", "", "_max"))
+    assert 0 < lo <= mid <= hi
+    board = (tmp_path / "o" / "leaderboard.md").read_text()
+    assert "prefill_x_dense" in board and f"{mid:.2f} [{lo:.2f}-{hi:.2f}]" in board
