@@ -187,7 +187,7 @@ def test_sweep_workers_reload_with_the_cli_load_options():
     assert args == {"spec": "smollm2-135m", "dtype": "bfloat16", "device": "cpu",
                     "trust_remote_code": False, "allow_pickle": False,
                     "allow_missing_weights": False, "offload": True, "stream": False,
-                    "stack": None}
+                    "stack": None, "calib_dtype": None}
     assert set(args) <= set(inspect.signature(api.load).parameters)
 
 

@@ -79,6 +79,10 @@ def test_export_stage_writes_the_stage_model_and_reuses_it(tiny, tmp_path):
     assert "| gg | w | w.gguf | f32 | llama | 4 |" in served
     assert "Served in llama.cpp" in (out / "leaderboard.md").read_text()
     assert "Served in llama.cpp" in (out / "report.html").read_text()
+    from prunelab.report.folder import build_report  # `prunelab report RUN` shows it too
+
+    again = build_report(out, tmp_path / "again.html")
+    assert "Served in llama.cpp" in again.read_text() and "w.gguf" in again.read_text()
     # resumed: the file verifies, nothing is rewritten
     before = gguf_file.stat().st_mtime_ns
     run_recipe(load_recipe(text), out)

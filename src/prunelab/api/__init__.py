@@ -27,7 +27,7 @@ from prunelab.models.size import model_size
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
          trust_remote_code: bool = False, offload: bool = False, allow_pickle: bool = False,
          allow_missing_weights: bool = False, stream: bool = False,
-         stack: str | None = None) -> LoadedModel:
+         stack: str | None = None, calib_dtype: str | None = None) -> LoadedModel:
     """Load a model by spec: ``smollm2-135m``, ``minilm-l6``, ``gemma3-270m``, a local
     checkpoint directory, a ``.gguf`` file or a hub id. Returns a :class:`LoadedModel`
     (``.model``, ``.tokenizer``, ``.adapter``).
@@ -46,7 +46,19 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     ``stream=True``: layer-wise loading from disk (:mod:`prunelab.models.streaming`): the
     blocks stay in the safetensors shards and are read one at a time when needed.
     ``stack``: ``encoder`` / ``decoder`` for Whisper (which stack probes and pruning act
-    on; default encoder)."""
+    on; default encoder). ``calib_dtype="bfloat16"``: every calibration of this model runs
+    the blocks' matmuls in bfloat16 (see :func:`prune`)."""
+    from prunelab.models.loading import resolve_calib_dtype
+
+    calib = resolve_calib_dtype(calib_dtype)  # a bad value before the model loads
+    lm = _load_any(spec, dtype, device, trust_remote_code, offload, allow_pickle,
+                   allow_missing_weights, stream, stack)
+    lm.calib_dtype = calib
+    return lm
+
+
+def _load_any(spec, dtype, device, trust_remote_code, offload, allow_pickle,
+              allow_missing_weights, stream, stack) -> LoadedModel:
     from prunelab.models.loading import resolve_device
 
     if stream:

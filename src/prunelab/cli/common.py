@@ -104,16 +104,12 @@ class LoadArgs:
 
     def load(self):
         from prunelab import api
-        from prunelab.models.loading import resolve_calib_dtype
 
-        calib = resolve_calib_dtype(self.calib_dtype)  # a bad value before the model loads
-        lm = api.load(self.model, dtype=self.dtype, device=self.device,
-                      trust_remote_code=self.trust_remote_code, offload=self.offload,
-                      allow_pickle=self.allow_pickle,
-                      allow_missing_weights=self.allow_missing_weights, stream=self.stream,
-                      stack=self.stack)
-        lm.calib_dtype = calib
-        return lm
+        return api.load(self.model, dtype=self.dtype, device=self.device,
+                        trust_remote_code=self.trust_remote_code, offload=self.offload,
+                        allow_pickle=self.allow_pickle,
+                        allow_missing_weights=self.allow_missing_weights, stream=self.stream,
+                        stack=self.stack, calib_dtype=self.calib_dtype)
 
 
 def fmt_bytes(n: float) -> str:
