@@ -459,7 +459,7 @@ def test_bfloat16_sparsegpt_runs_its_sequential_replay():
         rep = prunelab.prune(lm, SparseGPT(sparsity=0.5), calib, batch_size=4,
                              calib_dtype=dtype)
         got[dtype] = (lm, rep)
-    (a, ra), (b, rb) = got["float32"], got["bfloat16"]
+    (a, _), (b, _) = got["float32"], got["bfloat16"]
     assert all(p.dtype == torch.float32 for p in b.model.parameters())
     wa, wb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     q = "model.layers.0.self_attn.q_proj.weight"
