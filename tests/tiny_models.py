@@ -103,6 +103,22 @@ SAMPLE_TEXT = (
 ) * 6
 
 
+def cli_here(capsys, *args, cwd=None):
+    """``prunelab ARGS`` run in this process (``cli_main``; output from ``capsys``), for the
+    many one-line refusals that happen before any model loads: the same exit code and
+    lines as :func:`cli`, without a new interpreter importing torch each time."""
+    import contextlib
+    import types
+
+    from prunelab.cli import cli_main
+
+    capsys.readouterr()
+    with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+        rc = cli_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=rc, stdout=out, stderr=err)
+
+
 def cli(*args, cwd=None):
     env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="120")
     return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,

@@ -9,7 +9,7 @@ import torch
 
 import prunelab
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,12 @@ def test_info_and_eval_json(tiny_dir):
     assert got["decode_tokens_per_s"] > 0
 
 
+@pytest.fixture
+def here(capsys):
+    """``prunelab ARGS`` in this process (refusals: no interpreter started per call)."""
+    return lambda *args, **kw: cli_here(capsys, *args, **kw)
+
+
 def assert_one_line_error(res, fragment):
     assert res.returncode == 2, (res.stdout, res.stderr)
     assert "Traceback" not in res.stderr
@@ -57,17 +63,17 @@ def assert_one_line_error(res, fragment):
     assert fragment in lines[0]
 
 
-def test_error_paths(tiny_dir):
-    assert_one_line_error(cli("info", "--model", str(tiny_dir / "missing")), "does not exist")
-    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--data", "nope:x",
+def test_error_paths(tiny_dir, here):
+    assert_one_line_error(here("info", "--model", str(tiny_dir / "missing")), "does not exist")
+    assert_one_line_error(here("eval", "--model", str(tiny_dir / "model"), "--data", "nope:x",
                               "--seqlen", "32"), "unknown data spec")
-    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--seqlen", "512"),
+    assert_one_line_error(here("eval", "--model", str(tiny_dir / "model"), "--seqlen", "512"),
                           "beyond the 128 positions")
     assert_one_line_error(
         cli("eval", "--model", str(tiny_dir / "model"), "--data",
             f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "999"),
         "ask for --samples")
-    assert_one_line_error(cli("eval", "--model", str(tiny_dir / "model"), "--seqlen", "0"),
+    assert_one_line_error(here("eval", "--model", str(tiny_dir / "model"), "--seqlen", "0"),
                           "seqlen")
 
 
@@ -76,7 +82,7 @@ def test_verbose_shows_traceback(tiny_dir):
     assert res.returncode != 0 and "Traceback" in res.stderr
 
 
-def test_probe_command(tiny_dir):
+def test_probe_command(tiny_dir, here):
     out = tiny_dir / "probes"
     args = ["--quiet", "probe", "--model", str(tiny_dir / "model"), "--data",
             f"text:{tiny_dir / 'text.txt'}", "--probe", "block-influence,interchange,interval",
@@ -88,13 +94,13 @@ def test_probe_command(tiny_dir):
     assert [s["layers"] for s in inter["scores"]] == [[0, 1], [1, 3]]
     assert inter["data"]["samples"] == 4 and inter["block_evaluations"] == 4 + 3
     assert (out / "summary.md").is_file() and (out / "interval.png").is_file()
-    assert_one_line_error(cli(*args), "--overwrite")
-    assert_one_line_error(cli(*args[:6], "--probe", "nope", "--out", str(out)), "unknown probe")
+    assert_one_line_error(here(*args), "--overwrite")
+    assert_one_line_error(here(*args[:6], "--probe", "nope", "--out", str(out)), "unknown probe")
     bad = [a if a != "0-1,1-3" else "0-x" for a in args]
-    assert_one_line_error(cli(*bad, "--overwrite"), "--pairs")
+    assert_one_line_error(here(*bad, "--overwrite"), "--pairs")
 
 
-def test_prune_commands(tiny_dir):
+def test_prune_commands(tiny_dir, here):
     base = ["--quiet", "prune"]
     data = ["--model", str(tiny_dir / "model"), "--data", f"text:{tiny_dir / 'text.txt'}",
             "--samples", "4", "--seqlen", "16", "--batch-size", "2"]
@@ -105,9 +111,9 @@ def test_prune_commands(tiny_dir):
     man = json.loads((out / "manifest.json").read_text())
     assert man["report"]["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)
     assert man["operations"][-1]["operation"] == "prune-sparsity"
-    assert_one_line_error(cli(*base, "sparsity", *data, "--method", "sparsegpt", "--out",
+    assert_one_line_error(here(*base, "sparsity", *data, "--method", "sparsegpt", "--out",
                               str(out)), "--overwrite")
-    assert_one_line_error(cli(*base, "sparsity", *data, "--method", "wanda", "--pattern",
+    assert_one_line_error(here(*base, "sparsity", *data, "--method", "wanda", "--pattern",
                               "5:4", "--out", str(tiny_dir / "x")), "5:4")
     # --offload (weights stay on the CPU, blocks visit --device in turn; here the device
     # is the CPU too): the same pruned weights as without it
@@ -129,5 +135,5 @@ def test_prune_commands(tiny_dir):
     assert res.returncode == 0, res.stderr
     man = json.loads((depth / "manifest.json").read_text())
     assert len(man["report"]["removed_blocks"]) == 1 and man["num_blocks"] == 3
-    assert_one_line_error(cli(*base, "depth", *data, "--budget", "remove-blocks:9", "--out",
+    assert_one_line_error(here(*base, "depth", *data, "--budget", "remove-blocks:9", "--out",
                               str(tiny_dir / "y")), "cannot remove")

@@ -11,7 +11,7 @@ import pytest
 
 from prunelab.cli import cli_main
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _one_line(res, *words):
         assert w in res.stderr, res.stderr
 
 
-def test_no_command_writes_over_its_input(root):
+def test_no_command_writes_over_its_input(root, capsys):
     m, data = str(root / "model"), ["--data", f"text:{root / 'text.txt'}", "--seqlen", "16"]
     before = _listing(root / "model")
     (root / "link").unlink(missing_ok=True)
@@ -63,8 +63,8 @@ def test_no_command_writes_over_its_input(root):
         ["recipe", "--from", str(root / "sparse"), "--out",
          str(root / "sparse" / "manifest.json"), "--overwrite"],
     ]
-    for args in cases:
-        _one_line(cli(*args), "may never be an input")
+    for args in cases:  # refused before any model loads: run in this process
+        _one_line(cli_here(capsys, *args), "may never be an input")
     assert _listing(root / "model") == before
     assert (root / "text.txt").read_text() == SAMPLE_TEXT * 3
 
@@ -101,7 +101,7 @@ def test_report_on_a_full_disk_is_one_line(root, tmp_path, monkeypatch, capsys):
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
 
 
-def test_heal_state_never_uses_a_folder_it_did_not_create(root, tmp_path):
+def test_heal_state_never_uses_a_folder_it_did_not_create(root, tmp_path, capsys):
     m, data = str(root / "sparse"), ["--data", f"text:{root / 'text.txt'}", "--seqlen", "16"]
     user = tmp_path / "user"
     user.mkdir()
@@ -114,8 +114,8 @@ def test_heal_state_never_uses_a_folder_it_did_not_create(root, tmp_path):
                          (str(tmp_path / "file"), ["is a file"]),
                          (str(tmp_path / "out"), ["may not overlap"]),
                          (str(tmp_path / "out" / "s"), ["may not overlap"])):
-        res = cli("heal", "--model", m, *data, "--steps", "2", "--out", str(tmp_path / "out"),
-                  "--state", state, cwd=tmp_path / "work")
+        res = cli_here(capsys, "heal", "--model", m, *data, "--steps", "2", "--out",
+                       str(tmp_path / "out"), "--state", state, cwd=tmp_path / "work")
         _one_line(res, *words)
     assert (user / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "user", "work"]
