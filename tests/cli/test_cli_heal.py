@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +56,11 @@ def test_heal_keeps_the_sparsity_and_records_the_run(tiny_dir):
     assert again.returncode == 2 and "exists" in again.stderr
 
 
-def test_heal_option_errors_are_one_line(tiny_dir):
+def test_heal_option_errors_are_one_line(tiny_dir, capsys):
     for bad in (["--loss", "bogus"], ["--steps", "0"], ["--lr", "nan"],
                 ["--loss", "kd", "--steps", "2"]):  # kd without a teacher
-        res = cli("heal", "--model", str(tiny_dir / "model"), *_common(tiny_dir), *bad,
-                  "--out", str(tiny_dir / "bad"))
+        res = cli_here(capsys, "heal", "--model", str(tiny_dir / "model"), *_common(tiny_dir),
+                       *bad, "--out", str(tiny_dir / "bad"))
         assert res.returncode == 2, (bad, res.stderr)
         assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1, res.stderr
 

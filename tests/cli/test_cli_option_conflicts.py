@@ -9,7 +9,7 @@ import json
 import pytest
 import transformers as tf
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_conflicting_or_degenerate_options_are_one_line(tiny_dir, case):
+def test_conflicting_or_degenerate_options_are_one_line(tiny_dir, case, capsys):
     args, expected = CASES[case]
     out = tiny_dir / f"out-{case.replace(' ', '-')}"
     head, rest = (args[:1], args[1:]) if args[0] in ("eval", "heal") else (args[:2], args[2:])
@@ -86,7 +86,7 @@ def test_conflicting_or_degenerate_options_are_one_line(tiny_dir, case):
     if head == ["heal"]:
         common = [*common[:4], "--train-samples", "4", "--seqlen", "16"]
     extra = [] if head == ["eval"] else ["--out", str(out)]
-    res = cli(*head, *common, *rest, *extra)
+    res = cli_here(capsys, *head, *common, *rest, *extra)  # in this process
     assert res.returncode == 2, (res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr

@@ -13,7 +13,7 @@ import pytest
 import prunelab
 from prunelab.eval.tasks import evaluate_tasks
 
-from tiny_models import save_tiny_checkpoint
+from tiny_models import cli_here, save_tiny_checkpoint
 
 
 def cli(*args):
@@ -46,15 +46,17 @@ def test_eval_tasks_jsonl_end_to_end(root):
     assert (got["acc"], got["acc_norm"]) == (api["qa"]["acc"], api["qa"]["acc_norm"])
 
 
-def test_eval_tasks_errors_are_one_line(root, tmp_path):
+def test_eval_tasks_errors_are_one_line(root, tmp_path, capsys):
     # unknown task names: tests/eval/test_tasks.py::test_unknown_task_lists_known_ones
     save_tiny_checkpoint("bert", tmp_path / "enc")
-    res = cli("eval", "--model", str(tmp_path / "enc"), "--tasks", str(root / "qa.jsonl"))
+    res = cli_here(capsys, "eval", "--model", str(tmp_path / "enc"), "--tasks",
+                   str(root / "qa.jsonl"))
     assert res.returncode == 2 and "encoder" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"context": "c", "choices": ["a", "b"], "gold": 5}\n')
-    res = cli("eval", "--model", str(root / "model"), "--tasks", str(bad), "--seqlen", "32")
+    res = cli_here(capsys, "eval", "--model", str(root / "model"), "--tasks", str(bad),
+                   "--seqlen", "32")
     assert res.returncode == 2 and f"{bad}:1" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
 
