@@ -532,8 +532,11 @@ def _one_line_error(res, fragment):
     assert lines[0].startswith("error: ") and fragment in lines[0], res.stderr
 
 
-def test_cli_prune_width(tmp_path):
-    from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+def test_cli_prune_width(tmp_path, capsys):
+    from tiny_models import SAMPLE_TEXT, cli_here, save_tiny_checkpoint
+
+    def here(*args):  # refusals before any calibration: in this process
+        return cli_here(capsys, *args)
 
     save_tiny_checkpoint("llama", tmp_path / "model")
     (tmp_path / "t.txt").write_text(SAMPLE_TEXT)
@@ -549,7 +552,7 @@ def test_cli_prune_width(tmp_path):
     assert man["operations"][-1]["operation"] == "prune-width"
     assert [len(b["removed_channels"]) for b in man["report"]["blocks"]] == [16] * 4
     assert man["size_after"]["params"] < man["size_before"]["params"]
-    _one_line_error(_cli("prune", "width", *data, "--budget", "remove-units:0.3", "--out",
+    _one_line_error(here("prune", "width", *data, "--budget", "remove-units:0.3", "--out",
                          str(out)),
                     "--overwrite")
     res = _cli("prune", "width", *data, "--unit", "ffn", "--budget", "remove-units:0.3",
@@ -557,7 +560,7 @@ def test_cli_prune_width(tmp_path):
                "global", "--round-to", "1", "--out", str(tmp_path / "g"))
     assert res.returncode == 0, res.stderr
     assert "trust_remote_code=True" in res.stdout
-    _one_line_error(_cli("prune", "width", *data, "--unit", "heads", "--score", "cocurve",
+    _one_line_error(here("prune", "width", *data, "--unit", "heads", "--score", "cocurve",
                          "--budget", "remove-units:0.3", "--out", str(tmp_path / "x")),
                          "score for unit")
     # multi-query: refused in one line before calibration
@@ -566,7 +569,7 @@ def test_cli_prune_width(tmp_path):
     mqa = tf.AutoModelForCausalLM.from_config(cfg)
     mqa.save_pretrained(tmp_path / "mqa")
     char_tokenizer().save_pretrained(tmp_path / "mqa")
-    _one_line_error(_cli("prune", "width", "--model", str(tmp_path / "mqa"), "--data",
+    _one_line_error(here("prune", "width", "--model", str(tmp_path / "mqa"), "--data",
                          "nope:x", "--unit", "heads", "--budget", "remove-units:0.5", "--out",
                          str(tmp_path / "y")), "multi-query")
 
