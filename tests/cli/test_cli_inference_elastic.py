@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint, tiny_tokens
+from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint, tiny_tokens
 
 IDS = tiny_tokens(2, 12, seed=4)
 
@@ -31,15 +31,16 @@ def _eval(tiny_dir, name, *extra):
     return json.loads(js.read_text()), res.stdout
 
 
-def test_eval_under_a_press(tiny_dir):
+def test_eval_under_a_press(tiny_dir, capsys):
     plain, _ = _eval(tiny_dir, "plain")
     zero, shown = _eval(tiny_dir, "snap0", "--press", "snapkv", "--budget", "remove-cache:0")
     assert zero["perplexity"] == plain["perplexity"] and "press" in shown
     half, _ = _eval(tiny_dir, "snap5", "--press", "snapkv", "--budget", "remove-cache:0.5")
     assert half["press"]["name"] == "snapkv" and half["press"]["config"]["ratio"] == 0.5
     assert half["perplexity"] != plain["perplexity"]
-    bad = cli("eval", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--budget", "remove-cache:0.5")
+    bad = cli_here(capsys, "eval", "--model", str(tiny_dir / "model"), "--data",
+                   f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--budget",
+                   "remove-cache:0.5")
     assert bad.returncode == 2 and "--press NAME" in bad.stderr
 
 
@@ -66,9 +67,9 @@ def test_decay_windows_follow_the_data_and_the_positions():
     assert _decay_windows(lm, None, None) == ("wiki-vital:calib", 128)
 
 
-def test_tasks_under_a_press_are_refused_up_front(tiny_dir):
-    res = cli("eval", "--model", str(tiny_dir / "model"), "--tasks", "arc_easy", "--press",
-              "snapkv", "--budget", "remove-cache:0.5")
+def test_tasks_under_a_press_are_refused_up_front(tiny_dir, capsys):
+    res = cli_here(capsys, "eval", "--model", str(tiny_dir / "model"), "--tasks", "arc_easy",
+                   "--press", "snapkv", "--budget", "remove-cache:0.5")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
         "error: --tasks and --press do not combine (a press prunes the prompt of each "
