@@ -98,6 +98,7 @@ def test_speed_against_dense_takes_ratios_within_rounds(monkeypatch):
     assert (got["decode_x_dense"], got["decode_x_dense_min"], got["decode_x_dense_max"]) == (
         2.0, 2.0, 3.0)
     assert got["speed_noisy"] is True and got["speed_rounds"] == 3
+    assert got["decode_x_dense_noisy"] is True and got["prefill_x_dense_noisy"] is False
     assert got["peak_memory_bytes"] == 6  # the largest of the pruned model's measurements
     figures["pruned"][2] = (50.0, 5.0)
     calls.clear()
@@ -111,12 +112,14 @@ def test_leaderboard_shows_ratios_and_drops_empty_columns():
              "prefill_tokens_per_s": 100.0},
             {"method": "w", "params": 800, "perplexity": 11.0, "prefill_tokens_per_s": 150.0,
              "prefill_x_dense": 1.5, "prefill_x_dense_min": 1.4, "prefill_x_dense_max": 1.8,
-             "speed_noisy": True}]
+             "prefill_x_dense_noisy": True, "decode_x_dense": 1.1, "decode_x_dense_min": 1.1,
+             "decode_x_dense_max": 1.15, "decode_x_dense_noisy": False, "speed_noisy": True}]
     shown = display_rows(rows, dense=rows[0])
     assert list(shown[0]) == ["method", "params", "params_kept", "perplexity",
-                              "prefill_tok_s", "prefill_x_dense"]
+                              "prefill_tok_s", "prefill_x_dense", "decode_x_dense"]
     assert shown[0]["perplexity"] == "10.123" and shown[1]["params_kept"] == "0.800"
     assert shown[1]["prefill_x_dense"] == "1.50 [1.40-1.80] noisy"
+    assert shown[1]["decode_x_dense"] == "1.10 [1.10-1.15]"  # its own range is tight
     assert shown[0]["prefill_x_dense"] == ""
     md = markdown(rows, dense=rows[0])
     assert "achieved" not in md and "noisy: a range wider than 20 %" in md

@@ -99,8 +99,9 @@ def speed_against(lm, reference, rounds: int = 3, **kw) -> dict:
     ``rounds`` rounds, each measuring the reference then ``lm`` moments apart, so a busy
     machine slows both sides of a ratio. Returns ``lm``'s median figures plus, for prefill
     and decode, the median ratio to the reference (``prefill_x_dense``), its range over the
-    rounds (``..._min`` / ``..._max``), and ``speed_noisy``: some range is wider than
-    :data:`NOISY_SPREAD` of its median (the figures cannot rank close models)."""
+    rounds (``..._min`` / ``..._max``), ``..._noisy`` when that range is wider than
+    :data:`NOISY_SPREAD` of its median (the figure cannot rank close models), and
+    ``speed_noisy`` when either is."""
     ours, theirs = [], []
     for _ in range(rounds):
         theirs.append(measure_speed(reference, **kw))
@@ -113,7 +114,8 @@ def speed_against(lm, reference, rounds: int = 3, **kw) -> dict:
         med = statistics.median(ratios)
         out[f"{short}_x_dense"] = med
         out[f"{short}_x_dense_min"], out[f"{short}_x_dense_max"] = min(ratios), max(ratios)
-        noisy |= max(ratios) - min(ratios) > NOISY_SPREAD * med
+        out[f"{short}_x_dense_noisy"] = max(ratios) - min(ratios) > NOISY_SPREAD * med
+        noisy |= out[f"{short}_x_dense_noisy"]
     out["peak_memory_bytes"] = max(r["peak_memory_bytes"] for r in ours)
     out["speed_rounds"] = rounds
     out["speed_noisy"] = noisy

@@ -59,7 +59,8 @@ def table(rows: list[dict], dense: dict | None = None) -> tuple[list[str], list[
                 r[f"{short}_x_dense"] = (
                     f"{med:.2f} [{r.get(f'{short}_x_dense_min', med):.2f}-"
                     f"{r.get(f'{short}_x_dense_max', med):.2f}]"
-                    + (" noisy" if r.get("speed_noisy") else ""))
+                    + (" noisy" if r.get(f"{short}_x_dense_noisy",
+                                         r.get("speed_noisy")) else ""))
         ts = task_scores(r)
         cols = [r.get(k) for _, k, _ in COLUMNS]
         values.append(cols[:1] + ([r.get("budget")] if budget else []) + cols[1:]
