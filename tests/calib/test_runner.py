@@ -399,11 +399,7 @@ def test_bfloat16_calibration_keeps_float32_statistics_and_weights():
     float32 run; later inputs pass bfloat16 matmuls and stay close. Weights stay float32."""
     import prunelab
     from prunelab import Wanda
-    from prunelab.data import TokenBatches
-
-    ids = tiny_tokens(8, 16)
-    calib = TokenBatches(input_ids=ids, spec="tiny", seqlen=16, samples=8, seed=0,
-                         mode="calib", total_windows=8, sha256="0")
+    calib = _calib8()
     runs = {}
     for dtype in ("float32", "bfloat16"):
         lm = wrap(tiny_model("llama"), char_tokenizer(), spec="tiny")
@@ -448,11 +444,7 @@ def test_bfloat16_sparsegpt_runs_its_sequential_replay():
     first block's q mask and update (float32 inputs) are those of the float32 run."""
     import prunelab
     from prunelab import SparseGPT
-    from prunelab.data import TokenBatches
-
-    ids = tiny_tokens(8, 16)
-    calib = TokenBatches(input_ids=ids, spec="tiny", seqlen=16, samples=8, seed=0,
-                         mode="calib", total_windows=8, sha256="0")
+    calib = _calib8()
     got = {}
     for dtype in ("float32", "bfloat16"):
         lm = wrap(tiny_model("llama"), char_tokenizer(), spec="tiny")
@@ -465,3 +457,10 @@ def test_bfloat16_sparsegpt_runs_its_sequential_replay():
     q = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(wa[q] == 0, wb[q] == 0)  # same float32 inputs, same first mask
     assert (wa[q] - wb[q]).abs().max() < 1e-5
+
+
+def _calib8():
+    from prunelab.data import TokenBatches
+
+    return TokenBatches(input_ids=tiny_tokens(8, 16), spec="tiny", seqlen=16, samples=8,
+                        seed=0, mode="calib", total_windows=8, sha256="0")

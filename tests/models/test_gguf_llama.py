@@ -191,3 +191,40 @@ def test_cli_eval_reads_a_deci_file_like_the_model_it_holds(tmp_path, capsys):
         assert rc == 0, capsys.readouterr().err
         got[name] = json.loads(out.read_text())
     assert got["gguf"]["perplexity"] == pytest.approx(got["ckpt"]["perplexity"], rel=1e-5)
+
+
+def _rewrite(src, dst, replace=None, drop=None):
+    """A copy of the deci file ``src`` with tensor ``replace[0]`` holding ``replace[1]``
+    and tensor ``drop`` left out."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), "deci")
+    for f in r.fields.values():
+        if f.name.startswith("deci."):
+            t = f.types
+            if t[0] == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(f.name, f.contents(), t[0], sub_type=t[-1])
+            else:
+                w.add_key_value(f.name, f.contents(), t[0])
+    for t in r.tensors:
+        if t.name != drop:
+            data = replace[1] if replace and t.name == replace[0] else np.array(t.data)
+            w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_mis_shaped_or_missing_tensors_are_one_line(tmp_path):
+    from prunelab.errors import CorruptCheckpointError
+    from prunelab.models.gguf_llama import load_deci
+
+    _hand_deci(tmp_path / "ok.gguf", heads=[2, 2], kv=[1, 1], ffn=[4, 4])
+    # block 0 declares 2 heads of 4 but its attn_output holds 4 heads' columns
+    _rewrite(tmp_path / "ok.gguf", tmp_path / "shape.gguf",
+             replace=("blk.0.attn_output.weight", np.zeros((8, 16), np.float32)))
+    with pytest.raises(CorruptCheckpointError, match="shape its block's widths say"):
+        load_deci(tmp_path / "shape.gguf", tokenizer=False)
+    _rewrite(tmp_path / "ok.gguf", tmp_path / "drop.gguf", drop="blk.1.ffn_up.weight")
+    with pytest.raises(CorruptCheckpointError, match="up_proj"):
+        load_deci(tmp_path / "drop.gguf", tokenizer=False)

@@ -263,7 +263,12 @@ def load_deci(path: str | Path, dtype: torch.dtype = torch.float32, tokenizer: b
             state[prefix + name] = torch.from_numpy(np.array(a)).to(dtype)
     if lay["tied"]:
         state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:  # a tensor whose shape the per-block widths do not give
+        first = (str(exc).strip().splitlines() or ["size mismatch"])[-1].strip()[:160]
+        raise CorruptCheckpointError(f"deci GGUF {path.name}: a tensor does not have the "
+                                     f"shape its block's widths say ({first})") from exc
     missing = [k for k in missing if not (lay["tied"] and k == "lm_head.weight")]
     if missing or unexpected:
         raise CorruptCheckpointError(
