@@ -42,7 +42,16 @@ CASES = {
     "depth": lambda: _depth(_tiny()),
     "deci-widths": lambda: _global_width(_tiny()),
     "deci-sublayers": lambda: _sublayers(_tiny()),
+    "deci-heads": lambda: _global_heads(_tiny()),
 }
+
+
+def _global_heads(lm):
+    prunelab.prune(lm, Width(unit="heads", score="wanda-sp", ratio=0.3,
+                             allocation="global"), CALIB, batch_size=2)
+    heads = [b.self_attn.q_proj.out_features for b in lm.model.model.layers]
+    assert len(set(heads)) > 1, heads  # per-block query heads
+    return lm
 
 
 def _depth(lm):
@@ -65,6 +74,14 @@ def test_tiny_exports_agree_with_prunelab_inside_llamacpp(case, tmp_path):
                                 threads=1)
     assert got["max_abs_logprob_diff"] < 1e-3, got
     assert got["perplexity_rel_diff"] < 1e-4, got
+    if rep["arch"] == "deci":  # and prunelab reads the file back to the same logits
+        import torch
+
+        back = prunelab.load(str(tmp_path / "m.gguf"))
+        with torch.no_grad():
+            a = lm.model(input_ids=IDS, use_cache=False).logits
+            b = back.model(input_ids=IDS, use_cache=False).logits
+        assert (a - b).abs().max() < 1e-4
 
 
 def _real_windows(lm, n=4, seqlen=128):
