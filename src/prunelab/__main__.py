@@ -6,10 +6,18 @@ import sys
 
 
 def main() -> None:
-    """Import the command line and run it; Ctrl-C during the imports is exit 130."""
+    """Import the command line and run it; Ctrl-C during the imports is exit 130 (also
+    when a library swallowed it and its import then failed: see :mod:`prunelab.interrupts`)."""
+    from prunelab import interrupts
+
+    interrupts.watch()
     try:
         from prunelab.cli import run
     except KeyboardInterrupt:
+        interrupted_early()
+    except Exception:
+        if not interrupts.seen():
+            raise
         interrupted_early()
     run()
 

@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from prunelab import log
+from prunelab import interrupts, log
 from prunelab.cli import (  # noqa: F401  (register)
     conditional_cmds,
     elastic_cmds,
@@ -38,6 +38,10 @@ def run(argv: list[str] | None = None) -> None:
     try:
         code = cli_main(argv)
     except KeyboardInterrupt:
+        code = _interrupted()
+    except Exception:  # the consequence of a Ctrl-C a library swallowed (prunelab.interrupts)
+        if not interrupts.seen():
+            raise
         code = _interrupted()
     if code == 130:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -69,6 +73,8 @@ def cli_main(argv: list[str] | None = None) -> int:
     try:
         rv = app(args=args, prog_name="prunelab", standalone_mode=False)
     except PrunelabError as exc:
+        if interrupts.seen():
+            return _interrupted()
         return _fail(str(exc), exc.exit_code, exc)
     except KeyboardInterrupt:
         return _interrupted()

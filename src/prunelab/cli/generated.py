@@ -22,6 +22,7 @@ from typing import Any, Optional
 import typer
 import typer.core
 
+from prunelab import interrupts
 from prunelab.cli import catalog as _catalog
 from prunelab.cli.common import state
 from prunelab.errors import ConfigError
@@ -228,7 +229,8 @@ class GeneratedCommand(typer.core.TyperCommand):
         needs_help = any("{" in (getattr(p, "help", None) or "") for p in self._base)
         if not self.kinds and not needs_help:
             return []
-        cat = _catalog.get(live=None if state.get("help") else True)
+        with interrupts.deferred():  # imports torch, transformers and every registry
+            cat = _catalog.get(live=None if state.get("help") else True)
         for p in self._base:
             if "{" in (getattr(p, "help", None) or ""):
                 p.help = fill_help(p.help, cat)
@@ -247,6 +249,7 @@ class GeneratedCommand(typer.core.TyperCommand):
         got = {k[len(_PREFIX):]: ctx.params.pop(k) for k in list(ctx.params)
                if k.startswith(_PREFIX)}
         ctx.meta[_META] = (self._gen, got)
+        interrupts.check()  # a Ctrl-C that library code swallowed while the options were read
         return super().invoke(ctx)
 
 

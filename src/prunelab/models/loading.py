@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prunelab import interrupts
 from prunelab.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -434,6 +435,7 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     model, loading_info = _load_weights(cls, source, spec, dt, trust_remote_code, allow_pickle)
     _check_loading_info(model, loading_info, spec, fam.encoder, allow_missing_weights)
     model.to(dev).eval()
+    interrupts.check()  # a Ctrl-C the lazy imports of the model's code swallowed
     return LoadedModel(model=model, tokenizer=tok, spec=spec, source=str(source),
                        dtype=dt, device=dev)
 
