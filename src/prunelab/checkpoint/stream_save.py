@@ -70,16 +70,20 @@ def write_shards(lm, folder: Path) -> dict[str, str]:
     weight_map: dict[str, str] = {}
     total = 0
 
-    def shard(k: int, tensors: dict) -> None:
+    def shard(k: int, tensors: dict) -> str:
         nonlocal total
         name = f"model-{k:05d}-of-{n:05d}.safetensors"
         total += write_safetensors(folder / name, tensors)
         weight_map.update(dict.fromkeys(tensors, name))
+        return name
 
     for i, blk in enumerate(blocks):
         with st.hold(blk):
-            shard(i + 1, {f"{st.prefix}.{i}.{k}": v for k, v in blk.state_dict().items()})
+            name = shard(i + 1, {f"{st.prefix}.{i}.{k}": v
+                                 for k, v in blk.state_dict().items()})
         st.release()
+        if st.consume_staging:  # a pruned block is read from here on, its staged copy deleted
+            st.moved(blk, folder / name, f"{st.prefix}.{i}")
     side_names: set[str] = set()
     for j, unit in enumerate(st.side_units):
         st.acquire_side(unit)
@@ -132,6 +136,7 @@ def save_streamed(lm, out_dir: str | Path, manifest: dict | None = None,
                 if lm.tokenizer is not None:
                     lm.tokenizer.save_pretrained(tmp)
                 finish_checkpoint(lm, tmp, out, manifest, remote, overwrite, streamed=True)
+                lm.streamer.relocate(tmp, out)  # blocks moved into it (consume_staging)
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)

@@ -73,6 +73,7 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
         lm = load.load()
         if getattr(lm, "streamer", None) is not None:  # --stream: stage beside the output
             lm.streamer.work_dir = out_dir.parent
+            lm.streamer.consume_staging = True  # staged blocks move into --out as it is saved
         rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
                         batch_size=batch_size)
         api.save(lm, out_dir, overwrite=overwrite, data=rep["data"],

@@ -166,6 +166,9 @@ class Streamer:
         self._writing = 0
         self.work_dir = work_dir  # where the staging folder is made (default: system temp)
         self._staging: Path | None = None
+        # save moves the pruned blocks into the checkpoint (:meth:`moved`): disk holds the
+        # output plus one copy of the model, not two; a failed save then loses them
+        self.consume_staging = False
         for i, blk in enumerate(adapter.blocks()):
             setattr(blk, _TAG, ("source", i))
         self.side_units: list[SideUnit] = []
@@ -258,6 +261,10 @@ class Streamer:
         names = [n for n, _ in block.named_parameters()]
         if kind == "staged":
             return read_tensors({n: where for n in names}, {n: n for n in names}, self.dtype)
+        if kind == "saved":  # moved into a saved checkpoint: (its shard, the block's prefix)
+            shard, pre = where
+            return read_tensors({n: shard for n in names}, {n: f"{pre}.{n}" for n in names},
+                                self.dtype)
         full = {n: f"{self.prefix}.{where}.{n}" for n in names}
         missing = [v for v in full.values() if v not in self.store]
         if missing:
@@ -282,6 +289,24 @@ class Streamer:
         save_file({n: p.detach().contiguous() for n, p in block.named_parameters()},
                   str(path))
         setattr(block, _TAG, ("staged", path))
+
+    def moved(self, block: nn.Module, shard: Path, key_prefix: str) -> None:
+        """``block``, when pruned (staged or saved before), is now read from ``shard`` of a saved
+        checkpoint, where its tensors are ``key_prefix.NAME``; its staging shard is deleted
+        (``consume_staging``: the disk never holds two copies of the pruned blocks)."""
+        kind, where = getattr(block, _TAG)
+        if kind == "source":  # never changed: it stays read from the source shards
+            return
+        setattr(block, _TAG, ("saved", (Path(shard), key_prefix)))
+        if kind == "staged":
+            Path(where).unlink(missing_ok=True)
+
+    def relocate(self, old: Path, new: Path) -> None:
+        """Blocks moved into the checkpoint folder ``old`` read it at ``new`` (renamed)."""
+        for blk in self.adapter.blocks():
+            kind, where = getattr(blk, _TAG)
+            if kind == "saved" and Path(where[0]).parent == Path(old):
+                setattr(blk, _TAG, ("saved", (Path(new) / Path(where[0]).name, where[1])))
 
     def close(self) -> None:
         """Remove the staging folder (the model can no longer read staged blocks) and
