@@ -37,6 +37,12 @@ class UnsupportedOperationError(PrunelabError):
     """An operation cannot be applied to this model (e.g. a shape a vanilla config cannot hold)."""
 
 
+class PressedCacheError(UnsupportedOperationError):
+    """A KV cache compressed by an inference-time press was continued outside a press (the
+    model would place the new tokens at the shrunken cache length, not after the tokens
+    seen)."""
+
+
 class ResumeMismatchError(PrunelabError):
     """A resumable output in the target was made from another model, dtype, data or options."""
 

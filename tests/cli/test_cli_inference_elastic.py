@@ -44,6 +44,33 @@ def test_eval_under_a_press(tiny_dir, capsys):
     assert bad.returncode == 2 and "--press NAME" in bad.stderr
 
 
+def test_eval_press_reports_the_continuation_beside_the_whole_window(tiny_dir):
+    """The last --press-continuation tokens of each window run on the pressed cache; their
+    figures come first in the table and beside the whole window's in the JSON. A press
+    keeping everything has the dense continuation (KL 0, agreement 1)."""
+    ref = ["--reference", str(tiny_dir / "model"), "--press-continuation", "8"]
+    zero, _ = _eval(tiny_dir, "cont0", "--press", "snapkv", "--budget", "remove-cache:0", *ref)
+    assert zero["continuation_kl_to_reference"] == 0.0
+    assert zero["continuation_top1_agreement"] == 1.0
+    assert zero["continuation"] == 8 and zero["continuation_tokens"] == 2 * 7
+    assert (zero["press"]["prompt"], zero["press"]["continuation"]) == (24, 8)
+    half, shown = _eval(tiny_dir, "cont5", "--press", "streaming-llm", "--budget",
+                        "remove-cache:0.5", *ref)
+    assert half["continuation_kl_to_reference"] > 0
+    # the prefill runs in full: the window's KL is all in its continuation, diluted 32 / 8
+    assert half["kl_to_reference"] * 32 == pytest.approx(
+        half["continuation_kl_to_reference"] * 8, rel=1e-4)
+    rows = [" ".join(line.replace("│", " ").split()) for line in shown.splitlines()]
+    labels = [r for r in rows if "KL to reference" in r or "perplexity" in r]
+    assert labels[0].startswith("continuation perplexity") and "the 8 tokens after each " \
+        "pressed prompt of 24" in labels[0]
+    assert labels[1].startswith("continuation KL to reference")
+    assert any(r.startswith("perplexity (whole window)") for r in labels)
+    assert any(r.startswith("KL to reference (whole window)") for r in labels)
+    plain, shown = _eval(tiny_dir, "plain-ref", "--reference", str(tiny_dir / "model"))
+    assert "continuation" not in plain and "whole window" not in shown
+
+
 def test_the_decay_press_calibrates_on_the_commands_data_and_seqlen(tiny_dir):
     """It used to fit on 512-token wiki-vital windows whatever --data / --seqlen said, so on
     this 128-position model it failed naming a --seqlen 512 nobody gave."""

@@ -55,6 +55,12 @@ EVAL = "{seqlen: 16, samples: 4}"
      ["stage 0 (save)", "'later'"]),
     ("  - evaluate: {id: e}\n  - evaluate: {id: e}\n", ["stage 1", "'e'", "twice"]),
     ("  - evaluate: {press: {name: snapkv, ratio: 2.0}}\n", ["stage 0 (evaluate)", "ratio"]),
+    ("  - evaluate: {press: {name: snapkv}, press_context: 0.5, press_continuation: 8}\n",
+     ["stage 0 (evaluate)", "press_context or press_continuation"]),
+    ("  - evaluate: {seqlen: 16, press: {name: snapkv}, press_continuation: 15}\n",
+     ["stage 0 (evaluate)", "press_continuation 15 leaves 1 of the 16 tokens"]),
+    ("  - evaluate: {seqlen: 16, press: {name: snapkv}, press_context: 1}\n",
+     ["stage 0 (evaluate)", "press_context 1 leaves 16 of the 16 tokens"]),
 ])
 def test_errors_name_the_stage_and_the_field(tiny, stages, words):
     with pytest.raises(ConfigError) as err:
@@ -63,6 +69,33 @@ def test_errors_name_the_stage_and_the_field(tiny, stages, words):
     assert "\n" not in msg
     for w in words:
         assert w in msg, msg
+
+
+def test_evaluate_stage_reports_the_press_continuation():
+    """The evaluate stage under a press: the continuation figures (the last
+    press_continuation tokens, scored on the pressed cache) beside the whole window's."""
+    from prunelab.data.batches import TokenBatches
+    from prunelab.inference import StreamingLLM
+    from prunelab.models.loading import wrap
+    from prunelab.workflow.evaluate import evaluate_model
+    from prunelab.workflow.stages import EvaluateStage
+
+    from tiny_models import tiny_model, tiny_tokens
+
+    lm, ref = wrap(tiny_model("llama")), wrap(tiny_model("llama"))
+    ids = tiny_tokens(2, 24)
+    data = TokenBatches(ids, spec="tiny", seqlen=24, samples=2, seed=0, mode="test",
+                        total_windows=2, sha256="")
+    opts = EvaluateStage(seqlen=24, samples=2, press=StreamingLLM(ratio=0.5),
+                         press_continuation=8)
+    res = evaluate_model(lm, opts, data=data, reference=ref)
+    assert res["press"]["prompt"] == 16 and res["continuation"] == 8
+    assert res["continuation_kl_to_reference"] > 0
+    assert res["kl_to_reference"] * 24 == pytest.approx(res["continuation_kl_to_reference"] * 8,
+                                                        rel=1e-4)
+    zero = evaluate_model(lm, EvaluateStage(seqlen=24, samples=2, press=StreamingLLM(ratio=0.0)),
+                          data=data, reference=ref)
+    assert zero["continuation"] == 12 and zero["continuation_kl_to_reference"] == 0.0
 
 
 def test_unknown_top_level_key_and_missing_model(tiny):

@@ -163,7 +163,7 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
              trust_remote_code: bool = False, allow_pickle: bool = False,
              allow_missing_weights: bool = False, gradient_reference=None,
              gradient_params: str = "down_proj", tasks: str | list[str] | None = None,
-             limit: int | None = None) -> dict[str, Any]:
+             limit: int | None = None, continuation: int | None = None) -> dict[str, Any]:
     """Evaluate a model on held-out data.
 
     Causal LMs (protocol in :mod:`prunelab.eval.perplexity`): ``perplexity``, ``tokens``
@@ -186,6 +186,16 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     ``tasks`` (causal LMs; names, ``.jsonl`` files or folders, comma-separated) adds
     ``tasks``: per task ``acc``, ``acc_norm``, their ``_stderr`` and ``n`` over at most
     ``limit`` items each (:mod:`prunelab.eval.tasks`).
+
+    Under an inference-time press (called inside ``with prunelab.press(lm, ...)``) the
+    figures of the continuation, the positions each window scores on the pressed cache
+    (the last ``T - session.split(T)``), are added beside the whole-window ones:
+    ``continuation`` (positions per window), ``continuation_perplexity``,
+    ``continuation_nll``, ``continuation_tokens``, and with ``reference``
+    ``continuation_kl_to_reference`` and ``continuation_top1_agreement``
+    (:mod:`prunelab.eval.perplexity`). ``continuation=N`` scores the last ``N`` positions
+    so without a press too (the dense baseline of the same positions); under a press it
+    must equal the press' continuation.
     """
     lm = _as_loaded(model, tokenizer)
     if tasks is not None:
@@ -229,8 +239,10 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
                                  reference_cache)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="test")
     score = score_windows if getattr(lm, "streamer", None) is None else _streamed_score
+    continuation = _continuation(lm, continuation, batches.input_ids.shape[1])
+    extra = {} if continuation is None else {"continuation": continuation}
     result = score(lm, batches.input_ids, batch_size=batch_size, reference=ref,
-                   reference_cache=reference_cache)
+                   reference_cache=reference_cache, **extra)
     result.update(model_size(lm.model))
     result["data"] = batches.to_dict()
     result["model"] = lm.spec
@@ -252,7 +264,29 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
 def _streamed_score(lm, input_ids, **kw):
     from prunelab.calib.streamed import score_windows_streamed
 
+    if kw.pop("continuation", None) is not None:
+        raise ConfigError("a streamed evaluation scores whole windows only (no continuation)")
     return score_windows_streamed(lm, input_ids, **kw)
+
+
+def _continuation(lm, continuation: int | None, t: int) -> int | None:
+    """The continuation scored on its own in ``t``-token windows: the active press'
+    (checked against ``continuation`` when given), else ``continuation``."""
+    import sys
+
+    from prunelab.eval.perplexity import check_continuation
+
+    pressing = sys.modules.get("prunelab.inference.press")  # not imported: no press active
+    session = None if pressing is None else pressing.active_session(lm)
+    if session is not None:
+        pressed = t - session.split(t)
+        if continuation is not None and continuation != pressed:
+            raise ConfigError(f"continuation {continuation} differs from the {pressed} tokens "
+                              "the active press scores on its cache in each window")
+        continuation = pressed
+    if continuation is not None:
+        check_continuation(continuation, t)
+    return continuation
 
 
 def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remote_code,

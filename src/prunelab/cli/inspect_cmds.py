@@ -136,8 +136,10 @@ def eval_cmd(ctx: typer.Context,
              press_name: Optional[str] = typer.Option(
                  None, "--press", help="score under an inference-time press: streaming-llm, "
                  "h2o, snapkv, decay (KV eviction), lazyllm, entroprefill (prefill token "
-                 "pruning); each window's first --press-context is the pressed prompt (each "
-                 "press' options are listed under their own heading)"),
+                 "pruning); each window's first --press-context is the pressed prompt, the "
+                 "rest (the continuation) is scored on the pressed cache and reported on its "
+                 "own beside the whole window (each press' options are listed under their "
+                 "own heading)"),
              budget: Optional[list[str]] = typer.Option(
                  None, "--budget", metavar="KIND:VALUE", help="how much to remove, "
                  "repeatable: remove-cache:F (with --press: fraction of the prompt removed; "
@@ -150,7 +152,12 @@ def eval_cmd(ctx: typer.Context,
                  "needles=N (with fit=kl: N key-retrieval windows join the fit)"),
              press_context: Optional[float] = typer.Option(
                  None, help="--press: share of each window that is the pressed prompt, in "
-                 "(0, 1) (default 0.5); the rest is scored on the pressed cache"),
+                 "(0, 1) (default 0.5); the rest (the continuation) is scored on the pressed "
+                 "cache"),
+             press_continuation: Optional[int] = typer.Option(
+                 None, help="--press: the last N tokens of each window are the continuation "
+                 "scored on the pressed cache, the others the pressed prompt (instead of "
+                 "--press-context; e.g. --seqlen 1088 --press-continuation 64)"),
              tasks: Optional[str] = typer.Option(
                  None, "--tasks", help="zero-shot tasks, comma-separated: arc_easy, "
                  "arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, sciq, mmlu, "
@@ -176,7 +183,7 @@ def eval_cmd(ctx: typer.Context,
         raise ConfigError("--tasks and --press do not combine (a press prunes the prompt of "
                           "each perplexity window; task items are scored whole): run them "
                           "as two commands")
-    press_context = _check_press_context(press_name, press_context, seqlen)
+    continuation = _check_press_split(press_name, press_context, press_continuation, seqlen)
     if tasks and samples is None:  # tasks are the point: a quick perplexity, not the whole set
         samples = TASKS_PPL_WINDOWS  # (--help says so; the table shows the window count)
     if stream:
@@ -190,8 +197,9 @@ def eval_cmd(ctx: typer.Context,
         lm = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                       allow_missing_weights, stream=stream).load()
         moe = _moe_setup(lm, moe_mass)
-        pressing = _press_context(lm, press_name, press_ratio, press_options, press_context,
-                                  values(ctx), data=data, seqlen=seqlen)
+        pressing = _press_context(lm, press_name, press_ratio, press_options, None,
+                                  values(ctx), data=data, seqlen=seqlen,
+                                  continuation=continuation)
         with pressing as session:
             res = api.evaluate(lm, data=data, seqlen=seqlen, samples=samples,
                                batch_size=batch_size, reference=kl_reference, speed=speed,
@@ -200,7 +208,8 @@ def eval_cmd(ctx: typer.Context,
                                trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                                allow_missing_weights=allow_missing_weights)
         if session is not None:
-            res["press"] = {"name": press_name, "context": press_context,
+            res["press"] = {"name": press_name, "context": (seqlen - continuation) / seqlen,
+                            "prompt": seqlen - continuation, "continuation": continuation,
                             "config": _press_dict(session.config), **_press_report(session)}
         t = Table(title=f"eval {model} on {res['data']['spec']}", show_header=False)
         if lm.adapter.is_vision:  # photos, LFW probe, images/s (prunelab.eval.vision)
@@ -214,8 +223,9 @@ def eval_cmd(ctx: typer.Context,
         else:
             shown = _encoder_rows(res) if lm.is_encoder else _decoder_rows(res, speed)
         if session is not None:
-            shown = [*shown, ("press", _press_row(press_name, session, press_context,
-                                                  seqlen))]
+            shown = [*_continuation_rows(res), *shown,
+                     ("press", _press_row(press_name, session, seqlen - continuation,
+                                          seqlen))]
         if moe:
             from prunelab.pruning.moe import routing_stats
 
@@ -237,16 +247,29 @@ def eval_cmd(ctx: typer.Context,
             log.info(f"wrote {json_path}")
 
 
+def _continuation_rows(res: dict) -> list[tuple[str, str]]:
+    """The press' figures: the continuation (scored on the pressed cache) first."""
+    n, k = res["continuation"], res["seqlen"] - res["continuation"]
+    shown = [("continuation perplexity",
+              f"{res['continuation_perplexity']:.4f} (the {n} tokens after each pressed "
+              f"prompt of {k}: {res['continuation_tokens']:,} predicted)")]
+    if "continuation_kl_to_reference" in res:
+        shown += [("continuation KL to reference", f"{res['continuation_kl_to_reference']:.5f}"),
+                  ("continuation top-1 agreement", f"{res['continuation_top1_agreement']:.4f}")]
+    return shown
+
+
 def _decoder_rows(res: dict, speed: bool) -> list[tuple[str, str]]:
-    shown = [("perplexity", f"{res['perplexity']:.4f}"),
+    whole = " (whole window)" if "continuation" in res else ""
+    shown = [("perplexity" + whole, f"{res['perplexity']:.4f}"),
              ("windows x seqlen", f"{res['samples']} x {res['seqlen']}"),
              ("scored tokens", f"{res['tokens']:,}"),
              ("parameters", f"{res['params']:,}"),
              ("bytes", f"{res['bytes']:,} ({fmt_bytes(res['bytes'])})"),
              ("eval tokens/s", f"{res['eval_tokens_per_s']:.0f}")]
     if "kl_to_reference" in res:
-        shown += [("KL to reference", f"{res['kl_to_reference']:.5f}"),
-                  ("top-1 agreement", f"{res['top1_agreement']:.4f}")]
+        shown += [("KL to reference" + whole, f"{res['kl_to_reference']:.5f}"),
+                  ("top-1 agreement" + whole, f"{res['top1_agreement']:.4f}")]
     if "gradient_alignment" in res:
         shown.append(("gradient alignment (mean cosine)",
                       f"{res['gradient_alignment']:.4f}"))
@@ -270,30 +293,46 @@ def _encoder_rows(res: dict) -> list[tuple[str, str]]:
     return shown
 
 
-def _check_press_context(press_name, context, seqlen: int) -> float:
-    """``--press-context`` (default 0.5): only with ``--press``, in (0, 1), and leaving at
-    least 2 prompt tokens and 1 scored token of a ``seqlen`` window (else the press would
-    have nothing to remove, or nothing would be scored on its cache)."""
-    if context is None:
-        return 0.5
+def _check_press_split(press_name, context, continuation, seqlen: int) -> int | None:
+    """The continuation (tokens of a ``seqlen`` window scored on the pressed cache) of
+    ``--press-context`` (default 0.5: ``seqlen - int(seqlen * context)``) or
+    ``--press-continuation N``: only with ``--press``, one of the two, leaving at least 2
+    prompt tokens (else the press has nothing to remove) and 2 continuation tokens (the
+    continuation's perplexity needs one predicted token). ``None`` without a press."""
     if press_name is None:
-        raise ConfigError("--press-context applies with --press NAME only")
+        for flag, v in (("--press-context", context), ("--press-continuation", continuation)):
+            if v is not None:
+                raise ConfigError(f"{flag} applies with --press NAME only")
+        return None
+    if context is not None and continuation is not None:
+        raise ConfigError("give --press-context or --press-continuation, not both (both "
+                          "set where each window is split)")
     from prunelab.registry import check_range
 
+    if continuation is not None:
+        check_range("--press-continuation", continuation, 1, None, integer=True)
+        if not 2 <= continuation <= seqlen - 2:
+            raise ConfigError(f"--press-continuation {continuation} leaves {seqlen - continuation}"
+                              f" of the {seqlen} tokens of a window as the pressed prompt: it "
+                              f"takes 2 to {seqlen - 2} tokens (at least 2 prompt tokens and 2 "
+                              "continuation tokens)")
+        return continuation
+    if context is None:
+        context = 0.5
     check_range("--press-context", context, 0.0, 1.0)
     prompt = int(seqlen * context)
-    if not 0 < context < 1 or prompt < 2 or prompt >= seqlen:
+    if not 0 < context < 1 or prompt < 2 or prompt > seqlen - 2:
         raise ConfigError(f"--press-context {context:g} leaves {prompt} of the {seqlen} tokens "
-                          "of a window as the pressed prompt: it needs at least 2, and 1 left "
+                          "of a window as the pressed prompt: it needs at least 2, and 2 left "
                           "to score on the pressed cache (give 0 < --press-context < 1)")
-    return context
+    return seqlen - prompt
 
 
-def _press_row(name: str, session, context: float, seqlen: int) -> str:
+def _press_row(name: str, session, prompt: int, seqlen: int) -> str:
     """What the press did, as measured on the last window (not only what was asked)."""
     rep = getattr(session, "report", {}) or {}
-    text = f"{name} {_press_dict(session.config)} on the first {int(seqlen * context)} " \
-        f"tokens ({context:.0%}) of each window"
+    text = f"{name} {_press_dict(session.config)} on the first {prompt} tokens " \
+        f"({prompt / seqlen:.0%}) of each window"
     if "prompt" in rep and "kept" in rep:
         n, kept = int(rep["prompt"]), int(rep["kept"])
         text += (f"; last window kept {kept} of {n}" if kept < n else
@@ -302,10 +341,12 @@ def _press_row(name: str, session, context: float, seqlen: int) -> str:
 
 
 @contextlib.contextmanager
-def _press_context(lm, name, ratio, options, context, gen=None, data=None, seqlen=None):
+def _press_context(lm, name, ratio, options, context, gen=None, data=None, seqlen=None,
+                   continuation=None):
     """The press session of ``eval --press`` (``None`` without a press); ``gen``: the
     generated press options (:func:`prunelab.cli.generated.values`); ``data`` / ``seqlen``:
-    the command's, for the decay press' calibration windows (:func:`_decay_windows`)."""
+    the command's, for the decay press' calibration windows (:func:`_decay_windows`);
+    ``context`` or ``continuation``: the evaluator's split of each window."""
     if name is None:
         if ratio is not None or options:
             raise ConfigError("--budget remove-cache:F / --press-option need --press NAME")
@@ -318,7 +359,7 @@ def _press_context(lm, name, ratio, options, context, gen=None, data=None, seqle
     PRESSES.get(name)  # unknown names: one line naming the valid ones
     own = {} if gen is None else gen.piece("presses", name, f"--press {name}")
     cfg = _press_config(lm, name, ratio, options, own, data=data, seqlen=seqlen)
-    with press(lm, cfg, context=context) as session:
+    with press(lm, cfg, context=context, continuation=continuation) as session:
         yield session
 
 

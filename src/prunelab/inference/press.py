@@ -12,9 +12,16 @@ the position ids of new tokens continue from the original length (the number of 
 seen), never from the shrunken cache length. The causal mask is built in cache-index space
 (query offset = cache length), which is correct because kept entries stay in order.
 
+A cache the press compressed remembers the tokens it has seen (``prunelab_seen``) and
+refuses, with :class:`~prunelab.errors.PressedCacheError`, to be continued outside a press:
+there the model would number the new tokens from the shrunken cache length (wrong RoPE
+positions, silently). Continued inside any press (the same or a new ``with`` block), the
+new tokens get the right positions.
+
 Works with ``model.generate`` (batch of equal-length prompts; padding is refused) and with
 prunelab's evaluator: a forward without a cache (``use_cache=False``) is run as the
-prefill of its first ``context`` fraction under the press, then the rest on the pressed
+prefill of its first :meth:`Session.split` tokens under the press (``context`` fraction or
+all but the last ``continuation`` tokens), then the rest (the continuation) on the pressed
 cache; for prefill presses the dropped prompt positions report their hidden state at the
 pruning block (after the final norm).
 """
@@ -29,7 +36,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.errors import ConfigError, PressedCacheError, UnsupportedOperationError
 from prunelab.inference import kv
 from prunelab.inference.config import H2O, PRESSES, Press, StreamingLLM
 from prunelab.inference.decay import DecayEviction, decay_scores
@@ -40,6 +47,7 @@ from prunelab.registry import check_range
 
 _PREFIX = "prunelab_press_"
 _SESSIONS: dict[int, Session] = {}
+_STEPPING: set[int] = set()  # ids of the caches inside a press' forward right now
 _BYPASS_BASE = {"opt"}
 _NO_PREFILL = {"gpt2"}
 
@@ -62,12 +70,58 @@ for _impl, _mask in (("eager", eager_mask), ("sdpa", sdpa_mask)):
     AttentionMaskInterface.register(_PREFIX + _impl, _mask)
 
 
+class _PressedCache:
+    """Mixed into a cache once a press has compressed it: its ``update`` (called by every
+    attention block of a forward) refuses to run outside a press' forward, where the
+    model would take the shrunken cache length for the position of the new tokens."""
+
+    prunelab_seen: int = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if id(self) not in _STEPPING:
+            raise PressedCacheError(
+                f"this KV cache was compressed by a press ({self.prunelab_seen} tokens seen, "
+                f"{self.get_seq_length()} kept in block 0): continue it inside a `with "
+                f"press(...)` block, which numbers new tokens from {self.prunelab_seen}; "
+                "outside one the model would number them from the shrunken length (wrong "
+                "positions)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+class PressedDynamicCache(_PressedCache, DynamicCache):
+    """A :class:`~transformers.DynamicCache` a press has compressed (see
+    :class:`_PressedCache`)."""
+
+
+_PRESSED_CLASSES: dict[type, type] = {DynamicCache: PressedDynamicCache}
+
+
+def _mark_pressed(cache, seen: int) -> None:
+    """Record the tokens ``cache`` has seen and guard it against use outside a press."""
+    if not isinstance(cache, _PressedCache):
+        cls = type(cache)
+        if cls not in _PRESSED_CLASSES:
+            _PRESSED_CLASSES[cls] = type("Pressed" + cls.__name__, (_PressedCache, cls), {})
+        cache.__class__ = _PRESSED_CLASSES[cls]
+    cache.prunelab_seen = seen
+
+
+def active_session(lm) -> Session | None:
+    """The press session active on ``lm`` (a ``LoadedModel``), or ``None``."""
+    try:
+        return _SESSIONS.get(id(lm.adapter.attention(0)))
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
 class Session:
     """The state of one press on one model (returned by :func:`press`). ``report`` holds
     what the last prefill did (tokens kept, discarded mass per head, cache bytes)."""
 
-    def __init__(self, lm, config: Press, context: float = 0.5):
+    def __init__(self, lm, config: Press, context: float = 0.5,
+                 continuation: int | None = None):
         self.lm, self.config, self.context = lm, config, context
+        self.continuation = continuation
         self.base = lm.adapter.base
         self.groups = lm.adapter.head_geometry(0).num_kv_heads
         self.phase: str | None = None
@@ -178,9 +232,23 @@ class Session:
             cache = kw["cache"] = DynamicCache(config=self.base.config)
         return self._step(kw, cache)
 
+    def split(self, t: int) -> int:
+        """Prompt tokens of a ``t``-token evaluator window: the first ``split(t)`` tokens are
+        prefilled under the press, the other ``t - split(t)`` (the continuation) are scored
+        on the pressed cache."""
+        if self.continuation is not None:
+            if self.continuation >= t:
+                raise ConfigError(f"continuation {self.continuation} does not fit a window of "
+                                  f"{t} tokens (it needs at least 1 prompt token before it)")
+            return t - self.continuation
+        return max(1, int(t * self.context))
+
     def _new_sequence(self, cache) -> None:
-        # a cache filled outside the press is uncompressed: its length is the token count
-        self.cache, self.seen, self.steps, self.budget = cache, cache.get_seq_length(), 0, None
+        # a cache a press compressed knows its token count; one filled outside any press is
+        # uncompressed: its length is the token count
+        seen = cache.prunelab_seen if isinstance(cache, _PressedCache) \
+            else cache.get_seq_length()
+        self.cache, self.seen, self.steps, self.budget = cache, seen, 0, None
         self.scores = {}
         if self.pruner is not None:
             self.pruner.reset()
@@ -202,6 +270,7 @@ class Session:
         pos = torch.arange(self.seen, self.seen + s, device=x.device)
         kw["position_ids"] = pos[None].expand(b, -1)
         self.phase = "prefill" if self.seen == 0 else "decode"
+        _STEPPING.add(id(cache))
         try:
             out = self._orig(**kw)
             self.seen += s
@@ -211,6 +280,9 @@ class Session:
                 self._after_decode(cache)
         finally:
             self.phase = None
+            _STEPPING.discard(id(cache))
+        if isinstance(cache, _PressedCache):
+            cache.prunelab_seen = self.seen
         return out
 
     def _after_prefill(self, cache, length: int) -> None:
@@ -225,11 +297,15 @@ class Session:
                 self.scores = {}
             self.report = {"prompt": length, "kept": min(self.budget, length),
                            "keep": kept}
+            if kept:
+                _mark_pressed(cache, self.seen)
         elif self.pruner is not None:
             self.pruner.trim_cache(cache)
             kept = length if self.pruner.keep is None else self.pruner.keep.shape[1]
             self.report = {"prompt": length, "kept": kept, "keep": self.pruner.keep,
                            **self.pruner.info}
+            if kept < length:
+                _mark_pressed(cache, self.seen)
         else:
             self.report = {"prompt": length, "kept": length}
         self.report["cache_bytes"] = kv.cache_bytes(cache)
@@ -238,8 +314,8 @@ class Session:
         cfg = self.config
         self.steps += 1
         every = getattr(cfg, "every", 0)
-        if cfg.is_noop or not every or self.steps % every:
-            return
+        if cfg.is_noop or not every or self.steps % every or self.budget is None:
+            return  # budget None: a cache this session did not prefill (nothing to keep to)
         if isinstance(cfg, (StreamingLLM, H2O)):
             kv.evict(cfg, cache, self.budget, self.scores)
 
@@ -250,7 +326,7 @@ class Session:
         if ids is None or self.config.is_noop:
             return self._orig(**kw)
         t = ids.shape[1]
-        c = max(1, int(t * self.context))
+        c = self.split(t)
         if c >= t:
             return self._orig(**kw)
         cache = DynamicCache(config=self.base.config)
@@ -270,21 +346,30 @@ class Session:
 
 
 @contextmanager
-def press(lm, config: Press | str, context: float = 0.5, **options):
+def press(lm, config: Press | str, context: float | None = None,
+          continuation: int | None = None, **options):
     """Run ``lm`` (a prunelab ``LoadedModel`` or a Hugging Face causal LM) under
     ``config`` (a press config or its registered name with ``options``) inside a ``with``
     block; yields the :class:`Session` (its ``report`` describes the last prefill). The
-    model is restored exactly on exit.
+    model is restored exactly on exit. A cache the press compressed can be continued in a
+    later press only (:class:`~prunelab.errors.PressedCacheError` outside one).
 
-    ``context``: for cache-less forwards (the evaluator), the fraction of each window
-    that is the pressed prompt; the rest is scored on the pressed cache."""
+    For cache-less forwards (the evaluator) each window is split into a pressed prompt and
+    a continuation scored on the pressed cache: ``context`` is the prompt's fraction of the
+    window (default 0.5), or ``continuation`` the number of tokens at the end of each
+    window (give one of the two)."""
     if not isinstance(lm, LoadedModel):
         lm = wrap(lm)
     config = PRESSES.make(config, **options)
+    if context is not None and continuation is not None:
+        raise ConfigError("give the press' context or its continuation, not both")
+    if continuation is not None:
+        check_range("continuation", continuation, 1, None, integer=True)
+    context = 0.5 if context is None else context
     check_range("context", context, 0.0, 1.0)
     if context == 0:
         raise ConfigError("context must be > 0: a pressed prompt of no tokens presses nothing")
-    session = Session(lm, config, context)
+    session = Session(lm, config, context, continuation)
     session.install()
     try:
         yield session

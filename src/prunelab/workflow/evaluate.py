@@ -52,7 +52,9 @@ def evaluate_model(lm, opts, data: str, reference=None, reference_cache: dict | 
     if session is not None:
         from prunelab.registry import to_dict
 
-        res["press"] = {**to_dict(opts.press), "context": opts.press_context}
+        cont = opts.continuation()
+        res["press"] = {**to_dict(opts.press), "context": (opts.seqlen - cont) / opts.seqlen,
+                        "prompt": opts.seqlen - cont, "continuation": cont}
     if opts.speed:
         res.update(speed_of(lm, reference, getattr(opts, "speed_rounds", 3)))
     res.pop("data", None)
@@ -78,7 +80,7 @@ def _pressed(lm, opts):
         return
     from prunelab.inference import press
 
-    with press(lm, opts.press, context=opts.press_context) as session:
+    with press(lm, opts.press, continuation=opts.continuation()) as session:
         yield session
 
 

@@ -116,6 +116,8 @@ class EvaluateStage:
     limit: int | None = _opt(None, "items per downstream task")
     press: Any = _opt(None, "a PRESSES config: {name: snapkv, ratio: 0.5, ...}")
     press_context: float = _opt(0.5, "press: share of each window that is the prompt")
+    press_continuation: int | None = _opt(None, "press: the last N tokens of each window are "
+                                          "the continuation (instead of press_context)")
 
     def __post_init__(self) -> None:
         if self.samples is not None:
@@ -126,6 +128,23 @@ class EvaluateStage:
         if self.limit is not None:
             check_range("limit", self.limit, 1, None, integer=True)
         check_range("press_context", self.press_context, 0.0, 1.0)
+        if self.press_continuation is not None:
+            check_range("press_continuation", self.press_continuation, 2, None, integer=True)
+        if self.press is not None:
+            cont = self.continuation()
+            if not 2 <= cont <= self.seqlen - 2:
+                what = (f"press_continuation {self.press_continuation}"
+                        if self.press_continuation is not None
+                        else f"press_context {self.press_context:g}")
+                raise ConfigError(f"{what} leaves {self.seqlen - cont} of the {self.seqlen} "
+                                  "tokens of a window as the pressed prompt and "
+                                  f"{cont} as the continuation: each needs at least 2")
+
+    def continuation(self) -> int:
+        """Tokens at the end of each window scored on the press' cache."""
+        if self.press_continuation is not None:
+            return self.press_continuation
+        return self.seqlen - int(self.seqlen * self.press_context)
 
 
 @dataclass(frozen=True)
@@ -373,6 +392,9 @@ def _build_evaluate(opts: dict) -> EvaluateStage:
     from prunelab.inference import PRESSES
 
     strict_kwargs(EvaluateStage, opts, "evaluate")
+    if "press_context" in opts and "press_continuation" in opts:
+        raise ConfigError("evaluate: give press_context or press_continuation, not both "
+                          "(both set where each window is split)")
     if opts.get("press") is not None:
         opts["press"] = PRESSES.from_dict(_typed_piece(PRESSES, opts["press"], "press"))
     if "tasks" in opts:
