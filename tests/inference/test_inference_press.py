@@ -11,7 +11,9 @@ from prunelab.eval.perplexity import final_hidden, score_windows
 from prunelab.inference import (
     H2O,
     PRESSES,
+    TOVA,
     EntroPrefill,
+    KNorm,
     LazyLLM,
     SnapKV,
     StreamingLLM,
@@ -26,7 +28,8 @@ from prunelab.registry import to_dict
 from tiny_models import tiny_model, tiny_tokens
 
 NOOPS = [StreamingLLM(ratio=0.0), H2O(ratio=0.0), SnapKV(ratio=0.0, window=4),
-         LazyLLM(ratio=0.0), EntroPrefill(max_ratio=0.0)]
+         TOVA(ratio=0.0, every=1), KNorm(ratio=0.0), LazyLLM(ratio=0.0),
+         EntroPrefill(max_ratio=0.0)]
 
 
 def _lm(arch="llama", impl=None):
@@ -205,7 +208,8 @@ def test_keep_indices_hand_cases():
 
 
 @pytest.mark.parametrize("cfg", [StreamingLLM(ratio=0.5, sinks=2, every=2),
-                                 H2O(ratio=0.5, every=2)], ids=lambda c: type(c).__name__)
+                                 H2O(ratio=0.5, every=2), TOVA(ratio=0.5, every=2)],
+                         ids=lambda c: type(c).__name__)
 def test_decode_time_eviction_keeps_the_budget(cfg):
     lm = _lm()
     ids = tiny_tokens(1, 16)

@@ -188,8 +188,7 @@ def generate_cmd(
         prompt: str = typer.Option(..., help="the prompt text (@FILE reads a file)"),
         max_new_tokens: int = typer.Option(64, help="tokens to generate (greedy)"),
         press_name: Optional[str] = typer.Option(
-            None, "--press", help="an inference-time press: streaming-llm, h2o, snapkv, decay, "
-            "lazyllm, entroprefill"),
+            None, "--press", help="an inference-time press: {presses}"),
         budget: Optional[str] = BudgetOpt("remove-cache:F (with --press: fraction of the "
                                           "prompt removed; entroprefill: the cap)"),
         press_options: Optional[list[str]] = typer.Option(

@@ -134,9 +134,8 @@ def eval_cmd(ctx: typer.Context,
                  "down_proj", help="linear (role, path or glob) whose gradients "
                  "--gradient-alignment compares"),
              press_name: Optional[str] = typer.Option(
-                 None, "--press", help="score under an inference-time press: streaming-llm, "
-                 "h2o, snapkv, decay (KV eviction), lazyllm, entroprefill (prefill token "
-                 "pruning); each window's first --press-context is the pressed prompt, the "
+                 None, "--press", help="score under an inference-time press: {presses} (KV "
+                 "eviction; lazyllm and entroprefill: prefill token pruning); each window's first --press-context is the pressed prompt, the "
                  "rest (the continuation) is scored on the pressed cache and reported on its "
                  "own beside the whole window (each press' options are listed under their "
                  "own heading)"),

@@ -9,7 +9,9 @@ import_submodules(__name__)
 from prunelab.inference.config import (
     H2O,
     PRESSES,
+    TOVA,
     EntroPrefill,
+    KNorm,
     LazyLLM,
     Press,
     SnapKV,
@@ -20,5 +22,6 @@ from prunelab.inference.decay import DecayEviction, fit_decay
 from prunelab.inference.kv import cache_bytes
 from prunelab.inference.press import Session, press
 
-__all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "LazyLLM", "EntroPrefill",
+__all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "TOVA", "KNorm", "LazyLLM",
+           "EntroPrefill",
            "DecayEviction", "fit_decay", "press", "press_for", "Session", "cache_bytes"]

@@ -114,6 +114,39 @@ class SnapKV(Press):
                               f"got {self.pooling!r}")
 
 
+@PRESSES.register("tova")
+@dataclass(frozen=True)
+class TOVA(Press):
+    """Token Omission Via Attention: score every prompt token by the attention weight the
+    last query gives it, averaged over all the query heads of the block, and evict the
+    lowest; every KV head of a block drops the same tokens, and the last token (whose query
+    scores the others) is always kept. Oren et al. 2024, "Transformers are Multi-State
+    RNNs" (EMNLP 2024). ``every > 0``: also shrink the cache back to its post-prefill size
+    every ``every`` decode steps, scored by that step's last query (``every=1``: the
+    paper's fixed-size multi-state, one token out per token in)."""
+
+    ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
+    every: int = field(default=0, metadata={"help": (
+        "also shrink the cache back to its post-prefill size every K decode steps (0: "
+        "never)")})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_range("every", self.every, 0, None, integer=True)
+
+
+@PRESSES.register("knorm")
+@dataclass(frozen=True)
+class KNorm(Press):
+    """Keep the cached tokens whose keys have the smallest L2 norm (score ``-||k_j||``, per
+    KV head: each KV head keeps its own tokens); no attention is computed, so it needs no
+    query and costs one norm per key. The norm is that of the cached keys (after RoPE,
+    which preserves it, and after a family's key norm). Devoto et al. 2024, "A Simple and
+    Effective L2 Norm-Based Strategy for KV Cache Compression" (EMNLP 2024)."""
+
+    ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
+
+
 @PRESSES.register("lazyllm")
 @dataclass(frozen=True)
 class LazyLLM(Press):

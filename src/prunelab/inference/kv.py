@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from prunelab.inference.config import H2O, Press, SnapKV, StreamingLLM
+from prunelab.inference.config import H2O, TOVA, KNorm, Press, SnapKV, StreamingLLM
 from prunelab.inference.decay import DecayEviction
 from prunelab.inference.scores import (
     attention_rows,
@@ -36,6 +36,10 @@ def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scalin
     if isinstance(config, H2O):
         probs = attention_rows(query, key, scaling, query.shape[2], softcap)
         return group_heads(probs.sum(2), groups)
+    if isinstance(config, TOVA):
+        return last_query_scores(query, key, scaling, softcap)
+    if isinstance(config, KNorm):
+        return key_norm_scores(key)
     if isinstance(config, DecayEviction) and config.observe:  # observation-window feature
         from prunelab.inference.decay import observation_scores, snap_scores
 
@@ -48,6 +52,20 @@ def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scalin
             return snap_scores(probs, groups, config.kernel)
         return observation_scores(probs, groups, config.kernel)
     return None
+
+
+def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
+                      softcap: float | None) -> torch.Tensor:
+    """TOVA's score ``[B, G, L]``: the attention of the last query of ``query``
+    ``[B, H, Q, D]`` over ``key`` ``[B, G, L, D]``, averaged over all ``H`` query heads (the
+    same row for every KV head)."""
+    probs = attention_rows(query, key, scaling, 1, softcap)  # [B, H, 1, L]
+    return probs[:, :, 0].mean(1, keepdim=True).expand(-1, key.shape[1], -1).contiguous()
+
+
+def key_norm_scores(key: torch.Tensor) -> torch.Tensor:
+    """KNorm's score ``[B, G, L]``: minus the L2 norm of each key ``[B, G, L, D]``."""
+    return -key.float().norm(dim=-1)
 
 
 def decode_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
@@ -75,6 +93,8 @@ def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | N
         recent = min(int(keep * config.recent), keep)
         if recent:
             fixed[length - recent:] = True
+    elif isinstance(config, TOVA):
+        fixed[length - 1] = True  # the last token, whose query scored the others
     if int(fixed.sum()) > keep:  # the window alone exceeds the budget: the most recent
         fixed[:] = False
         fixed[length - keep:] = True

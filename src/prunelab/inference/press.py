@@ -38,7 +38,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from prunelab.errors import ConfigError, PressedCacheError, UnsupportedOperationError
 from prunelab.inference import kv
-from prunelab.inference.config import H2O, PRESSES, Press, StreamingLLM
+from prunelab.inference.config import H2O, PRESSES, TOVA, Press, StreamingLLM
 from prunelab.inference.decay import DecayEviction, decay_scores
 from prunelab.inference.prefill import TokenPruner
 from prunelab.inference.scores import attention_rows
@@ -215,6 +215,8 @@ class Session:
             pad = new.shape[-1] - acc.shape[-1]
             if pad >= 0:
                 self.scores[layer] = torch.nn.functional.pad(acc, (0, pad)) + new
+        elif self.phase == "decode" and isinstance(cfg, TOVA) and cfg.every:
+            self.scores[layer] = kv.last_query_scores(query, key, scaling, softcap)
 
     # ----------------------------------------------------------------- forward
     def _forward(self, *args, **kw):
@@ -316,7 +318,7 @@ class Session:
         every = getattr(cfg, "every", 0)
         if cfg.is_noop or not every or self.steps % every or self.budget is None:
             return  # budget None: a cache this session did not prefill (nothing to keep to)
-        if isinstance(cfg, (StreamingLLM, H2O)):
+        if isinstance(cfg, (StreamingLLM, H2O, TOVA)):
             kv.evict(cfg, cache, self.budget, self.scores)
 
     def _evaluate(self, kw: dict):
