@@ -135,10 +135,10 @@ def eval_cmd(ctx: typer.Context,
                  "--gradient-alignment compares"),
              press_name: Optional[str] = typer.Option(
                  None, "--press", help="score under an inference-time press: {presses} (KV "
-                 "eviction; lazyllm and entroprefill: prefill token pruning); each window's first --press-context is the pressed prompt, the "
-                 "rest (the continuation) is scored on the pressed cache and reported on its "
-                 "own beside the whole window (each press' options are listed under their "
-                 "own heading)"),
+                 "eviction; lazyllm and entroprefill: prefill token pruning); each window's "
+                 "first --press-context is the pressed prompt, the rest (the continuation) is "
+                 "scored on the pressed cache and reported on its own beside the whole window "
+                 "(each press' options are listed under their own heading)"),
              budget: Optional[list[str]] = typer.Option(
                  None, "--budget", metavar="KIND:VALUE", help="how much to remove, "
                  "repeatable: remove-cache:F (with --press: fraction of the prompt removed; "
