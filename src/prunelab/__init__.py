@@ -16,8 +16,8 @@ from prunelab._version import __version__  # noqa: F401 - public
 # public name -> the module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
     **dict.fromkeys((
-        'DecayEviction', 'EntroPrefill', 'H2O', 'KNorm', 'LazyLLM', 'SnapKV', 'StreamingLLM',
-        'TOVA', 'press',
+        'DecayEviction', 'EntroPrefill', 'ExpectedAttention', 'H2O', 'KNorm', 'LazyLLM',
+        'SnapKV', 'StreamingLLM', 'TOVA', 'press',
     ), "prunelab.inference"),
     **dict.fromkeys((
         'Beam', 'Blend', 'Boundary', 'Depth', 'Foldable', 'Gates', 'Ghost', 'Iterative',

@@ -13,6 +13,7 @@ from prunelab.inference import (
     PRESSES,
     TOVA,
     EntroPrefill,
+    ExpectedAttention,
     KNorm,
     LazyLLM,
     SnapKV,
@@ -28,8 +29,8 @@ from prunelab.registry import to_dict
 from tiny_models import tiny_model, tiny_tokens
 
 NOOPS = [StreamingLLM(ratio=0.0), H2O(ratio=0.0), SnapKV(ratio=0.0, window=4),
-         TOVA(ratio=0.0, every=1), KNorm(ratio=0.0), LazyLLM(ratio=0.0),
-         EntroPrefill(max_ratio=0.0)]
+         TOVA(ratio=0.0, every=1), KNorm(ratio=0.0), ExpectedAttention(ratio=0.0),
+         LazyLLM(ratio=0.0), EntroPrefill(max_ratio=0.0)]
 
 
 def _lm(arch="llama", impl=None):

@@ -19,9 +19,10 @@ from prunelab.inference.config import (
     press_for,
 )
 from prunelab.inference.decay import DecayEviction, fit_decay
+from prunelab.inference.expected import ExpectedAttention
 from prunelab.inference.kv import cache_bytes
 from prunelab.inference.press import Session, press
 
 __all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "TOVA", "KNorm", "LazyLLM",
-           "EntroPrefill",
+           "EntroPrefill", "ExpectedAttention",
            "DecayEviction", "fit_decay", "press", "press_for", "Session", "cache_bytes"]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from prunelab.errors import UnsupportedOperationError
 from prunelab.inference.config import H2O, TOVA, KNorm, Press, SnapKV, StreamingLLM
 from prunelab.inference.decay import DecayEviction
+from prunelab.inference.expected import ExpectedAttention, expected_scores, rope_function
 from prunelab.inference.scores import (
     attention_rows,
     group_heads,
@@ -52,6 +54,20 @@ def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scalin
             return snap_scores(probs, groups, config.kernel)
         return observation_scores(probs, groups, config.kernel)
     return None
+
+
+def expected_attention_scores(config: ExpectedAttention, module, query: torch.Tensor,
+                              key: torch.Tensor, value: torch.Tensor, scaling: float,
+                              rope: tuple | None) -> torch.Tensor:
+    """ExpectedAttention's scores ``[B, G, L]`` of one block's prefill; ``rope``: the
+    ``(cos, sin)`` ``[B, L, r]`` the block received (:mod:`prunelab.inference.expected`)."""
+    if not isinstance(rope, tuple) or len(rope) != 2:
+        raise UnsupportedOperationError(
+            f"press expected-attention needs the rotary (cos, sin) of every attention block; "
+            f"{type(module).__name__} receives none")
+    cos, sin = rope
+    return expected_scores(config, query, key, value, scaling, cos[0], sin[0],
+                           rope_function(module))
 
 
 def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
@@ -95,6 +111,8 @@ def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | N
             fixed[length - recent:] = True
     elif isinstance(config, TOVA):
         fixed[length - 1] = True  # the last token, whose query scored the others
+    elif isinstance(config, ExpectedAttention):
+        fixed[:min(config.sinks, length)] = True
     if int(fixed.sum()) > keep:  # the window alone exceeds the budget: the most recent
         fixed[:] = False
         fixed[length - keep:] = True

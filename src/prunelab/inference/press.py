@@ -40,6 +40,7 @@ from prunelab.errors import ConfigError, PressedCacheError, UnsupportedOperation
 from prunelab.inference import kv
 from prunelab.inference.config import H2O, PRESSES, TOVA, Press, StreamingLLM
 from prunelab.inference.decay import DecayEviction, decay_scores
+from prunelab.inference.expected import ExpectedAttention, rope_function
 from prunelab.inference.prefill import TokenPruner
 from prunelab.inference.scores import attention_rows
 from prunelab.models.loading import LoadedModel, wrap
@@ -56,7 +57,7 @@ def _wrapped(impl: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         session = _SESSIONS.get(id(module))
         if session is not None:
-            session.on_attention(module, query, key, kwargs)
+            session.on_attention(module, query, key, kwargs, value)
         if impl == "eager":  # the model's own eager function (softcapping, sinks, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward
         else:
@@ -131,6 +132,7 @@ class Session:
         self.scores: dict[int, torch.Tensor] = {}
         self.report: dict = {}
         self.pruner: TokenPruner | None = None
+        self.rope: dict[int, tuple] = {}  # block -> the (cos, sin) of its last forward
         self._undo: list = []
 
     # ----------------------------------------------------------------- install
@@ -184,6 +186,12 @@ class Session:
             if cfg.kind == "prefill":  # also at ratio 0: the hooks run and keep everything
                 self.pruner = TokenPruner(self, cfg)
                 self._undo.append(self.pruner.remove)
+            if isinstance(cfg, ExpectedAttention):  # the rotary (cos, sin) of each block
+                rope_function(lm.adapter.attention(0))  # no RoPE: one line, up front
+                for i in range(nblocks):
+                    hook = lm.adapter.attention(i).register_forward_pre_hook(
+                        lambda mod, args, kw, i=i: self._keep_rope(i, kw), with_kwargs=True)
+                    self._undo.append(hook.remove)
         except BaseException:
             self.uninstall()
             raise
@@ -193,15 +201,23 @@ class Session:
             self._undo.pop()()
         self.cache = None
         self.scores = {}
+        self.rope = {}
+
+    def _keep_rope(self, layer: int, kwargs: dict) -> None:
+        if self.phase == "prefill":
+            self.rope[layer] = kwargs.get("position_embeddings")
 
     # ----------------------------------------------------------------- attention
-    def on_attention(self, module, query, key, kwargs) -> None:
+    def on_attention(self, module, query, key, kwargs, value=None) -> None:
         cfg, layer = self.config, module.layer_idx
         if self.phase is None:
             return
         scaling = kwargs.get("scaling") or module.scaling
         softcap = kwargs.get("softcap")
-        if self.phase == "prefill" and cfg.kind == "kv":
+        if self.phase == "prefill" and isinstance(cfg, ExpectedAttention):
+            self.scores[layer] = kv.expected_attention_scores(
+                cfg, module, query, key, value, scaling, self.rope.pop(layer, None))
+        elif self.phase == "prefill" and cfg.kind == "kv":
             s = kv.prefill_scores(cfg, query, key, scaling, softcap)
             if s is not None:
                 self.scores[layer] = s
