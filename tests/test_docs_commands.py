@@ -243,7 +243,7 @@ SMALL = {"--samples": "2", "--seqlen": "32", "--test-samples": "2", "--test-seql
          "--steps": "2", "--tokens": "256", "--limit": "2", "--max-new-tokens": "4",
          "--train-samples": "4", "--search-windows": "2",
          "--eval-samples": "2", "--bootstrap": "0", "--prune-every": "1", "--every": "1",
-         "--eval-every": "1"}
+         "--eval-every": "1", "--press-continuation": "8"}
 #: commands that take --samples / --seqlen but were shown without them
 SIZED = ("probe", "prune", "sweep", "compare", "heal", "eval")
 #: commands that run one point per budget / probe: a run keeps two of each

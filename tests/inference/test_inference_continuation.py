@@ -183,3 +183,17 @@ def test_an_uncompressed_cache_stays_a_plain_cache():
         ref = lm.model(torch.cat([ids, nxt], 1)).logits[:, 20:]
         out = lm.model(nxt, cache=cache, use_cache=True).logits
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_a_cache_first_shrunk_while_decoding_is_guarded_too():
+    """A 1-token prompt keeps its token; decode-time eviction then shrinks the cache, which
+    from then on refuses to be continued outside a press."""
+    lm = _lm()
+    ids, nxt = tiny_tokens(1, 1), tiny_tokens(1, 1, seed=4)
+    with torch.no_grad(), press(lm, StreamingLLM(ratio=0.5, sinks=0, every=1)):
+        cache = lm.model(ids, use_cache=True).cache
+        assert type(cache) is DynamicCache
+        lm.model(nxt, cache=cache, use_cache=True)
+    assert cache.get_seq_length() == 1 and cache.prunelab_seen == 2
+    with pytest.raises(PressedCacheError, match="2 tokens seen"):
+        lm.model(nxt, cache=cache, use_cache=True)

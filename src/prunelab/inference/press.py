@@ -334,8 +334,9 @@ class Session:
         every = getattr(cfg, "every", 0)
         if cfg.is_noop or not every or self.steps % every or self.budget is None:
             return  # budget None: a cache this session did not prefill (nothing to keep to)
-        if isinstance(cfg, (StreamingLLM, H2O, TOVA)):
-            kv.evict(cfg, cache, self.budget, self.scores)
+        if isinstance(cfg, (StreamingLLM, H2O, TOVA)) and kv.evict(cfg, cache, self.budget,
+                                                                  self.scores):
+            _mark_pressed(cache, self.seen)  # a prompt too short to shrink may shrink now
 
     def _evaluate(self, kw: dict):
         """A cache-less forward (the evaluator): prefill the first ``context`` fraction
