@@ -57,7 +57,7 @@ def _wrapped(impl: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         session = _SESSIONS.get(id(module))
         if session is not None:
-            session.on_attention(module, query, key, kwargs, value)
+            session.on_attention(module, query, key, {**kwargs, "value": value})
         if impl == "eager":  # the model's own eager function (softcapping, sinks, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward
         else:
@@ -208,7 +208,9 @@ class Session:
             self.rope[layer] = kwargs.get("position_embeddings")
 
     # ----------------------------------------------------------------- attention
-    def on_attention(self, module, query, key, kwargs, value=None) -> None:
+    def on_attention(self, module, query, key, kwargs) -> None:
+        """One block's queries ``[B, H, Q, D]`` and keys ``[B, G, L, D]`` (after RoPE, the
+        cache included); ``kwargs``: the attention call's, with its ``value``."""
         cfg, layer = self.config, module.layer_idx
         if self.phase is None:
             return
@@ -216,7 +218,7 @@ class Session:
         softcap = kwargs.get("softcap")
         if self.phase == "prefill" and isinstance(cfg, ExpectedAttention):
             self.scores[layer] = kv.expected_attention_scores(
-                cfg, module, query, key, value, scaling, self.rope.pop(layer, None))
+                cfg, module, query, key, kwargs["value"], scaling, self.rope.pop(layer, None))
         elif self.phase == "prefill" and cfg.kind == "kv":
             s = kv.prefill_scores(cfg, query, key, scaling, softcap)
             if s is not None:
