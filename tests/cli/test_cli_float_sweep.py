@@ -85,7 +85,8 @@ NEEDS = {
        for opt, press in (("recent", "h2o"), ("mass-bound", "entroprefill"),
                           ("mix", "entroprefill"), ("alpha", "entroprefill"),
                           ("keep-scale", "entroprefill"), ("max-ratio", "entroprefill"),
-                          ("stability", "entroprefill"), ("share", "decay"))},
+                          ("stability", "entroprefill"), ("share", "decay"),
+                          ("epsilon", "expected-attention"))},
 }
 
 # the size each command needs unless the swept option is the size itself
