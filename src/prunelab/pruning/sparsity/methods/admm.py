@@ -184,21 +184,29 @@ def admm_solve(w0: torch.Tensor, fa: Factor, fg: Factor, keep: torch.Tensor | No
         base = (w0r * (c.a / (c.a + rho))) @ c.r.t()  # W0 A_n (A_n + rho I)^{-1}
 
         def w_step(v):
-            return base + rho * (v @ k)
+            return torch.addmm(base, v, k, alpha=rho)
     else:
         def w_step(v):
             return c.unrot((curv * w0r + rho * c.rot(v)) / (curv + rho))
+    lowrank = st.rank > 0
     for t in range(st.iterations + 1):
+        z = w + u  # W + U (- L): the constrained variable's target
+        if lowrank:
+            z.sub_(low)
         if keep is None or t < st.gradual_iterations:
             s_t = cubic_sparsity(st.target, t, max(st.gradual_iterations, 1))
-            keep = gradual_mask((w + u - low).abs(), s_t, st.target, st.nm, st.group)
-        s = (w + u - low) * keep
-        if st.rank > 0:
+            keep = gradual_mask(z.abs(), s_t, st.target, st.nm, st.group)
+        s = z.mul_(keep)
+        if lowrank:
             low, left, right = lowrank_in_metric(c, w + u - s, st.rank)
         if t == st.iterations:
             break
-        u = u + w - s - low
-        w = w_step(s + low - u)
+        u.add_(w).sub_(s)  # U + W - S (- L)
+        if lowrank:
+            u.sub_(low)
+            w = w_step(s + low - u)
+        else:
+            w = w_step(s - u)
         rho *= st.rho_growth
     if left is not None:
         left, right = left / c.sg[:, None], right / c.sa[None, :]
