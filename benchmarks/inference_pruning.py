@@ -28,6 +28,7 @@ Run (do not run inside the test suite)::
     python benchmarks/inference_pruning.py [--model smollm2-135m] [--device auto]
         [--contexts 1024,2048,4096] [--ratios 0.25,0.5,0.75,0.9]
         [--presses streaming-llm,h2o,snapkv,decay,decay-keys,decay-kl,lazyllm,entroprefill]
+        (any registered press by name too: tova, knorm, expected-attention)
         [--decay-observe 32 --decay-horizon 64] [--json out.json]
         [--decay-seqlen 1024 --decay-samples 8 --decay-blocks 3 --decay-needles 0]
         [--decay-shares 0,0.25,0.5,0.75]
@@ -145,7 +146,7 @@ def continuation(lm, cfg, length: int, cont: int, ref_cache: dict, samples: int 
         if (length, seed) not in ref_cache:
             ref_cache[length, seed] = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
         ref = ref_cache[length, seed]
-        with press(lm, cfg, context=(length + 0.5) / (length + cont)):
+        with press(lm, cfg, continuation=cont):
             logits = lm.adapter.logits(final_hidden(lm, ids)[:, -cont:]).float()
         kls.append(float(kl_from_logits(ref, logits).mean()))
         tops.append(float(top1_agreement(ref, logits).float().mean()))
