@@ -124,3 +124,22 @@ def test_leaderboard_shows_ratios_and_drops_empty_columns():
     md = markdown(rows, dense=rows[0])
     assert "achieved" not in md and "noisy: a range wider than 20 %" in md
     assert "achieved" in csv_text(rows, dense=rows[0]).splitlines()[0]  # CSV keeps all
+
+
+def test_leaderboard_shows_a_press_row_on_its_continuation():
+    """Under a press the continuation's figures get their own columns beside the whole
+    window's; a study without a press does not show them."""
+    from prunelab.workflow.leaderboard import csv_text, display_rows
+
+    plain = [{"method": "dense", "params": 1000, "perplexity": 10.0}]
+    assert "continuation_kl" not in display_rows(plain)[0]
+    assert "continuation_kl" in csv_text(plain).splitlines()[0]
+    rows = plain + [{"method": "snapkv", "params": 1000, "perplexity": 10.1,
+                     "kl_to_reference": 0.00026, "continuation_perplexity": 11.825,
+                     "continuation_kl_to_reference": 0.00441,
+                     "continuation_top1_agreement": 0.961}]
+    shown = display_rows(rows)
+    assert list(shown[1])[-3:] == ["continuation_perplexity", "continuation_kl",
+                                   "continuation_top1"]
+    assert shown[1]["continuation_kl"] == "0.0044" and shown[1]["kl_to_dense"] == "0.0003"
+    assert shown[1]["continuation_perplexity"] == "11.825" and shown[0]["continuation_kl"] == ""

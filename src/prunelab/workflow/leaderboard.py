@@ -23,7 +23,12 @@ COLUMNS = (("method", "method", "{}"), ("achieved", "achieved", "{}"),
            ("params", "params", "{:,}"), ("params_kept", "params_kept", "{:.3f}"),
            ("bytes", "bytes", "{:,}"), ("perplexity", "perplexity", "{:.3f}"),
            ("kl_to_dense", "kl_to_reference", "{:.4f}"),
-           ("top1_agreement", "top1_agreement", "{:.4f}"))
+           ("top1_agreement", "top1_agreement", "{:.4f}"),
+           # under a press: the tokens scored on the compressed cache (the columns above
+           # are then the whole window's; empty columns are not shown)
+           ("continuation_perplexity", "continuation_perplexity", "{:.3f}"),
+           ("continuation_kl", "continuation_kl_to_reference", "{:.4f}"),
+           ("continuation_top1", "continuation_top1_agreement", "{:.4f}"))
 TAIL = (("prefill_tok_s", "prefill_tokens_per_s", "{:.0f}"),
         ("decode_tok_s", "decode_tokens_per_s", "{:.1f}"),
         ("prefill_x_dense", "prefill_x_dense", "{}"),
