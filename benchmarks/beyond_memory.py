@@ -248,7 +248,17 @@ def shape_for_tokenizer(shape: Shape, tokenizer_dir: Path | None) -> Shape:
 
 
 def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    """Bytes of the files under ``path`` (files that vanish meanwhile count 0)."""
+    total = 0
+    try:
+        for p in Path(path).rglob("*"):
+            try:
+                total += p.stat().st_size if p.is_file() else 0
+            except OSError:
+                pass
+    except OSError:  # a folder removed while walked
+        pass
+    return total
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -336,21 +346,32 @@ def _job(args) -> dict:
             "io": {k: io1[k] - io0.get(k, 0) for k in io1}}
 
 
-def _spawn(cmd: list[str], threads: int) -> dict:
+def _spawn(cmd: list[str], threads: int, watch: Path) -> dict:
+    """Run one job; meanwhile every 5 s the bytes of the files under ``watch`` (the
+    run's staging and output) and the load average are sampled here."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONWARNINGS="ignore")
     fd, result = tempfile.mkstemp(suffix=".json")
     os.close(fd)
+    disk, load = [0], []
     try:
-        proc = subprocess.run([sys.executable, __file__, "--job", "--result", result, "--",
-                               *cmd], env=env)
+        proc = subprocess.Popen([sys.executable, __file__, "--job", "--result", result, "--",
+                                 *cmd], env=env)
+        while proc.poll() is None:
+            disk.append(_size(watch))
+            load.append(os.getloadavg()[0])
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         if proc.returncode != 0 or not Path(result).stat().st_size:
             _fail(f"the job {' '.join(cmd)} failed (exit {proc.returncode}; its output is "
                   "above)")
         out = json.loads(Path(result).read_text())
         if out["rc"] != 0:
             _fail(f"prunelab {' '.join(cmd)} exited {out['rc']} (its error is above)")
-        return out
+        return out | {"peak_disk_bytes": max(disk),
+                      "load_avg": sum(load) / len(load) if load else os.getloadavg()[0]}
     finally:
         Path(result).unlink(missing_ok=True)
 
@@ -480,6 +501,7 @@ def main() -> None:
     print(f"checkpoint {how}: {len(info['files'])} shards", flush=True)
     if args.write_only:
         return
+    args.commit = _git_commit()  # the code the runs use (HEAD may move meanwhile)
     rows = []
     for run in runs:
         out = args.dir / "runs" / run
@@ -494,7 +516,7 @@ def main() -> None:
                   "space or choose another --dir")
         cmd = _command(run, model_dir, out, args)
         print(f"\n== {run}: prunelab {' '.join(cmd)}", flush=True)
-        row = _spawn(cmd, args.threads)
+        row = _spawn(cmd, args.threads, out.parent)
         row.update(run=run, command="prunelab " + " ".join(cmd), out_bytes=_size(out),
                    passes=passes(row["events"], shape.layers))
         row.pop("events")
@@ -515,7 +537,8 @@ def _print_row(r: dict, model_bytes: int) -> None:
           f"blocks {_base(r) / 2**30:.2f} GiB, imports {r['rss_imports_bytes'] / 2**30:.2f} "
           f"GiB); wall "
           f"{r['wall_s']:.0f} s; read {_gb(r['io'].get('read_bytes', 0))} GB from storage; "
-          f"wrote {_gb(r['io'].get('write_bytes', 0))} GB", flush=True)
+          f"wrote {_gb(r['io'].get('write_bytes', 0))} GB; peak disk (staging + output) "
+          f"{_gb(r['peak_disk_bytes'])} GB; load average {r['load_avg']:.1f}", flush=True)
     for k, ps in enumerate(r["passes"], 1):
         print(f"  pass {k}: {ps['blocks']} blocks in {ps['seconds']:.0f} s = "
               f"{ps['s_per_block']:.1f} s/block", flush=True)
@@ -546,11 +569,11 @@ def report(rows: list[dict], shape: Shape, info: dict, args) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     lines = [
         "# Results: larger than RAM, for real (`--stream` on a 14B checkpoint)", "",
-        f"Measured on {now} at commit `{_git_commit()}` by "
+        f"Measured on {now} (finished) at commit `{args.commit}` by "
         "[`benchmarks/beyond_memory.py`](../beyond_memory.py); machine: "
-        f"{_machine()}; load average at the end {os.getloadavg()[0]:.1f} (the machine is "
-        "shared with other sessions, so wall times are indicative; memory and bytes read "
-        "are not affected by the load).", "",
+        f"{_machine()}. The machine is shared with other sessions (the mean 1-minute load "
+        "average during each run is in the table), so wall times are indicative; memory, "
+        "disk and bytes read are not affected by the load.", "",
         "**Random weights**: the checkpoint is a Llama model whose weights are drawn at "
         "random, so its perplexity (and the quality of any pruned model of it) means "
         "nothing; these runs measure memory, time and disk only. Pruning quality at scale "
@@ -579,9 +602,10 @@ def report(rows: list[dict], shape: Shape, info: dict, args) -> str:
     lines += [
         "", "| run | peak RSS (bytes) | peak RSS GiB | / model bytes | imports GiB | "
         "before the blocks GiB | wall s | before the blocks s | passes: blocks x s per "
-        "block | read from storage GB | rchar GB | written GB | output GB |",
+        "block | read from storage GB | rchar GB | written GB | output GB | peak disk GB "
+        "(staging + output) | load avg |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: "
-        "| ---: |"]
+        "| ---: | ---: | ---: |"]
     for r in rows:
         names = _pass_names(r["run"], len(r["passes"]))
         per = "; ".join(f"{nm} {ps['blocks']} x {ps['s_per_block']:.1f}"
@@ -594,12 +618,13 @@ def report(rows: list[dict], shape: Shape, info: dict, args) -> str:
             f"{r['rss_imports_bytes'] / 2**30:.2f} | {_base(r) / 2**30:.2f} | "
             f"{r['wall_s']:.0f} | {start:.0f} | {per} | {_gb(io.get('read_bytes', 0))} | "
             f"{_gb(io.get('rchar', 0))} | {_gb(io.get('write_bytes', 0))} | "
-            f"{_gb(r['out_bytes'])} |")
+            f"{_gb(r['out_bytes'])} | {_gb(r['peak_disk_bytes'])} | {r['load_avg']:.1f} |")
     lines += ["", "Imports: `VmHWM` after importing torch, transformers and prunelab; before "
               "the blocks: `VmHWM` when the first block is about to be read (the imports, "
               "the model's skeleton and tokenizer, the tokenized calibration corpus, the "
               "embeddings read for the capture pass); the rest of the peak is the block "
-              "resident at the time and its work."]
+              "resident at the time and its work. Peak disk: the most bytes of files under "
+              "the runs' folder (the staged blocks and the output), sampled every 5 s."]
     goal = [r for r in rows if r["peak_rss_bytes"] >= 0.25 * model_bytes]
     lines += ["", "Goal: peak RSS under 25 % of the model's bytes "
               f"({_gb(0.25 * model_bytes)} GB): "
