@@ -12,6 +12,18 @@ Huang et al. 2024, "Harder Tasks Need More Experts: Dynamic Routing in MoE Model
 arXiv:2403.07652), so the number of experts varies per token. ``p = 1`` computes the
 dense FFN.
 
+Two routed paths give the same output to float rounding. Many tokens (prefill) are
+grouped by expert (:meth:`PrunePathMLP.routed`: each expert runs on its tokens, the results
+are scatter-added), which skips FLOPs. At most :attr:`PrunePathMLP.FEW_TOKENS` tokens
+(decode, where the FFN is bound by reading its weights) take :meth:`PrunePathMLP.few`: the
+experts any of the tokens selected are merged into runs of contiguous channels, and each
+run is one matrix product per projection reading only that run's rows of ``gate`` / ``up``
+and of the transposed ``down``, so the weights read shrink with the experts skipped. The
+transposed ``down`` needs no copy: ``down_proj.weight`` (``[hidden, ffn]``) is stored
+column-major, its transpose ``[ffn, hidden]`` contiguous (:meth:`PrunePathMLP.down_rows`
+makes it so in place, once, after the weights were replaced, e.g. by a checkpoint load).
+Same values, same parameter and key, so checkpoints are unchanged.
+
 The module keeps the base MLP's parameter names (``gate_proj``, ``up_proj`` or
 ``gate_up_proj``, ``down_proj``) plus ``router``; ``mass`` is a runtime attribute, read
 at construction in a checkpoint from ``config.prunelab_moe_mass`` (so
@@ -44,6 +56,8 @@ class PrunePathMLP(PrunelabModule):
     prunelab_kind = "prunepath_mlp"
     MASS_ATTR = "prunelab_moe_mass"
     ACTS = ("silu", "gelu", "gelu_tanh", "relu")
+    #: at most this many tokens per call take the few-token (decode) path :meth:`few`
+    FEW_TOKENS = 4
 
     def __init__(self, hidden: int, sizes: list, act: str = "silu", fused: bool = False,
                  bias: bool = False):
@@ -61,6 +75,7 @@ class PrunePathMLP(PrunelabModule):
             self.gate_proj = nn.Linear(self.hidden, self.ffn, bias=bias)
             self.up_proj = nn.Linear(self.hidden, self.ffn, bias=bias)
         self.down_proj = nn.Linear(self.ffn, self.hidden, bias=bias)
+        self.down_rows()  # store down_proj.weight column-major from the start
         self.router = nn.Linear(self.hidden, self.num_experts, bias=True)
         self._mass = 1.0
         self.reset_stats()
@@ -136,25 +151,60 @@ class PrunePathMLP(PrunelabModule):
             return self.down_proj(up * self.activation(gate))
         return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
-    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        """Expert ``e``'s output for tokens ``x`` ``[n, hidden]`` (no down bias)."""
-        f = nn.functional
-        s, t = self.starts[e], self.starts[e + 1]
+    def down_rows(self) -> torch.Tensor:
+        """``down_proj.weight`` transposed, ``[ffn, hidden]`` and contiguous: a view of the
+        parameter, whose storage is column-major. When it is not (new weights were put in
+        the parameter's place, as a checkpoint load does), the parameter's data is laid out
+        column-major in place first: same values, same parameter, no second copy kept."""
+        w = self.down_proj.weight
+        if w.stride() != (1, w.shape[0]) and not w.t().is_contiguous():
+            with torch.inference_mode(False), torch.no_grad():
+                w.data = w.detach().t().contiguous().t()
+        return w.t()
+
+    def gate_up(self) -> tuple:
+        """``(gate, up, gate_bias, up_bias)``: the ``[ffn, hidden]`` weights (views of
+        ``gate_up_proj`` when fused) and their biases (or ``None``)."""
         if self.fused:
             w, b = self.gate_up_proj.weight, self.gate_up_proj.bias
-            g_w, u_w = w[s:t], w[self.ffn + s:self.ffn + t]
-            g_b = None if b is None else b[s:t]
-            u_b = None if b is None else b[self.ffn + s:self.ffn + t]
-        else:
-            g_w, u_w = self.gate_proj.weight[s:t], self.up_proj.weight[s:t]
-            g_b = None if self.gate_proj.bias is None else self.gate_proj.bias[s:t]
-            u_b = None if self.up_proj.bias is None else self.up_proj.bias[s:t]
-        act = self.activation(f.linear(x, g_w, g_b)) * f.linear(x, u_w, u_b)
-        return f.linear(act, self.down_proj.weight[:, s:t])
+            f = self.ffn
+            return (w[:f], w[f:], None if b is None else b[:f], None if b is None else b[f:])
+        return (self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias,
+                self.up_proj.bias)
+
+    def channels(self, x: torch.Tensor, s: int, t: int, gate_up: tuple | None = None
+                 ) -> torch.Tensor:
+        """``act(gate(x)) * up(x)`` of the FFN channels ``[s, t)`` for tokens ``x``
+        ``[n, hidden]``: one product per projection over those rows only (``gate_up``:
+        :meth:`gate_up`, when the caller already has it)."""
+        f = nn.functional
+        g_w, u_w, g_b, u_b = self.gate_up() if gate_up is None else gate_up
+        gate = f.linear(x, g_w[s:t], None if g_b is None else g_b[s:t])
+        return self.activation(gate) * f.linear(x, u_w[s:t], None if u_b is None else u_b[s:t])
+
+    def expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        """Expert ``e``'s output for tokens ``x`` ``[n, hidden]`` (no down bias)."""
+        s, t = self.starts[e], self.starts[e + 1]
+        return self.channels(x, s, t) @ self.down_rows()[s:t]
+
+    def runs(self, used: list) -> list:
+        """The maximal runs ``(s, t)`` of contiguous channels that cover the experts whose
+        entry in ``used`` (one per expert) is true, in channel order."""
+        out: list = []
+        for e, on in enumerate(used):
+            if not on:
+                continue
+            s, t = self.starts[e], self.starts[e + 1]
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], t)
+            else:
+                out.append((s, t))
+        return out
 
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """Routing probabilities ``[tokens, experts]`` (float32) for ``x`` ``[tokens, hidden]``."""
-        return torch.softmax(self.router(x).float(), dim=-1)
+        logits = nn.functional.linear(x, self.router.weight, self.router.bias)
+        return torch.softmax(logits.float(), dim=-1)
 
     @staticmethod
     def select(probs: torch.Tensor, mass: float) -> torch.Tensor:
@@ -169,6 +219,19 @@ class PrunePathMLP(PrunelabModule):
         keep = before < mass
         keep[..., 0] = True
         return torch.zeros_like(keep).scatter(-1, order, keep)
+
+    @staticmethod
+    def select_one(probs: torch.Tensor, mass: float) -> list:
+        """:meth:`select` of one token (``probs`` ``[1, experts]``, ``mass < 1``) as a list
+        of 0 / 1 per expert: the same tensor operations up to the comparison, the rest in
+        Python (fewer operations at decode)."""
+        ranked, order = probs.sort(dim=-1, descending=True)
+        keep = ((ranked.cumsum(dim=-1) - ranked) < mass).tolist()[0]
+        flags = [0] * probs.shape[-1]
+        for i, e in enumerate(order.tolist()[0]):
+            if keep[i] or i == 0:
+                flags[e] = 1
+        return flags
 
     def routed(self, h: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
         """The FFN output of tokens ``h`` ``[tokens, hidden]`` using only the experts
@@ -189,14 +252,69 @@ class PrunePathMLP(PrunelabModule):
             out = out + self.down_proj.bias
         return out
 
+    def few(self, h: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """The output of :meth:`routed` (to float rounding) for a few tokens ``h``
+        ``[tokens, hidden]`` (decode): :meth:`gather` over the runs of the experts any token
+        selects, a token's channels outside its own experts weighing zero."""
+        counts = sel.sum(dim=0).tolist()
+        n = h.shape[0]
+        self._count(n, counts)
+        skip = None
+        if any(0 < c < n for c in counts):  # an expert some of the tokens do not use
+            experts = [e for e, c in enumerate(counts) if c > 0]
+            sizes = torch.tensor([self.sizes[e] for e in experts], device=sel.device)
+            skip = sel[:, experts].logical_not().repeat_interleave(sizes, dim=1)
+        return self.gather(h, self.runs(counts), skip)
+
+    def gather(self, h: torch.Tensor, runs: list, skip: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The FFN output of tokens ``h`` ``[tokens, hidden]`` over the channel ``runs``
+        (``(s, t)`` pairs, in order) only: ``gate`` and ``up`` cost one product per run over
+        the run's rows, ``down`` one weighted sum of the selected rows of its transpose
+        (``embedding_bag`` over :meth:`down_rows`, the activations as the weights; ``skip``
+        ``[tokens, selected channels]``: channels a token does not use, weighted zero).
+        Nothing is copied: the weights read are the runs' only."""
+        f = nn.functional
+        g_w, u_w, g_b, u_b = self.gate_up()
+        gate = [f.linear(h, g_w[s:t], None if g_b is None else g_b[s:t]) for s, t in runs]
+        up = [f.linear(h, u_w[s:t], None if u_b is None else u_b[s:t]) for s, t in runs]
+        index = [torch.arange(s, t, device=h.device) for s, t in runs]
+        if len(runs) > 1:
+            gate, up, index = torch.cat(gate, dim=1), torch.cat(up, dim=1), torch.cat(index)
+        else:
+            gate, up, index = gate[0], up[0], index[0]
+        act = self.activation(gate) * up  # [tokens, selected channels]
+        if skip is not None:
+            act = act.masked_fill(skip, 0)
+        down = self.down_rows()
+        n, width = act.shape
+        if n == 1:
+            offsets = index.new_zeros(1)
+        else:
+            index, offsets = index.repeat(n), torch.arange(0, n * width, width, device=h.device)
+        out = f.embedding_bag(index, down, offsets, mode="sum",
+                              per_sample_weights=act.reshape(-1).to(down.dtype))
+        if self.down_proj.bias is not None:
+            out = out + self.down_proj.bias
+        return out.to(h.dtype)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         shape = x.shape
         h = x.reshape(-1, shape[-1])
-        if self._mass >= 1.0 or h.shape[0] == 0:
-            self._count(h.shape[0], None)
+        n = h.shape[0]
+        if self._mass >= 1.0 or n == 0:
+            self._count(n, None)
+            if 0 < n <= self.FEW_TOKENS:  # the dense FFN on the decode path's kernels
+                return self.gather(h, [(0, self.ffn)]).reshape(shape)
             return self.dense(x)
-        sel = self.select(self.route(h), self._mass)
-        return self.routed(h, sel).reshape(shape)
+        probs = self.route(h)
+        if n == 1:
+            flags = self.select_one(probs, self._mass)
+            self._count(1, flags)
+            return self.gather(h, self.runs(flags)).reshape(shape)
+        sel = self.select(probs, self._mass)
+        path = self.few if n <= self.FEW_TOKENS else self.routed
+        return path(h, sel).reshape(shape)
 
     # ------------------------------------------------------------------ checkpoint
     def prunelab_spec(self) -> dict:
