@@ -417,7 +417,9 @@ def test_prune_lowest_k_is_the_first_k_of_a_stable_sort():
     odd[1, :5] = float("-inf")
     odd[2, 7:9] = float("inf")
     odd[3] = float("nan")
-    for scores in (torch.randint(0, 3, (50, 64), generator=g).float(),  # many ties
+    few = torch.randn(40, 64, generator=g)  # ties in one row only: the per-row tie pass
+    few[7] = torch.randint(0, 3, (64,), generator=g).float()
+    for scores in (few, torch.randint(0, 3, (50, 64), generator=g).float(),  # many ties
                    torch.randn(30, 128, generator=g).half(), odd,
                    torch.randint(0, 4, (5, 33), generator=g)):  # integers
         for k in range(scores.shape[1] + 2):
