@@ -79,8 +79,8 @@ def prune_lowest_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     Selected without sorting: the row's ``k``-th smallest value ``v`` (``kthvalue``, a
     selection in linear time), then everything below ``v`` and, of the entries equal to
     ``v``, the first ones until ``k`` are pruned (the tie pass only on the rows that need
-    it); 2-5x faster than the stable sort on a CPU, and the same mask bit for bit. A row whose ``v`` is not finite (NaN scores) is
-    left to the sort."""
+    it); 2-5x faster than the stable sort on a CPU, and the same mask bit for bit. A row
+    whose ``v`` is not finite (NaN scores) is left to the sort."""
     keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
     if k <= 0:
         return keep
