@@ -374,3 +374,17 @@ def test_evaluate_speed_is_measured_beside_the_dense_model(tiny, tmp_path):
     assert 0 < lo <= mid <= hi
     board = (tmp_path / "o" / "leaderboard.md").read_text()
     assert "prefill_x_dense" in board and f"{mid:.2f} [{lo:.2f}-{hi:.2f}]" in board
+
+
+@pytest.mark.parametrize("split", ["press_continuation: 8", "press_context: 0.75", ""])
+def test_an_evaluate_stage_with_a_press_reads_back_from_its_yaml(split):
+    """to_yaml writes one way of splitting the windows (never both, which the loader
+    refuses), and the recipe reads back equal."""
+    from prunelab.workflow.recipe import load_recipe
+
+    text = ("model: smollm2-135m\nstages:\n  - evaluate: {seqlen: 24, press: {name: snapkv}"
+            + (", " + split if split else "") + "}\n")
+    recipe = load_recipe(text)
+    back = recipe.to_yaml()
+    assert not ("press_context" in back and "press_continuation" in back), back
+    assert load_recipe(back) == recipe

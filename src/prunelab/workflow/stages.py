@@ -257,8 +257,12 @@ def stage_options_dict(stage: Stage) -> dict:
     if stage.kind == "probe":
         return {"probes": [to_dict(p) for p in o.probes], **_calib_dict(o.calib)}
     d = to_dict(o)
-    if stage.kind == "evaluate" and o.press is not None:
-        d["press"] = to_dict(o.press)
+    if stage.kind == "evaluate":
+        if o.press is not None:
+            d["press"] = to_dict(o.press)
+        # one way of splitting the windows is written, so that the YAML reads back
+        d.pop("press_context" if o.press_continuation is not None else "press_continuation",
+              None)
     return d
 
 
