@@ -77,6 +77,7 @@ class PrunePathMLP(PrunelabModule):
         self.down_proj = nn.Linear(self.ffn, self.hidden, bias=bias)
         self.down_rows()  # store down_proj.weight column-major from the start
         self.router = nn.Linear(self.hidden, self.num_experts, bias=True)
+        self._index = None  # arange(ffn) on the weights' device, made on first use
         self._mass = 1.0
         self.reset_stats()
 
@@ -100,6 +101,14 @@ class PrunePathMLP(PrunelabModule):
         self.stat_expert_tokens = [0] * self.num_experts
 
     def _count(self, tokens: int, per_expert: list | None) -> None:
+        if tokens == 1 and per_expert is not None:  # decode: one routed token
+            self.stat_tokens += 1
+            self.stat_routed += 1
+            counts = self.stat_expert_tokens
+            for e, used in enumerate(per_expert):
+                if used:
+                    counts[e] += 1
+            return
         self.stat_tokens += tokens
         if per_expert is None:  # dense: every expert for every token, no router
             per_expert = [tokens] * self.num_experts
@@ -204,17 +213,20 @@ class PrunePathMLP(PrunelabModule):
     def route(self, x: torch.Tensor) -> torch.Tensor:
         """Routing probabilities ``[tokens, experts]`` (float32) for ``x`` ``[tokens, hidden]``."""
         logits = nn.functional.linear(x, self.router.weight, self.router.bias)
-        return torch.softmax(logits.float(), dim=-1)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return torch.softmax(logits, dim=-1)
 
     @staticmethod
     def select(probs: torch.Tensor, mass: float) -> torch.Tensor:
         """Boolean ``[tokens, experts]``: for each token the smallest set of experts, in
         decreasing probability, whose cumulative probability reaches ``mass`` (an expert is
         taken while the mass of those before it is below ``mass``; always at least one;
-        every expert when ``mass >= 1``)."""
+        every expert when ``mass >= 1``). Equal probabilities rank the lower index first;
+        the sums are float64 (so :meth:`select_one` reproduces them exactly)."""
         if mass >= 1.0:
             return torch.ones_like(probs, dtype=torch.bool)
-        ranked, order = probs.sort(dim=-1, descending=True)
+        ranked, order = probs.double().sort(dim=-1, descending=True, stable=True)
         before = ranked.cumsum(dim=-1) - ranked
         keep = before < mass
         keep[..., 0] = True
@@ -222,14 +234,17 @@ class PrunePathMLP(PrunelabModule):
 
     @staticmethod
     def select_one(probs: torch.Tensor, mass: float) -> list:
-        """:meth:`select` of one token (``probs`` ``[1, experts]``, ``mass < 1``) as a list
-        of 0 / 1 per expert: the same tensor operations up to the comparison, the rest in
-        Python (fewer operations at decode)."""
-        ranked, order = probs.sort(dim=-1, descending=True)
-        keep = ((ranked.cumsum(dim=-1) - ranked) < mass).tolist()[0]
-        flags = [0] * probs.shape[-1]
-        for i, e in enumerate(order.tolist()[0]):
-            if keep[i] or i == 0:
+        """:meth:`select` of one token (``probs`` ``[1, experts]``) as a list of 0 / 1 per
+        expert, computed in Python: the same stable ranking and the same float64 running
+        sums, one tensor operation (decode runs this once per block and token)."""
+        p = probs.tolist()[0]
+        if mass >= 1.0:
+            return [1] * len(p)
+        flags = [0] * len(p)
+        total = 0.0
+        for i, e in enumerate(sorted(range(len(p)), key=p.__getitem__, reverse=True)):
+            total += p[e]
+            if i == 0 or total - p[e] < mass:
                 flags[e] = 1
         return flags
 
@@ -266,6 +281,13 @@ class PrunePathMLP(PrunelabModule):
             skip = sel[:, experts].logical_not().repeat_interleave(sizes, dim=1)
         return self.gather(h, self.runs(counts), skip)
 
+    def channel_index(self, device: torch.device) -> torch.Tensor:
+        """``arange(ffn)`` on ``device`` (kept: not a buffer, so not in checkpoints)."""
+        index = self._index
+        if index is None or index.device != device:
+            index = self._index = torch.arange(self.ffn, device=device)
+        return index
+
     def gather(self, h: torch.Tensor, runs: list, skip: torch.Tensor | None = None
                ) -> torch.Tensor:
         """The FFN output of tokens ``h`` ``[tokens, hidden]`` over the channel ``runs``
@@ -278,25 +300,32 @@ class PrunePathMLP(PrunelabModule):
         g_w, u_w, g_b, u_b = self.gate_up()
         gate = [f.linear(h, g_w[s:t], None if g_b is None else g_b[s:t]) for s, t in runs]
         up = [f.linear(h, u_w[s:t], None if u_b is None else u_b[s:t]) for s, t in runs]
-        index = [torch.arange(s, t, device=h.device) for s, t in runs]
+        channels = self.channel_index(h.device)
+        index = [channels[s:t] for s, t in runs]
         if len(runs) > 1:
             gate, up, index = torch.cat(gate, dim=1), torch.cat(up, dim=1), torch.cat(index)
         else:
             gate, up, index = gate[0], up[0], index[0]
-        act = self.activation(gate) * up  # [tokens, selected channels]
+        act = self.activation(gate)  # then * up: [tokens, selected channels]
+        act = act * up if torch.is_grad_enabled() else act.mul_(up)
         if skip is not None:
             act = act.masked_fill(skip, 0)
         down = self.down_rows()
+        if act.dtype != down.dtype:
+            act = act.to(down.dtype)
         n, width = act.shape
         if n == 1:
-            offsets = index.new_zeros(1)
+            offsets = channels[:1]  # [0]: one bag
         else:
             index, offsets = index.repeat(n), torch.arange(0, n * width, width, device=h.device)
-        out = f.embedding_bag(index, down, offsets, mode="sum",
-                              per_sample_weights=act.reshape(-1).to(down.dtype))
+        # torch.embedding_bag (what F.embedding_bag calls, without its argument checks):
+        # weight, indices, offsets, scale_grad_by_freq, mode 0 = sum, sparse,
+        # per_sample_weights, include_last_offset, padding_idx
+        out = torch.embedding_bag(down, index, offsets, False, 0, False, act.reshape(-1),
+                                  False, None)[0]
         if self.down_proj.bias is not None:
             out = out + self.down_proj.bias
-        return out.to(h.dtype)
+        return out if out.dtype == h.dtype else out.to(h.dtype)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         shape = x.shape
