@@ -14,12 +14,17 @@ four plans are built from them and applied for real to a fresh copy of the model
 
 Each row: the achieved skipped fraction (exact), removed sublayers / deleted blocks,
 parameters, test perplexity, and the measured prefill tokens/s and latency against the
-dense model measured back to back (best of ``--rounds``).
+dense model measured back to back (best of ``--rounds``); with ``--decode-tokens N`` (> 0)
+also prefill and decode tokens/s at batch 1 with the KV cache
+(:func:`prunelab.eval.speed.speed_against`: ``--rounds`` interleaved rounds with the dense
+model, the median ratio and its range), ``--threads`` setting torch's threads for all the
+speed measurements.
 
 Run (the lead runs it; the CPU is shared)::
 
     python benchmarks/gates.py [--calib 32 --test 32 --seqlen 256] [--budgets 0.1,0.2,0.3]
-                               [--prompt-len 256 --rounds 2] [--json out.json]
+                               [--prompt-len 256 --rounds 2] [--decode-tokens 32]
+                               [--threads N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,6 +70,13 @@ def run_plan(lm, plan, test, args) -> dict:
     rec = apply_plan(work, plan)
     ppl = score_windows(work, test, batch_size=args.batch_size, desc=plan.method)["perplexity"]
     lat = latency_vs_dense(lm, work, prompt_len=args.prompt_len, rounds=args.rounds)
+    if args.decode_tokens > 0:
+        from prunelab.eval.speed import speed_against
+
+        sp = speed_against(work, lm, rounds=args.rounds, prompt_len=args.prompt_len,
+                           decode_tokens=args.decode_tokens)
+        lat.update({k: sp[k] for k in sp if k.startswith(("prefill_x", "decode_x"))},
+                   decode_tokens_per_s=sp["decode_tokens_per_s"])
     return {"method": plan.method, "budget": plan.budget, "achieved": plan.achieved,
             "skipped_flops": plan.skipped_flops, "sublayer_flops": plan.total_flops,
             "removed": [[i, p] for i, p in plan.sublayers],
@@ -88,6 +100,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2, help="latency: best of this many")
+    ap.add_argument("--decode-tokens", type=int, default=0,
+                    help="also interleaved prefill/decode tokens/s (median [range])")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the speed "
+                    "measurements")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     transformers.logging.set_verbosity_error()
@@ -106,6 +122,10 @@ def main() -> None:
     ctx.close()
     measure_s = time.perf_counter() - start
     rows = []
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     for budget in [float(b) for b in args.budgets.split(",")]:
         for plan in plans_for(meas, scores, budget, args):
             rows.append(run_plan(lm, plan, test, args))
@@ -127,6 +147,16 @@ def main() -> None:
               f"{r['params']:,} | {r['test_perplexity']:.3f} | "
               f"{r['test_perplexity'] / dense_ppl:.3f} | {r['prefill_tokens_per_s']:.0f} | "
               f"{r['dense_prefill_tokens_per_s']:.0f} | {r['prefill_speedup']:.2f} |")
+    if args.decode_tokens > 0:
+        print(f"\nbatch 1, KV cache, {args.prompt_len}-token prompt, {args.decode_tokens} "
+              f"decode tokens, {args.rounds} interleaved rounds (median [range] vs dense)")
+        print("\n| budget | method | prefill vs dense | decode tok/s | decode vs dense |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['budget']:.2f} | {r['method']} | {r['prefill_x_dense']:.2f}x "
+                  f"[{r['prefill_x_dense_min']:.2f}, {r['prefill_x_dense_max']:.2f}] | "
+                  f"{r['decode_tokens_per_s']:.1f} | {r['decode_x_dense']:.2f}x "
+                  f"[{r['decode_x_dense_min']:.2f}, {r['decode_x_dense_max']:.2f}] |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": args.model, "dense_perplexity": dense_ppl,

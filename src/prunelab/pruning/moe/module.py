@@ -15,14 +15,16 @@ dense FFN.
 Two routed paths give the same output to float rounding. Many tokens (prefill) are
 grouped by expert (:meth:`PrunePathMLP.routed`: each expert runs on its tokens, the results
 are scatter-added), which skips FLOPs. At most :attr:`PrunePathMLP.FEW_TOKENS` tokens
-(decode, where the FFN is bound by reading its weights) take :meth:`PrunePathMLP.few`: the
-experts any of the tokens selected are merged into runs of contiguous channels, and each
-run is one matrix product per projection reading only that run's rows of ``gate`` / ``up``
-and of the transposed ``down``, so the weights read shrink with the experts skipped. The
-transposed ``down`` needs no copy: ``down_proj.weight`` (``[hidden, ffn]``) is stored
-column-major, its transpose ``[ffn, hidden]`` contiguous (:meth:`PrunePathMLP.down_rows`
-makes it so in place, once, after the weights were replaced, e.g. by a checkpoint load).
-Same values, same parameter and key, so checkpoints are unchanged.
+(decode, where the FFN is bound by reading its weights) take :meth:`PrunePathMLP.gather`:
+the selected experts are merged into runs of contiguous channels, ``gate`` and ``up`` cost
+one product per run over the run's rows, and ``down`` one ``embedding_bag`` (a weighted sum
+of rows) over the selected rows of its transpose, so only the selected experts' weights
+are read and no weight is copied. The transpose needs no copy either: ``down_proj.weight``
+(``[hidden, ffn]``) is stored column-major, its transpose ``[ffn, hidden]`` contiguous
+(:meth:`PrunePathMLP.down_rows` lays it out so in place, once, after the weights were
+replaced, as a checkpoint load does). Same values, same parameter and key: checkpoints are
+unchanged. One token's selection (:meth:`PrunePathMLP.select_one`) is computed in Python
+from one copy of the router probabilities, the same choice as :meth:`PrunePathMLP.select`.
 
 The module keeps the base MLP's parameter names (``gate_proj``, ``up_proj`` or
 ``gate_up_proj``, ``down_proj``) plus ``router``; ``mass`` is a runtime attribute, read
