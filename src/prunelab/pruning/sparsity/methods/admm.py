@@ -160,14 +160,32 @@ class AdmmSettings:
     target: float = 0.5
     nm: tuple[int, int] | None = None
     group: str = "row"
+    tolerance: float = 0.0
+
+
+def converged(w: torch.Tensor, s: torch.Tensor, s_prev: torch.Tensor, u: torch.Tensor,
+              rho: float, tol: float) -> bool:
+    """Boyd et al. 2011 (sec. 3.3.1) stopping rule with relative tolerances only, scaled
+    form: primal residual ``||W - S||_F <= tol * max(||W||_F, ||S||_F)`` and dual residual
+    ``rho ||S - S_prev||_F <= tol * rho ||U||_F`` (``rho U`` is the unscaled dual)."""
+    if tol <= 0:
+        return False
+    primal = torch.linalg.vector_norm(w - s)
+    dual = torch.linalg.vector_norm(s - s_prev)
+    return bool(primal <= tol * torch.maximum(torch.linalg.vector_norm(w),
+                                              torch.linalg.vector_norm(s))
+                and dual <= tol * torch.linalg.vector_norm(u))
 
 
 def admm_solve(w0: torch.Tensor, fa: Factor, fg: Factor, keep: torch.Tensor | None,
-               st: AdmmSettings) -> tuple[torch.Tensor, torch.Tensor | None,
-                                          torch.Tensor | None]:
+               st: AdmmSettings, start: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """ADMM on ``w0`` ``[d_out, d_in]`` with input factor ``fa`` and output factor ``fg``;
     ``keep``: a fixed kept mask, or ``None`` with ``st.gradual_iterations > 0`` (mask
-    chosen inside the iterations). With ``st.rank > 0`` the constrained variable is
+    chosen inside the iterations). ``start``: the initial ``W = S`` (a warm start, e.g.
+    SparseGPT's pruned weights; default ``w0``). With ``st.tolerance > 0`` the iterations
+    stop early, once the mask is fixed, when :func:`converged`. With ``st.rank > 0`` the
+    constrained variable is
     ``S + L`` (``S`` masked, ``L`` of rank ``st.rank`` in the metric), alternating
     ``S = M * (W + U - L)`` and ``L = SVD_r(W + U - S)``. Returns ``(S, left, right)`` in
     original coordinates, float32 (``left @ right = L``; ``None`` without rank)."""
@@ -175,7 +193,9 @@ def admm_solve(w0: torch.Tensor, fa: Factor, fg: Factor, keep: torch.Tensor | No
     wn0 = c.norm(w0.float())
     w0r = c.rot(wn0)
     curv = c.g[:, None] * c.a[None, :]
-    w, u = wn0.clone(), torch.zeros_like(wn0)
+    w = wn0.clone() if start is None else c.norm(start.float())
+    u = torch.zeros_like(wn0)
+    s_prev = None
     low = torch.zeros_like(wn0)
     left = right = None
     rho = float(st.rho)
@@ -199,8 +219,12 @@ def admm_solve(w0: torch.Tensor, fa: Factor, fg: Factor, keep: torch.Tensor | No
         s = z.mul_(keep)
         if lowrank:
             low, left, right = lowrank_in_metric(c, w + u - s, st.rank)
-        if t == st.iterations:
+        target = s + low if lowrank else s  # the constrained variable W must equal
+        if t == st.iterations or (
+                s_prev is not None and t > st.gradual_iterations
+                and converged(w, target, s_prev, u, rho, st.tolerance)):
             break
+        s_prev = target if st.tolerance > 0 else None
         u.add_(w).sub_(s)  # U + W - S (- L)
         if lowrank:
             u.sub_(low)
@@ -230,8 +254,16 @@ def initial_mask(cfg, w: torch.Tensor, accs: list, sparsity: float) -> torch.Ten
     xtx = find(accs, Gram).xtx
     if cfg.mask_from == "wanda":
         return cfg.keep_mask(wanda_scores(w, xtx.diagonal().to(w.device)), sparsity)
-    return sparsegpt_prune(w, xtx.float(), sparsity, pattern=cfg.nm,
-                           mask_group="block" if cfg.group == "layer" else "row")[1]
+    return sparsegpt_start(cfg, w, accs, sparsity)[1]
+
+
+def sparsegpt_start(cfg, w: torch.Tensor, accs: list, sparsity: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseGPT's ``(pruned weights, kept mask)`` on the dense ``w``: the warm start."""
+    xtx = find(accs, Gram).xtx
+    new, keep = sparsegpt_prune(w, xtx.float(), sparsity, pattern=cfg.nm,
+                                mask_group="block" if cfg.group == "layer" else "row")
+    return new.to(w.device), keep
 
 
 @METHODS.register("admm")
@@ -255,6 +287,12 @@ class Admm(SparsityConfig):
         "help": "admm/cactus: rho multiplied by this after every iteration"})
     admm_damp: float = field(default=0.1, metadata={
         "help": "admm/cactus: damping of X^T X, a fraction of its mean normalised diagonal"})
+    tolerance: float = field(default=0.0, metadata={
+        "help": "admm/cactus: stop once the relative primal and dual residuals fall below "
+                "this (0: always run every iteration)"})
+    warm_start: bool = field(default=False, metadata={
+        "help": "admm/cactus: start the iterations from SparseGPT's pruned weights "
+                "(needs mask-from sparsegpt, not gradual)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -268,6 +306,10 @@ class Admm(SparsityConfig):
         check_range("rho", self.rho, 1e-8, 1e8)
         check_range("rho_growth", self.rho_growth, 1.0, 10.0)
         check_range("admm_damp", self.admm_damp, 0.0, 10.0)
+        check_range("tolerance", self.tolerance, 0.0, 1.0)
+        if self.warm_start and (self.gradual or self.mask_from != "sparsegpt"):
+            raise ConfigError("warm-start starts from SparseGPT's weights: it needs "
+                              "mask-from sparsegpt and no gradual mask")
 
     def accumulators(self):
         return lambda name: [Gram(torch.float32)]
@@ -277,7 +319,7 @@ class Admm(SparsityConfig):
                             gradual_iterations=self.gradual_iterations if self.gradual else 0,
                             rho=self.rho, rho_growth=self.rho_growth, rank=rank,
                             target=self.target_sparsity if self.nm else sparsity,
-                            nm=self.nm, group=self.group)
+                            nm=self.nm, group=self.group, tolerance=self.tolerance)
 
     def output_factor(self, w: torch.Tensor, accs: list) -> Factor:
         """``G``: the identity for the plain ADMM update."""
@@ -285,9 +327,14 @@ class Admm(SparsityConfig):
 
     def solve(self, w: torch.Tensor, accs: list, sparsity: float, rank: int = 0):
         """``(S, left, right)`` of :func:`admm_solve` for this config."""
-        keep = None if self.gradual else initial_mask(self, w, accs, sparsity).to(w.device)
+        start = None
+        if self.warm_start:
+            start, keep = sparsegpt_start(self, w, accs, sparsity)
+        else:
+            keep = None if self.gradual else initial_mask(self, w, accs, sparsity)
         return admm_solve(w, input_factor(accs, self.admm_damp), self.output_factor(w, accs),
-                          keep, self.settings(sparsity, rank))
+                          None if keep is None else keep.to(w.device),
+                          self.settings(sparsity, rank), start=start)
 
     def prune_weight(self, w, accs, sparsity):
         return self.solve(w, accs, sparsity)[0].to(w.dtype)
