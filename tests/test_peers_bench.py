@@ -1,0 +1,95 @@
+"""benchmarks/peers: the token-id hash check, the page writer and the continuation scoring,
+on hand-made values (no venv is created, no peer is installed)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+PEERS = Path(__file__).resolve().parents[1] / "benchmarks" / "peers"
+sys.path.insert(0, str(PEERS))
+
+import common  # noqa: E402
+import continuation  # noqa: E402
+import table  # noqa: E402
+
+
+def test_ids_hash_is_shape_and_int64_bytes():
+    ids = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.int32)
+    want = hashlib.sha256(b"2x3:" + np.arange(1, 7, dtype="<i8").tobytes()).hexdigest()
+    assert common.ids_sha256(ids) == want
+    assert common.ids_sha256(torch.arange(1, 7).reshape(2, 3)) == want  # torch, int64
+    assert common.ids_sha256(ids.reshape(3, 2)) != want  # same numbers, other shape
+    with pytest.raises(ValueError):
+        common.ids_sha256(np.arange(6))
+
+
+def test_ids_round_trip_and_mismatch(tmp_path):
+    ids = torch.tensor([[5, 9, 2, 7]])
+    sha = common.save_ids(tmp_path / "a.npy", ids)
+    back = common.load_ids(tmp_path / "a.npy", sha)
+    assert back.dtype == np.int64 and back.tolist() == [[5, 9, 2, 7]]
+    common.save_ids(tmp_path / "b.npy", torch.tensor([[5, 9, 2, 8]]))
+    with pytest.raises(common.IdsMismatch):
+        common.load_ids(tmp_path / "b.npy", sha)
+    common.check_result_ids({"ids_sha256": sha}, sha, "peer")
+    with pytest.raises(common.IdsMismatch):
+        common.check_result_ids({"ids_sha256": "0" * 64}, sha, "peer")
+    with pytest.raises(common.IdsMismatch):
+        common.check_result_ids({}, sha, "peer")
+
+
+def test_ratio_gap_fmt():
+    assert table.ratio(1.0, 4.0) == "0.25"
+    assert table.ratio(1.0, 0) == "-" and table.ratio(None, 2.0) == "-"
+    assert table.fmt(float("nan"), ".2f") == "-" and table.fmt(1.23456, ".3f") == "1.235"
+    assert table.gap(10.2, 10.0, 0.001) == "**gap +2.0%**"
+    assert table.gap(10.0, 10.0, 0.001) == "" and table.gap(9.0, 10.0, 0.001) == ""
+    assert table.gap(1.019, 1.0, 0.02) == ""
+
+
+def test_markdown_table_shape():
+    t = table.markdown_table(["a", "b"], [[1, "x"], [2.5, "-"]])
+    assert t.splitlines() == ["| a | b |", "|---|---|", "| 1 | x |", "| 2.5 | - |"]
+    with pytest.raises(ValueError):
+        table.markdown_table(["a", "b"], [[1]])
+
+
+def test_update_page_rewrites_only_its_section():
+    page = table.update_page("", "torch-pruning", "## TP\nold")
+    assert page.startswith(table.PAGE_HEAD)
+    page = table.update_page(page, "kvpress", "## kv\nfirst")
+    page = table.update_page(page, "mergekit", "## mk")
+    assert table.sections(page) == ["kvpress", "torch-pruning", "mergekit"]  # ORDER kept
+    new = table.update_page(page, "torch-pruning", "## TP\nnew")
+    assert "new" in new and "old" not in new
+    assert new.replace("## TP\nnew", "## TP\nold") == page  # nothing else changed
+    assert table.sections(new) == ["kvpress", "torch-pruning", "mergekit"]
+    with pytest.raises(ValueError):
+        table.update_page(page, "nope", "x")
+
+
+def test_window_sums_hand_case():
+    # C = 2 positions over V = 2 tokens; the reference is uniform; the pressed model gives
+    # token 1 probability 3/4 at position 0, token 0 probability 3/4 at position 1; the
+    # continuation tokens are [0, 1].
+    ref = torch.zeros(2, 2)
+    out = torch.tensor([[0.0, math.log(3.0)], [math.log(3.0), 0.0]])
+    ids = torch.tensor([[7, 0, 1]])
+    s = continuation.window_sums(ref, out, ids, continuation=2)
+    assert s["tokens"] == 1 and s["positions"] == 2
+    assert s["nll"] == pytest.approx(-math.log(0.75))  # position 0 predicts token 1
+    assert s["nll_dense"] == pytest.approx(math.log(2.0))
+    kl = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert s["kl"] == pytest.approx(2 * kl, rel=1e-5)
+    assert s["agree"] == 1.0  # the reference's tie gives token 0: only position 1 agrees
+    done = continuation.finish([s, s])
+    assert done["continuation_perplexity"] == pytest.approx(1 / 0.75)
+    assert done["continuation_kl"] == pytest.approx(kl, rel=1e-5)
+    assert done["windows"] == 2 and done["tokens"] == 2
