@@ -10,7 +10,11 @@ seed 0), at each of ``--settings`` (``0.5`` unstructured, ``2:4``). Methods
 - ``admm-wanda``, ``admm-sparsegpt``, ``admm-magnitude``: the ADMM weight update (Boza
   2024; 20 iterations, rho 1, damping 0.1) on that method's mask;
 - ``admm-gradual``: ADMM with the mask chosen in the first 15 iterations (cubic schedule);
+- ``admm-warm``: ADMM on SparseGPT's mask started from SparseGPT's weights, stopped on
+  the residuals (``--tolerance``, default 1e-3; at most 100 iterations);
 - ``cactus``: ADMM on the Kronecker curvature G kron A (gradual mask);
+- ``cactus-warm``: CACTUS on SparseGPT's mask (not gradual), warm start and tolerance as
+  ``admm-warm``;
 - ``cactus-r16``, ``cactus-r64``: CACTUS sparse + rank-16 / rank-64 low-rank (S + L
   stored as factors; parameters nnz(S) + r (m + n)).
 
@@ -51,11 +55,12 @@ from pathlib import Path
 MODEL = "smollm2-135m"
 MiB = 2**20
 METHODS = ("wanda", "sparsegpt", "admm-wanda", "admm-sparsegpt", "admm-magnitude",
-           "admm-gradual", "cactus", "cactus-r16", "cactus-r64")
+           "admm-gradual", "admm-warm", "cactus", "cactus-warm", "cactus-r16", "cactus-r64")
+
 TARGETS = {"mlp": ("mlp.*",), "all": ()}
 
 
-def make_config(method: str, setting: str, targets: str):
+def make_config(method: str, setting: str, targets: str, tolerance: float = 1e-3):
     """The prunelab config of a benchmark row."""
     import prunelab
     from prunelab.pruning.sparsity.methods.admm import Admm
@@ -69,6 +74,12 @@ def make_config(method: str, setting: str, targets: str):
         return prunelab.SparseGPT(**common)
     if method == "admm-gradual":
         return Admm(gradual=True, **common)
+    warm = {"mask_from": "sparsegpt", "warm_start": True, "tolerance": tolerance,
+            "iterations": 100}
+    if method == "admm-warm":
+        return Admm(**warm, **common)
+    if method == "cactus-warm":
+        return Cactus(gradual=False, **warm, **common)
     if method.startswith("admm-"):
         return Admm(mask_from=method.removeprefix("admm-"), **common)
     if method == "cactus":
@@ -110,7 +121,8 @@ def job(spec: dict, workdir: Path) -> dict:
     out: dict = {"method": spec["method"], "setting": spec["setting"],
                  "targets": spec["targets"]}
     if spec["method"] != "dense":
-        cfg = make_config(spec["method"], spec["setting"], spec["targets"])
+        cfg = make_config(spec["method"], spec["setting"], spec["targets"],
+                          spec.get("tolerance", 1e-3))
         baseline = _page_in(lm.model)
         with PeakRSS() as rss:
             t0 = time.perf_counter()
@@ -171,6 +183,8 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--grad-windows", type=int, default=None,
                     help="test windows for the gradient alignment (default: all)")
+    ap.add_argument("--tolerance", type=float, default=1e-3,
+                    help="residual tolerance of the admm-warm / cactus-warm rows")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -199,7 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict] | None:
         del lm
         grad = args.grad_windows or args.test
         specs = [{"method": "dense", "setting": "-", "targets": "-", "grad_windows": grad}]
-        specs += [{"method": m, "setting": s, "targets": t, "grad_windows": grad}
+        specs += [{"method": m, "setting": s, "targets": t, "grad_windows": grad,
+                   "tolerance": args.tolerance}
                   for t in args.targets.split(",") for s in args.settings.split(",")
                   for m in methods]
         for spec in specs:
