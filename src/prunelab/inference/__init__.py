@@ -6,6 +6,7 @@ from prunelab.registry import import_submodules
 # registration order = the order of CLI lists and error messages
 import_submodules(__name__)
 
+from prunelab.inference.budgets import AdaKV, PyramidKV
 from prunelab.inference.config import (
     H2O,
     PRESSES,
@@ -24,5 +25,5 @@ from prunelab.inference.kv import cache_bytes
 from prunelab.inference.press import Session, press
 
 __all__ = ["PRESSES", "Press", "StreamingLLM", "H2O", "SnapKV", "TOVA", "KNorm", "LazyLLM",
-           "EntroPrefill", "ExpectedAttention",
+           "EntroPrefill", "ExpectedAttention", "AdaKV", "PyramidKV",
            "DecayEviction", "fit_decay", "press", "press_for", "Session", "cache_bytes"]

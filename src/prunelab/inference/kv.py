@@ -92,15 +92,13 @@ def decode_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
     return group_heads(probs.sum(2), key.shape[1])
 
 
-def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | None,
-                 batch: int, groups: int, device) -> torch.Tensor:
-    """Sorted token indices ``[B, G, keep]`` each KV head keeps out of ``length``."""
+def fixed_positions(config: Press, length: int, keep: int, device, protect: int = 0
+                    ) -> torch.Tensor:
+    """Bool ``[length]``: the tokens a scoring press always keeps (they count in ``keep``):
+    SnapKV's window, H2O's recent share, TOVA's last token, the sinks, and the last
+    ``protect`` tokens (a question in query-aware mode). When they exceed ``keep``, the
+    ``keep`` most recent instead."""
     fixed = torch.zeros(length, dtype=torch.bool, device=device)
-    if isinstance(config, StreamingLLM) or scores is None:
-        sinks = min(config.sinks if isinstance(config, StreamingLLM) else 0, keep)
-        idx = torch.cat([torch.arange(sinks, device=device),
-                         torch.arange(length - (keep - sinks), length, device=device)])
-        return idx.expand(batch, groups, keep).contiguous()
     if isinstance(config, (SnapKV, DecayEviction)):
         fixed[max(length - config.window, 0):] = True
         if isinstance(config, DecayEviction) and config.blend is None:
@@ -113,10 +111,24 @@ def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | N
         fixed[length - 1] = True  # the last token, whose query scored the others
     elif isinstance(config, ExpectedAttention):
         fixed[:min(config.sinks, length)] = True
+    if protect:
+        fixed[max(length - protect, 0):] = True
     if int(fixed.sum()) > keep:  # the window alone exceeds the budget: the most recent
         fixed[:] = False
         fixed[length - keep:] = True
-    return keep_top(scores, keep, fixed)
+    return fixed
+
+
+def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | None,
+                 batch: int, groups: int, device, protect: int = 0) -> torch.Tensor:
+    """Sorted token indices ``[B, G, keep]`` each KV head keeps out of ``length``
+    (``protect``: the last tokens always kept, see :func:`fixed_positions`)."""
+    if isinstance(config, StreamingLLM) or scores is None:
+        sinks = min(config.sinks if isinstance(config, StreamingLLM) else 0, keep)
+        idx = torch.cat([torch.arange(sinks, device=device),
+                         torch.arange(length - (keep - sinks), length, device=device)])
+        return idx.expand(batch, groups, keep).contiguous()
+    return keep_top(scores, keep, fixed_positions(config, length, keep, device, protect))
 
 
 def budget(config: Press, length: int) -> int:
@@ -146,16 +158,19 @@ def shrink_layer(layer, idx: torch.Tensor) -> None:
         2, idx[..., None].expand(-1, -1, -1, layer.values.shape[-1])).contiguous()
 
 
-def evict(config: Press, cache, keep: int, scores: dict[int, torch.Tensor]) -> dict:
+def evict(config: Press, cache, keep: int, scores: dict[int, torch.Tensor],
+          protect: int = 0) -> dict:
     """Shrink every evictable layer of ``cache`` to ``keep`` tokens; ``scores`` maps a
-    layer to its ``[B, G, T]`` token scores. Returns ``{layer: kept indices}``."""
+    layer to its ``[B, G, T]`` token scores; the last ``protect`` tokens are always kept.
+    Returns ``{layer: kept indices}``."""
     kept = {}
     for i in evictable_layers(cache):
         layer = cache.layers[i]
         b, g, length, _ = layer.keys.shape
         if length <= keep:
             continue
-        idx = keep_indices(config, length, keep, scores.get(i), b, g, layer.keys.device)
+        idx = keep_indices(config, length, keep, scores.get(i), b, g, layer.keys.device,
+                           protect)
         shrink_layer(layer, idx)
         if i in scores:
             scores[i] = scores[i].gather(2, idx)

@@ -37,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from prunelab.errors import ConfigError, PressedCacheError, UnsupportedOperationError
-from prunelab.inference import kv
+from prunelab.inference import budgets, kv
 from prunelab.inference.config import H2O, PRESSES, TOVA, Press, StreamingLLM
 from prunelab.inference.decay import DecayEviction, decay_scores
 from prunelab.inference.expected import ExpectedAttention, rope_function
@@ -58,6 +58,8 @@ def _wrapped(impl: str):
         session = _SESSIONS.get(id(module))
         if session is not None:
             session.on_attention(module, query, key, {**kwargs, "value": value})
+            attention_mask = budgets.layer_mask(session.cache, module.layer_idx, query, key,
+                                                attention_mask, impl)
         if impl == "eager":  # the model's own eager function (softcapping, sinks, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward
         else:
@@ -131,6 +133,7 @@ class Session:
         self.budget: int | None = None
         self.scores: dict[int, torch.Tensor] = {}
         self.report: dict = {}
+        self.question = 0  # query-aware: the prompt's last tokens are the question
         self.pruner: TokenPruner | None = None
         self.rope: dict[int, tuple] = {}  # block -> the (cos, sin) of its last forward
         self._undo: list = []
@@ -186,7 +189,7 @@ class Session:
             if cfg.kind == "prefill":  # also at ratio 0: the hooks run and keep everything
                 self.pruner = TokenPruner(self, cfg)
                 self._undo.append(self.pruner.remove)
-            if isinstance(cfg, ExpectedAttention):  # the rotary (cos, sin) of each block
+            if isinstance(self.scorer, ExpectedAttention):  # the rotary (cos, sin) of each block
                 rope_function(lm.adapter.attention(0))  # no RoPE: one line, up front
                 for i in range(nblocks):
                     hook = lm.adapter.attention(i).register_forward_pre_hook(
@@ -203,6 +206,12 @@ class Session:
         self.scores = {}
         self.rope = {}
 
+    @property
+    def scorer(self) -> Press:
+        """The press scoring the prompt (a budget wrapper's scorer; query-aware: SnapKV's
+        window is the question)."""
+        return budgets.scoring_config(self.config, self.question)
+
     def _keep_rope(self, layer: int, kwargs: dict) -> None:
         if self.phase == "prefill":
             self.rope[layer] = kwargs.get("position_embeddings")
@@ -216,11 +225,12 @@ class Session:
             return
         scaling = kwargs.get("scaling") or module.scaling
         softcap = kwargs.get("softcap")
-        if self.phase == "prefill" and isinstance(cfg, ExpectedAttention):
+        sc = self.scorer
+        if self.phase == "prefill" and isinstance(sc, ExpectedAttention):
             self.scores[layer] = kv.expected_attention_scores(
-                cfg, module, query, key, kwargs["value"], scaling, self.rope.pop(layer, None))
+                sc, module, query, key, kwargs["value"], scaling, self.rope.pop(layer, None))
         elif self.phase == "prefill" and cfg.kind == "kv":
-            s = kv.prefill_scores(cfg, query, key, scaling, softcap)
+            s = kv.prefill_scores(sc, query, key, scaling, softcap)
             if s is not None:
                 self.scores[layer] = s
         elif self.phase == "prefill" and self.pruner is not None and self.pruner.wants(layer):
@@ -269,6 +279,8 @@ class Session:
         seen = cache.prunelab_seen if isinstance(cache, _PressedCache) \
             else cache.get_seq_length()
         self.cache, self.seen, self.steps, self.budget = cache, seen, 0, None
+        if seen == 0:  # a cache reused for a new sequence: no holes from the last one
+            cache.__dict__.pop("prunelab_heads", None)
         self.scores = {}
         if self.pruner is not None:
             self.pruner.reset()
@@ -308,15 +320,21 @@ class Session:
     def _after_prefill(self, cache, length: int) -> None:
         cfg = self.config
         if cfg.kind == "kv":
-            self.budget = kv.budget(cfg, length)
+            q = self.question
+            self.budget = kv.budget(cfg, length - q) + q
             if isinstance(cfg, DecayEviction):
                 self.scores = decay_scores(cfg, cache, kv.evictable_layers(cache),
                                            observed=self.scores)
-            kept = kv.evict(cfg, cache, self.budget, self.scores)
+            if isinstance(cfg, budgets.Budgeted):
+                kept = budgets.evict(cfg, cache, self.budget, self.scores, q)
+            else:
+                kept = kv.evict(self.scorer, cache, self.budget, self.scores, q)
             if not (isinstance(cfg, H2O) and cfg.every):
                 self.scores = {}
             self.report = {"prompt": length, "kept": min(self.budget, length),
                            "keep": kept}
+            if isinstance(cfg, budgets.Budgeted):
+                self.report["entries"] = budgets.kept_entries(cache)
             if kept:
                 _mark_pressed(cache, self.seen)
         elif self.pruner is not None:
