@@ -47,6 +47,7 @@ class Context:
     commit: str
     machine: str
     command: str
+    ratios: tuple[float, ...] | None = None
 
 
 def git_commit() -> str:
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run this peer (repeatable)")
     ap.add_argument("--quick", action="store_true", help="small smoke protocol")
     ap.add_argument("--model", default="smollm2-135m", help="prunelab model spec")
+    ap.add_argument("--ratios", help="comma-separated budgets instead of the peer's own "
+                    "(kvpress: fractions of the cache removed, default 0.25,0.5,0.75)")
     ap.add_argument("--out", help=f"page to update (default {PAGE.relative_to(common.ROOT)}; "
                     "with --quick .bench/peers/peers-quick.md)")
     args = ap.parse_args(argv)
@@ -104,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     prunelab.log.set_quiet(True)
     ctx = Context(model=args.model, quick=args.quick,
                   workdir=common.BENCH / ("work-quick" if args.quick else "work"),
-                  commit=git_commit(), machine=machine(), command=command)
+                  commit=git_commit(), machine=machine(), command=command,
+                  ratios=tuple(float(r) for r in args.ratios.split(",")) if args.ratios
+                  else None)
     failed = 0
     for name in names:
         mod = __import__(MODULES[name])

@@ -1,0 +1,146 @@
+"""Peer: NVIDIA kvpress 0.5.5, KV-cache presses, against prunelab's presses.
+
+For every press both implement (streaming-llm, snapkv with kvpress' settings: window 64,
+mean pooling; tova; knorm; expected-attention) at 0.25 / 0.5 / 0.75 of the prompt's cache
+removed, on ``N`` windows of ``P + C`` tokens of ``wiki-vital:test`` (full: 6 x (1,024 +
+64), the protocol of issue 42; ``--quick``: 2 x (256 + 16), ratio 0.5): the prompt is
+prefilled under the press, the ``C`` continuation tokens run on the compressed cache, and
+both sides score them with the same code (``continuation.py``): continuation perplexity,
+KL(dense || pressed), top-1 agreement, kept cache length per layer, wall time of the
+pressed runs, peak RSS over the RSS before them. Each side runs in one fresh process
+(``worker_press.py`` in prunelab's environment, ``worker_kvpress.py`` in
+``.bench/peers/kvpress-venv``: kvpress pins ``transformers<5.3``), both on the same
+``.npy`` token ids whose sha256 each side checks, both with eager attention.
+
+The needle-in-a-haystack task at 2K-4K tokens is not part of this peer yet.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import common
+from table import fmt, gap, markdown_table, ratio
+
+NAME = "kvpress"
+PIN = "kvpress==0.5.5"
+PRESSES = ("streaming-llm", "snapkv", "tova", "knorm", "expected-attention")
+#: prunelab options that give kvpress' settings (SnapKV: window 64, mean pooling)
+OPTIONS = {"snapkv": {"window": 64, "pooling": "mean"}}
+
+
+def protocol(quick: bool) -> dict:
+    if quick:
+        return {"windows": 2, "prompt": 256, "continuation": 16, "ratios": (0.5,)}
+    return {"windows": 6, "prompt": 1024, "continuation": 64, "ratios": (0.25, 0.5, 0.75)}
+
+
+def run(ctx) -> tuple[str, dict]:
+    """Run both sides; returns the page section (markdown) and the raw results."""
+    import prunelab
+    from prunelab.data import make_batches
+
+    proto = protocol(ctx.quick)
+    if ctx.ratios:
+        proto["ratios"] = tuple(ctx.ratios)
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    try:
+        py, versions = common.ensure_venv("kvpress", [PIN, "psutil"],
+                                          ["kvpress", "torch", "transformers", "psutil"])
+    except RuntimeError as exc:
+        return section(ctx, proto, started, None, None, error=str(exc)), {"error": str(exc)}
+    lm = prunelab.load(ctx.model, dtype="float32", device="cpu")
+    seqlen = proto["prompt"] + proto["continuation"]
+    test = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=seqlen,
+                        samples=proto["windows"])
+    attn = lm.model.config._attn_implementation
+    model_dir = str(lm.source)
+    del lm
+    workdir = ctx.workdir / NAME
+    workdir.mkdir(parents=True, exist_ok=True)
+    sha = common.save_ids(workdir / "test.ids.npy", test.input_ids)
+    jobs = [[p, r, OPTIONS.get(p, {})] for r in proto["ratios"] for p in PRESSES]
+    spec = {"model": ctx.model, "model_dir": model_dir, "ids": str(workdir / "test.ids.npy"),
+            "ids_sha256": sha, "continuation": proto["continuation"], "jobs": jobs,
+            "attn_implementation": attn}
+    here = Path(__file__).resolve().parent
+    print(f"kvpress: {len(jobs)} press settings x {proto['windows']} windows; ids sha256 "
+          f"{sha[:12]}", flush=True)
+    ours = common.run_worker(sys.executable, here / "worker_press.py", spec, workdir,
+                             "prunelab")
+    theirs = common.run_worker(py, here / "worker_kvpress.py", spec, workdir, "kvpress")
+    for side, res in (("prunelab", ours), ("kvpress", theirs)):
+        if "error" not in res:
+            common.check_result_ids(res, sha, side)
+    raw = {"protocol": proto, "ids_sha256": sha, "prunelab": ours, "kvpress": theirs,
+           "venv_versions": versions}
+    return section(ctx, proto, started, ours, theirs, sha=sha), raw
+
+
+def _rows(ours: dict, theirs: dict) -> list[list]:
+    key = {(r["press"], r["ratio"]): r for r in theirs.get("rows", [])}
+    rows = []
+    for a in ours.get("rows", []):
+        b = key.get((a["press"], a["ratio"]), {})
+        g = " ".join(x for x in (
+            gap(a["continuation_perplexity"], b.get("continuation_perplexity"), 0.001),
+            gap(a["continuation_kl"], b.get("continuation_kl"), 0.02)) if x)
+        rows.append([
+            a["press"], f"{a['ratio']:.2f}",
+            f"{fmt(a['kept'], '.0f')} / {fmt(b.get('kept'), '.0f')}",
+            fmt(a["continuation_perplexity"], ".3f"),
+            fmt(b.get("continuation_perplexity"), ".3f"),
+            fmt(a["continuation_kl"], ".4f"), fmt(b.get("continuation_kl"), ".4f"),
+            ratio(a["continuation_kl"], b.get("continuation_kl")),
+            f"{fmt(a['continuation_top1'], '.3f')} / {fmt(b.get('continuation_top1'), '.3f')}",
+            f"{fmt(a['cpu_seconds'], '.1f')} / {fmt(b.get('cpu_seconds'), '.1f')} "
+            f"({ratio(a['cpu_seconds'], b.get('cpu_seconds'))})",
+            f"{fmt(a['seconds'], '.1f')} / {fmt(b.get('seconds'), '.1f')}",
+            f"{fmt(a['extra_peak'] / common.MiB, '.0f')} / "
+            f"{fmt(b['extra_peak'] / common.MiB if 'extra_peak' in b else None, '.0f')} "
+            f"({ratio(a['extra_peak'], b.get('extra_peak'))})", g or "-"])
+    return rows
+
+
+def section(ctx, proto, started, ours, theirs, sha: str = "", error: str = "") -> str:
+    head = [f"## kvpress ({PIN.split('==')[1]}): KV-cache presses", "",
+            f"Run {started}, commit `{ctx.commit}`, {ctx.machine}; command: "
+            f"`{ctx.command}`.", ""]
+    if error:
+        return "\n".join(head + [f"Not run: {error}"])
+    p = proto
+    head += [f"{ctx.model}, float32, CPU, eager attention; {p['windows']} windows of "
+             f"{p['prompt']:,} prompt + {p['continuation']} continuation tokens of "
+             f"`wiki-vital:test` (token ids sha256 `{sha[:16]}`, checked by both sides). "
+             "The prompt is prefilled under the press, the continuation runs on the "
+             "compressed cache; both sides score it with the same code "
+             "(`benchmarks/peers/continuation.py`). SnapKV with kvpress' settings "
+             "(prunelab `--press-window 64 --press-pooling mean`). prunelab's side as a "
+             "CLI: `prunelab eval --model smollm2-135m --reference smollm2-135m --seqlen "
+             f"{p['prompt'] + p['continuation']} --press-continuation {p['continuation']} "
+             f"--samples {p['windows']} --press NAME --budget remove-cache:R`.", ""]
+    for side, res in (("prunelab", ours), ("kvpress", theirs)):
+        if res and "error" in res:
+            head += [f"{side} side failed: `{res['error']}` (log `{res.get('log')}`)", ""]
+    if not ours or "error" in ours:
+        return "\n".join(head)
+    theirs = theirs or {}
+    dense = [r.get("dense_continuation_perplexity") for r in (ours["rows"][:1]
+                                                               + theirs.get("rows", [])[:1])]
+    head.append("Dense continuation perplexity: prunelab's environment "
+                f"{fmt(dense[0], '.3f')}, kvpress' "
+                f"{fmt(dense[1] if len(dense) > 1 else None, '.3f')}. Versions: prunelab "
+                f"side {ours.get('versions')}, kvpress side {theirs.get('versions')}.")
+    head.append("")
+    headers = ["press", "removed", "kept / prompt entries (pl / kv)", "ppl prunelab",
+               "ppl kvpress", "KL prunelab", "KL kvpress", "KL ratio", "top-1 (pl / kv)",
+               "CPU s pl / kv (ratio)", "wall s pl / kv", "peak MiB pl / kv (ratio)", "gap"]
+    head.append(markdown_table(headers, _rows(ours, theirs)))
+    head += ["", f"kept: cache entries per layer after the prefill, of {p['prompt']:,}. "
+             "CPU s / wall s: the pressed runs (prefill, eviction, continuation) summed over "
+             "the windows, process CPU time and wall time; core 1 was shared with other jobs "
+             "while this ran, so wall time counts their turns too and CPU time is the figure "
+             "to compare. peak: RSS over the RSS before the pressed runs."]
+    return "\n".join(head)
