@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+import types
 
 import torch
 import transformers as tf
@@ -104,22 +107,53 @@ SAMPLE_TEXT = (
 
 
 def cli_here(capsys, *args, cwd=None):
-    """``prunelab ARGS`` run in this process (``cli_main``; output from ``capsys``), for the
-    many one-line refusals that happen before any model loads: the same exit code and
-    lines as :func:`cli`, without a new interpreter importing torch each time."""
-    import contextlib
-    import types
-
-    from prunelab.cli import cli_main
-
+    """``prunelab ARGS`` run in this process (``cli_main``; output from ``capsys``): the same
+    exit code and lines as :func:`cli`, without a new interpreter importing torch each time
+    (see :func:`cli_inproc`)."""
     capsys.readouterr()
-    with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
-        rc = cli_main([str(a) for a in args])
+    rc = _cli_main_here(args, cwd)
     out, err = capsys.readouterr()
     return types.SimpleNamespace(returncode=rc, stdout=out, stderr=err)
 
 
+def cli_inproc(*args, cwd=None, columns=120):
+    """:func:`cli` run in this process, for the tests that are about what a command computes
+    or writes, not about the process (exit on Ctrl-C, imports of ``--help``, a bug's exit 1:
+    those keep :func:`cli`). stdout and stderr are Python's ``sys.stdout`` / ``sys.stderr``
+    redirected to strings (the CLI prints through them, also its rich consoles), so no
+    ``capsys`` is needed: module-scoped fixtures can run commands too. Saves the 3-5 s (one
+    core) that every new interpreter spends importing torch and transformers."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = _cli_main_here(args, cwd, columns)
+    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def _cli_main_here(args, cwd, columns=120) -> int:
+    """``cli_main(ARGS)`` with what a subprocess of :func:`cli` would see (``$COLUMNS``, the
+    working folder ``cwd``); the process-wide switches a command sets (``--quiet``, the CLI
+    state) are put back after it, so that they cannot leak into the next test."""
+    from prunelab import log
+    from prunelab.cli import cli_main
+    from prunelab.cli.common import state
+
+    saved_state, quiet, before = dict(state), log.is_quiet(), os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = str(columns)
+    try:
+        with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
+            return cli_main([str(a) for a in args])
+    finally:
+        state.clear()
+        state.update(saved_state)
+        log.set_quiet(quiet)
+        if before is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = before
+
+
 def cli(*args, cwd=None):
+    """``python -m prunelab ARGS`` in a new interpreter (the process itself under test)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="120")
     return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,
                           text=True, env=env, cwd=cwd, timeout=300)

@@ -9,7 +9,7 @@ import torch
 
 import prunelab
 
-from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli, cli_here, cli_inproc, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +21,14 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_info_and_eval_json(tiny_dir):
-    res = cli("--quiet", "info", "--model", str(tiny_dir / "model"))
+    res = cli_inproc("--quiet", "info", "--model", str(tiny_dir / "model"))
     assert res.returncode == 0, res.stderr
     assert "KV heads (GQA groups)" in res.stdout and "0-3" in res.stdout
     out = tiny_dir / "eval.json"
     args = ["--quiet", "eval", "--model", str(tiny_dir / "model"), "--data",
             f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "5",
             "--batch-size", "2", "--kl-reference", str(tiny_dir / "model"), "--json", str(out)]
-    res = cli(*args)
+    res = cli_inproc(*args)
     assert res.returncode == 0, res.stderr
     got = json.loads(out.read_text())
     for key in ("perplexity", "tokens", "seqlen", "samples", "params", "bytes",
@@ -40,9 +40,9 @@ def test_info_and_eval_json(tiny_dir):
                             data=f"text:{tiny_dir / 'text.txt'}", seqlen=32, samples=5)
     assert got["perplexity"] == pytest.approx(api["perplexity"], rel=1e-6)
     # an existing --json is not overwritten
-    res = cli(*args)
+    res = cli_inproc(*args)
     assert res.returncode == 2 and "--overwrite" in res.stderr
-    res = cli(*(args[:-2] + ["--speed", "--json", str(out), "--overwrite"]))
+    res = cli_inproc(*(args[:-2] + ["--speed", "--json", str(out), "--overwrite"]))
     assert res.returncode == 0, res.stderr
     got = json.loads(out.read_text())
     assert got["prefill_tokens_per_s"] > 0 and got["peak_memory_bytes"] > 0
@@ -70,7 +70,7 @@ def test_error_paths(tiny_dir, here):
     assert_one_line_error(here("eval", "--model", str(tiny_dir / "model"), "--seqlen", "512"),
                           "beyond the 128 positions")
     assert_one_line_error(
-        cli("eval", "--model", str(tiny_dir / "model"), "--data",
+        cli_inproc("eval", "--model", str(tiny_dir / "model"), "--data",
             f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "999"),
         "ask for --samples")
     assert_one_line_error(here("eval", "--model", str(tiny_dir / "model"), "--seqlen", "0"),
@@ -78,6 +78,7 @@ def test_error_paths(tiny_dir, here):
 
 
 def test_verbose_shows_traceback(tiny_dir):
+    """A new interpreter (``python -m prunelab``): the other commands here run in-process."""
     res = cli("--verbose", "info", "--model", str(tiny_dir / "missing"))
     assert res.returncode != 0 and "Traceback" in res.stderr
 
@@ -88,7 +89,7 @@ def test_probe_command(tiny_dir, here):
             f"text:{tiny_dir / 'text.txt'}", "--probe", "block-influence,interchange,interval",
             "--pairs", "0-1,1-3", "--max-length", "2", "--samples", "4", "--seqlen", "16",
             "--batch-size", "2", "--out", str(out)]
-    res = cli(*args)
+    res = cli_inproc(*args)
     assert res.returncode == 0, res.stderr
     inter = json.loads((out / "interchange.json").read_text())
     assert [s["layers"] for s in inter["scores"]] == [[0, 1], [1, 3]]
@@ -105,7 +106,7 @@ def test_prune_commands(tiny_dir, here):
     data = ["--model", str(tiny_dir / "model"), "--data", f"text:{tiny_dir / 'text.txt'}",
             "--samples", "4", "--seqlen", "16", "--batch-size", "2"]
     out = tiny_dir / "sparse"
-    res = cli(*base, "sparsity", *data, "--method", "sparsegpt", "--pattern", "2:4",
+    res = cli_inproc(*base, "sparsity", *data, "--method", "sparsegpt", "--pattern", "2:4",
               "--out", str(out))
     assert res.returncode == 0, res.stderr
     man = json.loads((out / "manifest.json").read_text())
@@ -118,7 +119,7 @@ def test_prune_commands(tiny_dir, here):
     # --offload (weights stay on the CPU, blocks visit --device in turn; here the device
     # is the CPU too): the same pruned weights as without it
     off = tiny_dir / "sparse-offload"
-    res = cli(*base, "sparsity", *data, "--method", "sparsegpt", "--pattern", "2:4",
+    res = cli_inproc(*base, "sparsity", *data, "--method", "sparsegpt", "--pattern", "2:4",
               "--offload", "--out", str(off))
     assert res.returncode == 0, res.stderr
     a, b = prunelab.load(str(out)), prunelab.load(str(off))
@@ -130,7 +131,7 @@ def test_prune_commands(tiny_dir, here):
     assert lm.offload_to == torch.device("cpu") and runner.offload
     assert runner.store_device == torch.device("cpu")
     depth = tiny_dir / "depth"
-    res = cli(*base, "depth", *data, "--budget", "remove-blocks:1", "--recovery", "foldable",
+    res = cli_inproc(*base, "depth", *data, "--budget", "remove-blocks:1", "--recovery", "foldable",
               "--offload", "--out", str(depth))
     assert res.returncode == 0, res.stderr
     man = json.loads((depth / "manifest.json").read_text())

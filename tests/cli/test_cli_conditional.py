@@ -10,7 +10,7 @@ import transformers as tf
 
 import prunelab
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint, tiny_tokens
+from tiny_models import SAMPLE_TEXT, cli_inproc, save_tiny_checkpoint, tiny_tokens
 
 IDS = tiny_tokens(2, 12, seed=4)
 
@@ -25,11 +25,10 @@ def tiny_dir(tmp_path_factory):
 
 def test_prune_gates_removes_sublayers_and_reloads(tiny_dir):
     out = tiny_dir / "gated"
-    res = cli("--quiet", "prune", "gates", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--budget", "remove-compute:0.3", "--rounds", "2", "--set",
-              "steps=50",
-              "--out", str(out))
+    res = cli_inproc("--quiet", "prune", "gates", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+                     "--batch-size", "2", "--budget", "remove-compute:0.3", "--rounds", "2",
+                     "--set", "steps=50", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "sublayer compute skipped" in res.stdout and "removed sublayers" in res.stdout
     man = json.loads((out / "manifest.json").read_text())
@@ -38,8 +37,8 @@ def test_prune_gates_removes_sublayers_and_reloads(tiny_dir):
     assert rep["flops_per_token_after"] < rep["flops_per_token_before"]
     op = man["operations"][-1]
     assert op["config"]["budget"] == 0.3 and op["config"]["rounds"] == 2
-    info = cli("info", "--model", str(out), "--trust-remote-code", "--json",
-               str(tiny_dir / "gated-info.json"))
+    info = cli_inproc("info", "--model", str(out), "--trust-remote-code", "--json",
+                      str(tiny_dir / "gated-info.json"))
     assert info.returncode == 0, info.stderr
     blocks = json.loads((tiny_dir / "gated-info.json").read_text())["block_details"]
     removed = sum(b[p] == "removed" for b in blocks for p in ("attention", "mlp"))
@@ -55,9 +54,9 @@ def test_prune_gates_removes_sublayers_and_reloads(tiny_dir):
 
 def test_probe_bootstrap_prints_the_ranking_stability(tiny_dir):
     out = tiny_dir / "probes"
-    res = cli("--quiet", "probe", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "6", "--seqlen", "16",
-              "--probe", "leave-one-out", "--bootstrap", "50", "--out", str(out))
+    res = cli_inproc("--quiet", "probe", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "6", "--seqlen", "16",
+                     "--probe", "leave-one-out", "--bootstrap", "50", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "ranking stability" in res.stdout and "at 6 windows" in res.stdout
     got = json.loads((out / "leave-one-out.json").read_text())
@@ -69,10 +68,10 @@ def test_probe_bootstrap_prints_the_ranking_stability(tiny_dir):
 
 def test_prune_moe_then_eval_at_another_mass(tiny_dir):
     out = tiny_dir / "moe"
-    res = cli("--quiet", "prune", "moe", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--experts", "4", "--budget", "keep-mass:0.9", "--set",
-              "router_steps=20", "--out", str(out))
+    res = cli_inproc("--quiet", "prune", "moe", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+                     "--batch-size", "2", "--experts", "4", "--budget", "keep-mass:0.9", "--set",
+                     "router_steps=20", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "experts per token" in res.stdout and "prunelab_moe_mass" in res.stdout
     man = json.loads((out / "manifest.json").read_text())
@@ -82,9 +81,9 @@ def test_prune_moe_then_eval_at_another_mass(tiny_dir):
     figures = {}
     for mass in ("1.0", "0.5"):
         js = tiny_dir / f"moe-eval-{mass}.json"
-        res = cli("eval", "--model", str(out), "--trust-remote-code", "--data",
-                  f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "2",
-                  "--budget", f"keep-mass:{mass}", "--json", str(js))
+        res = cli_inproc("eval", "--model", str(out), "--trust-remote-code", "--data",
+                         f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "2",
+                         "--budget", f"keep-mass:{mass}", "--json", str(js))
         assert res.returncode == 0, res.stderr
         assert "PrunePath experts per token" in res.stdout
         figures[mass] = json.loads(js.read_text())
@@ -95,12 +94,11 @@ def test_prune_moe_then_eval_at_another_mass(tiny_dir):
 
 def test_prune_depth_sleb_over_sublayers_with_recovery_in_the_loop(tiny_dir):
     out = tiny_dir / "sleb-sub"
-    res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--budget", "remove-blocks:1", "--strategy", "sleb",
-              "--sleb-score",
-              "kl", "--granularity", "sublayer", "--recovery", "ghost",
-              "--recovery-in-loop", "--out", str(out))
+    res = cli_inproc("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+                     "--batch-size", "2", "--budget", "remove-blocks:1", "--strategy", "sleb",
+                     "--sleb-score", "kl", "--granularity", "sublayer", "--recovery", "ghost",
+                     "--recovery-in-loop", "--out", str(out))
     assert res.returncode == 0, res.stderr
     man = json.loads((out / "manifest.json").read_text())
     rep = man["report"]
@@ -118,30 +116,29 @@ def test_prune_depth_sleb_over_sublayers_with_recovery_in_the_loop(tiny_dir):
 
 def test_prune_depth_sleb_resumes_a_search(tiny_dir):
     out = tiny_dir / "sleb-resume"
-    res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--budget", "remove-blocks:2", "--strategy", "sleb",
-              "--sleb-score",
-              "kl", "--sleb-resume", "1", "--out", str(out))
+    res = cli_inproc("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+                     "--batch-size", "2", "--budget", "remove-blocks:2", "--strategy", "sleb",
+                     "--sleb-score", "kl", "--sleb-resume", "1", "--out", str(out))
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "manifest.json").read_text())["report"]
     assert 1 in rep["removed_blocks"] and len(rep["removed_blocks"]) == 2
     assert rep["selection"]["resumed_from"] == [1]
     assert len(rep["selection"]["steps"]) == 1
-    res = cli("prune", "depth", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--budget", "remove-blocks:2", "--strategy", "sleb", "--sleb-resume", "1",
-              "--recovery", "ghost", "--recovery-in-loop", "--out", str(tiny_dir / "x"))
+    res = cli_inproc("prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+                     "--budget", "remove-blocks:2", "--strategy", "sleb", "--sleb-resume", "1",
+                     "--recovery", "ghost", "--recovery-in-loop", "--out", str(tiny_dir / "x"))
     assert res.returncode == 2 and res.stderr.startswith("error: --sleb-resume cannot")
     assert "Traceback" not in res.stderr
 
 
 def test_prune_depth_reports_the_selection_stability(tiny_dir):
     out = tiny_dir / "stable"
-    res = cli("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "6", "--seqlen", "16",
-              "--batch-size", "2", "--budget", "remove-blocks:1", "--probe", "leave-one-out",
-              "--bootstrap", "40", "--out", str(out))
+    res = cli_inproc("--quiet", "prune", "depth", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "6", "--seqlen", "16",
+                     "--batch-size", "2", "--budget", "remove-blocks:1", "--probe", "leave-one-out",
+                     "--bootstrap", "40", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert "selection stability" in res.stdout and "of 40 resamples" in res.stdout
     man = json.loads((out / "manifest.json").read_text())
@@ -151,11 +148,11 @@ def test_prune_depth_reports_the_selection_stability(tiny_dir):
 
 def test_probe_head_attribution_from_the_cli(tiny_dir):
     out = tiny_dir / "heads"
-    res = cli("--quiet", "probe", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "2", "--seqlen", "16",
-              "--probe", "stable-rank,head-ablation,induction", "--ablation", "mean",
-              "--induction-length", "8", "--induction-sequences", "2", "--top-k", "2",
-              "--out", str(out))
+    res = cli_inproc("--quiet", "probe", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "2", "--seqlen", "16",
+                     "--probe", "stable-rank,head-ablation,induction", "--ablation", "mean",
+                     "--induction-length", "8", "--induction-sequences", "2", "--top-k", "2",
+                     "--out", str(out))
     assert res.returncode == 0, res.stderr
     ablation = json.loads((out / "head-ablation.json").read_text())
     assert ablation["kind"] == "head" and ablation["config"]["ablation"] == "mean"
@@ -163,7 +160,7 @@ def test_probe_head_attribution_from_the_cli(tiny_dir):
     induction = json.loads((out / "induction.json").read_text())
     assert induction["config"]["top_k"] == 2 and induction["config"]["length"] == 8
     assert (out / "stable-rank.png").exists()
-    bad = cli("probe", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--probe", "stable-rank",
-              "--ablation", "mean", "--out", str(tiny_dir / "bad"))
+    bad = cli_inproc("probe", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--probe", "stable-rank",
+                     "--ablation", "mean", "--out", str(tiny_dir / "bad"))
     assert bad.returncode == 2 and "ablation" in bad.stderr

@@ -14,7 +14,7 @@ import transformers as tf
 import prunelab
 from prunelab.pruning import METHODS
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint, tiny_tokens
+from tiny_models import SAMPLE_TEXT, cli_inproc, save_tiny_checkpoint, tiny_tokens
 
 IDS = tiny_tokens(2, 12, seed=4)
 
@@ -29,9 +29,9 @@ def tiny_dir(tmp_path_factory):
 
 def _run(tiny_dir, name: str, *options: str):
     out = tiny_dir / name
-    res = cli("--quiet", "prune", "factor", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--out", str(out), *options)
+    res = cli_inproc("--quiet", "prune", "factor", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+                     "--batch-size", "2", "--out", str(out), *options)
     assert res.returncode == 0, res.stderr
     return out, json.loads((out / "manifest.json").read_text()), res.stdout
 
@@ -79,8 +79,8 @@ def test_factorized_checkpoints_need_remote_code_and_show_in_info(tiny_dir, meth
         assert len(curves) == 5 and all(sorted(c) == ["16", "24"] for c in curves)
     assert "trust_remote_code=True" in shown
     assert man["report"]["flops_per_token_after"] < man["report"]["flops_per_token_before"]
-    res = cli("info", "--model", str(out), "--trust-remote-code", "--json",
-              str(tiny_dir / f"{name}-info.json"))
+    res = cli_inproc("info", "--model", str(out), "--trust-remote-code", "--json",
+                     str(tiny_dir / f"{name}-info.json"))
     assert res.returncode == 0, res.stderr
     assert "factorized modules" in res.stdout
     info = json.loads((tiny_dir / f"{name}-info.json").read_text())
@@ -98,9 +98,9 @@ def test_factorized_checkpoints_need_remote_code_and_show_in_info(tiny_dir, meth
 
 def test_eval_gradient_alignment_with_itself_is_one(tiny_dir):
     model = str(tiny_dir / "model")
-    res = cli("eval", "--model", model, "--data", f"text:{tiny_dir / 'text.txt'}",
-              "--seqlen", "16", "--samples", "2", "--gradient-alignment", model, "--json",
-              str(tiny_dir / "ga.json"))
+    res = cli_inproc("eval", "--model", model, "--data", f"text:{tiny_dir / 'text.txt'}",
+                     "--seqlen", "16", "--samples", "2", "--gradient-alignment", model, "--json",
+                     str(tiny_dir / "ga.json"))
     assert res.returncode == 0, res.stderr
     assert "gradient alignment" in res.stdout
     got = json.loads((tiny_dir / "ga.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli_here, cli_inproc, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +32,16 @@ def _zeros(path) -> int:
 
 def test_heal_keeps_the_sparsity_and_records_the_run(tiny_dir):
     sparse = tiny_dir / "wanda50"
-    res = cli("--quiet", "prune", "sparsity", "--model", str(tiny_dir / "model"), "--method",
-              "wanda", "--budget", "remove-weights:0.5", "--samples", "4", "--batch-size", "2",
-              *_common(tiny_dir), "--out", str(sparse))
+    res = cli_inproc("--quiet", "prune", "sparsity", "--model", str(tiny_dir / "model"), "--method",
+                     "wanda", "--budget", "remove-weights:0.5", "--samples", "4", "--batch-size",
+                     "2", *_common(tiny_dir), "--out", str(sparse))
     assert res.returncode == 0, res.stderr
     healed = tiny_dir / "healed"
-    res = cli("--quiet", "heal", "--model", str(sparse), "--teacher", str(tiny_dir / "model"),
-              "--loss", "kd", "--steps", "4", "--batch-size", "2", "--eval-every", "2",
-              "--eval-data", f"text:{tiny_dir / 'text.txt'}", "--eval-samples", "2",
-              "--lr", "1e-3", *_common(tiny_dir), "--out", str(healed))
+    res = cli_inproc("--quiet", "heal", "--model", str(sparse), "--teacher",
+                     str(tiny_dir / "model"),
+                     "--loss", "kd", "--steps", "4", "--batch-size", "2", "--eval-every", "2",
+                     "--eval-data", f"text:{tiny_dir / 'text.txt'}", "--eval-samples", "2",
+                     "--lr", "1e-3", *_common(tiny_dir), "--out", str(healed))
     assert res.returncode == 0, res.stderr
     assert "held-out perplexity before -> after" in res.stdout
     assert not (tiny_dir / "healed.heal-state").exists()  # removed after the save
@@ -51,8 +52,8 @@ def test_heal_keeps_the_sparsity_and_records_the_run(tiny_dir):
     assert _zeros(healed) == _zeros(sparse)  # plain transformers, the zeros kept
     assert man["operations"][-1]["operation"] == "heal"
     assert man["metrics"]["held_out_after_perplexity"] > 0
-    again = cli("heal", "--model", str(sparse), "--steps", "2", *_common(tiny_dir),
-                "--out", str(healed))
+    again = cli_inproc("heal", "--model", str(sparse), "--steps", "2", *_common(tiny_dir),
+                       "--out", str(healed))
     assert again.returncode == 2 and "exists" in again.stderr
 
 
@@ -67,32 +68,32 @@ def test_heal_option_errors_are_one_line(tiny_dir, capsys):
 
 def test_eval_data_none_turns_early_stopping_off_unless_patience_is_asked_for(tiny_dir):
     out = tiny_dir / "no-eval"
-    res = cli("--quiet", "heal", "--model", str(tiny_dir / "model"), "--steps", "2",
-              "--batch-size", "2", "--eval-data", "none", *_common(tiny_dir),
-              "--out", str(out))
+    res = cli_inproc("--quiet", "heal", "--model", str(tiny_dir / "model"), "--steps", "2",
+                     "--batch-size", "2", "--eval-data", "none", *_common(tiny_dir),
+                     "--out", str(out))
     assert res.returncode == 0, res.stderr
     rec = json.loads((out / "manifest.json").read_text())["healing"]
     assert rec["steps"] == 2 and rec["config"]["patience"] == 0
-    res = cli("heal", "--model", str(tiny_dir / "model"), "--steps", "2", "--batch-size", "2",
-              "--eval-data", "none", "--patience", "2", *_common(tiny_dir),
-              "--out", str(tiny_dir / "no-eval-2"))
+    res = cli_inproc("heal", "--model", str(tiny_dir / "model"), "--steps", "2", "--batch-size",
+                     "2", "--eval-data", "none", "--patience", "2", *_common(tiny_dir),
+                     "--out", str(tiny_dir / "no-eval-2"))
     assert res.returncode == 2 and res.stderr.startswith("error: ")
     assert "needs evaluation data" in res.stderr and res.stderr.count("\n") == 1
 
 
 def test_gradient_flow_probe_and_rep_lie_width_score(tiny_dir):
     out = tiny_dir / "flow"
-    res = cli("--quiet", "probe", "--model", str(tiny_dir / "model"), "--probe",
-              "gradient-flow", "--steps", "2", "--measure", "residual", "--samples", "4",
-              *_common(tiny_dir), "--out", str(out))
+    res = cli_inproc("--quiet", "probe", "--model", str(tiny_dir / "model"), "--probe",
+                     "gradient-flow", "--steps", "2", "--measure", "residual", "--samples", "4",
+                     *_common(tiny_dir), "--out", str(out))
     assert res.returncode == 0, res.stderr
     got = json.loads((out / "gradient-flow.json").read_text())
     assert got["config"]["steps"] == 2 and got["config"]["measure"] == "residual"
     assert len(got["scores"]) == 4
     width = tiny_dir / "replie"
-    res = cli("--quiet", "prune", "width", "--model", str(tiny_dir / "model"), "--unit",
-              "ffn", "--score", "rep-lie", "--rep-lie-steps", "2", "--budget", "remove-units:0.25",
-              "--samples", "4", *_common(tiny_dir), "--out", str(width))
+    res = cli_inproc("--quiet", "prune", "width", "--model", str(tiny_dir / "model"), "--unit",
+                     "ffn", "--score", "rep-lie", "--rep-lie-steps", "2", "--budget",
+                     "remove-units:0.25", "--samples", "4", *_common(tiny_dir), "--out", str(width))
     assert res.returncode == 0, res.stderr
     cfg = json.loads((width / "config.json").read_text())
     assert cfg["intermediate_size"] == 32  # 48 x 0.75 = 36: nearest multiple of 8, ties even
@@ -100,9 +101,9 @@ def test_gradient_flow_probe_and_rep_lie_width_score(tiny_dir):
 
 def test_the_probe_summary_shows_the_gradient_fan_in(tiny_dir):
     out = tiny_dir / "flow-summary"
-    res = cli("--quiet", "probe", "--model", str(tiny_dir / "model"), "--probe",
-              "gradient-flow,block-influence,leave-one-out", "--steps", "2", "--samples", "4",
-              *_common(tiny_dir), "--out", str(out))
+    res = cli_inproc("--quiet", "probe", "--model", str(tiny_dir / "model"), "--probe",
+                     "gradient-flow,block-influence,leave-one-out", "--steps", "2", "--samples",
+                     "4", *_common(tiny_dir), "--out", str(out))
     assert res.returncode == 0, res.stderr
     summary = (out / "summary.md").read_text()
     assert "## Gradient fan-in (CascadeFlow)" in summary

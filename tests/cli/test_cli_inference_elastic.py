@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers as tf
 
-from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint, tiny_tokens
+from tiny_models import SAMPLE_TEXT, cli_here, cli_inproc, save_tiny_checkpoint, tiny_tokens
 
 IDS = tiny_tokens(2, 12, seed=4)
 
@@ -24,9 +24,9 @@ def tiny_dir(tmp_path_factory):
 
 def _eval(tiny_dir, name, *extra):
     js = tiny_dir / f"{name}.json"
-    res = cli("eval", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
-              *extra, "--json", str(js), "--overwrite")
+    res = cli_inproc("eval", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
+                     *extra, "--json", str(js), "--overwrite")
     assert res.returncode == 0, res.stderr
     return json.loads(js.read_text()), res.stdout
 
@@ -104,35 +104,35 @@ def test_tasks_under_a_press_are_refused_up_front(tiny_dir, capsys):
 
 
 def test_generate_under_a_press(tiny_dir):
-    plain = cli("generate", "--model", str(tiny_dir / "model"), "--prompt",
-                SAMPLE_TEXT[:60], "--max-new-tokens", "4")
+    plain = cli_inproc("generate", "--model", str(tiny_dir / "model"), "--prompt",
+                       SAMPLE_TEXT[:60], "--max-new-tokens", "4")
     assert plain.returncode == 0, plain.stderr
-    pressed = cli("generate", "--model", str(tiny_dir / "model"), "--prompt",
-                  SAMPLE_TEXT[:60], "--max-new-tokens", "4", "--press", "streaming-llm",
-                  "--budget", "remove-cache:0.5")
+    pressed = cli_inproc("generate", "--model", str(tiny_dir / "model"), "--prompt",
+                         SAMPLE_TEXT[:60], "--max-new-tokens", "4", "--press", "streaming-llm",
+                         "--budget", "remove-cache:0.5")
     assert pressed.returncode == 0, pressed.stderr
     assert "cache bytes" in pressed.stdout and "prompt tokens" in pressed.stdout
 
 
 def test_prune_elastic_then_export_any_size(tiny_dir):
     ckpt = tiny_dir / "elastic"
-    res = cli("--quiet", "prune", "elastic", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
-              "--batch-size", "2", "--steps", "5", "--budget", "remove-units:0.2..0.5", "--out",
-              str(ckpt))
+    res = cli_inproc("--quiet", "prune", "elastic", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--samples", "4", "--seqlen", "16",
+                     "--batch-size", "2", "--steps", "5", "--budget", "remove-units:0.2..0.5",
+                     "--out", str(ckpt))
     assert res.returncode == 0, res.stderr
     assert (ckpt / "elastic.json").exists() and "units ranked" in res.stdout
     full = tiny_dir / "full"
-    res = cli("export", "--model", str(ckpt), "--budget", "keep-units:1.0", "--out", str(full))
+    res = cli_inproc("export", "--model", str(ckpt), "--budget", "keep-units:1.0", "--out",
+                     str(full))
     assert res.returncode == 0, res.stderr
     dense = tf.AutoModelForCausalLM.from_pretrained(tiny_dir / "model").eval()
     again = tf.AutoModelForCausalLM.from_pretrained(full, trust_remote_code=True).eval()
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=IDS).logits, dense(input_ids=IDS).logits)
     half = tiny_dir / "half"
-    res = cli("export", "--model", str(ckpt), "--budget", "keep-units:0.5", "--allocation",
-              "uniform",
-              "--round-to", "4", "--out", str(half))
+    res = cli_inproc("export", "--model", str(ckpt), "--budget", "keep-units:0.5", "--allocation",
+                     "uniform", "--round-to", "4", "--out", str(half))
     assert res.returncode == 0, res.stderr and "plain transformers" in res.stdout
     small = tf.AutoModelForCausalLM.from_pretrained(half)  # uniform: no remote code
     assert small.config.intermediate_size < 48
@@ -140,20 +140,19 @@ def test_prune_elastic_then_export_any_size(tiny_dir):
 
 def test_taper_allocations(tiny_dir):
     width = tiny_dir / "taper-width"
-    res = cli("--quiet", "prune", "width", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "4", "--unit",
-              "ffn", "--budget", "remove-units:0.5", "--allocation", "taper", "--taper-slope",
-              "0.4",
-              "--round-to", "1", "--out", str(width))
+    res = cli_inproc("--quiet", "prune", "width", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "4", "--unit",
+                     "ffn", "--budget", "remove-units:0.5", "--allocation", "taper",
+                     "--taper-slope", "0.4", "--round-to", "1", "--out", str(width))
     assert res.returncode == 0, res.stderr
     widths = json.loads((width / "config.json").read_text())["prunelab_widths"]["linears"]
     ffn = [w["out"] for w in widths if w["module"].endswith("up_proj")]
     assert ffn == [34, 27, 21, 14]  # 48 channels, half kept on average, 0.4 more at block 0
     sparse = tiny_dir / "taper-sparse"
-    res = cli("--quiet", "prune", "sparsity", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "4",
-              "--method", "wanda", "--budget", "remove-weights:0.5", "--allocation", "taper",
-              "--taper-slope", "0.2", "--out", str(sparse))
+    res = cli_inproc("--quiet", "prune", "sparsity", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--seqlen", "16", "--samples", "4",
+                     "--method", "wanda", "--budget", "remove-weights:0.5", "--allocation", "taper",
+                     "--taper-slope", "0.2", "--out", str(sparse))
     assert res.returncode == 0, res.stderr
     per_block = json.loads((sparse / "manifest.json").read_text())["report"]["per_block_sparsity"]
     assert per_block == pytest.approx([0.4, 0.4 + 0.2 / 3, 0.6 - 0.2 / 3, 0.6])
@@ -174,7 +173,7 @@ def test_eval_under_the_kl_fitted_decay_press(tiny_dir):
 
 def test_press_needles_option_errors(tiny_dir):
     """``needles=N`` joins the ``fit=kl`` decay fit only; bad uses are one-line errors
-    (the option parsing in-process, one end-to-end run for the exit status)."""
+    (the option parsing, then one command for the exit status)."""
     from prunelab.cli.inspect_cmds import _press_fit
     from prunelab.errors import ConfigError
 
@@ -187,9 +186,10 @@ def test_press_needles_option_errors(tiny_dir):
                             ("decay", ["needles=1", "needles=2"], "given twice")):
         with pytest.raises(ConfigError, match=msg):
             _press_fit(name, opts)
-    res = cli("eval", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
-              "--press", "decay", "--budget", "remove-cache:0.5", "--press-option", "needles=2")
+    res = cli_inproc("eval", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
+                     "--press", "decay", "--budget", "remove-cache:0.5", "--press-option",
+                     "needles=2")
     assert res.returncode == 2 and "fit=kl only" in res.stderr, res.stderr
     assert res.stderr.strip().startswith("error:") and "Traceback" not in res.stderr
 
@@ -197,8 +197,8 @@ def test_press_needles_option_errors(tiny_dir):
 @pytest.mark.slow
 def test_press_needles_too_long_for_the_model(tiny_dir):
     """The tiny model's 128 positions leave no room for a needle, a question and a key."""
-    res = cli("eval", "--model", str(tiny_dir / "model"), "--data",
-              f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
-              "--press", "decay", "--budget", "remove-cache:0.5", "--press-option", "fit=kl",
-              "--press-option", "needles=1")
+    res = cli_inproc("eval", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--seqlen", "32", "--samples", "2",
+                     "--press", "decay", "--budget", "remove-cache:0.5", "--press-option", "fit=kl",
+                     "--press-option", "needles=1")
     assert res.returncode == 2 and "cannot hold the needle" in res.stderr, res.stderr

@@ -9,7 +9,7 @@ import json
 import pytest
 import transformers as tf
 
-from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli_here, cli_inproc, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +109,9 @@ def test_conflicting_or_degenerate_options_are_one_line(tiny_dir, case, capsys):
 
 
 def test_press_row_says_what_the_press_kept(tiny_dir):
-    res = cli("--quiet", "eval", *_small(tiny_dir)[:4], "--samples", "2", "--seqlen", "32",
-              "--press", "snapkv", "--budget", "remove-cache:0.5", "--json",
-              str(tiny_dir / "press.json"))
+    res = cli_inproc("--quiet", "eval", *_small(tiny_dir)[:4], "--samples", "2", "--seqlen", "32",
+                     "--press", "snapkv", "--budget", "remove-cache:0.5", "--json",
+                     str(tiny_dir / "press.json"))
     assert res.returncode == 0, res.stderr
     assert "on the first 16 tokens (50%) of each window; last window kept 8 of 16" in \
         " ".join(res.stdout.replace("│", " ").split())
@@ -124,8 +124,8 @@ def test_gates_removing_every_mlp_saves_and_reloads(tiny_dir):
     config keeps its FFN width (no block has one left) instead of failing on a missing
     module after calibration."""
     out = tiny_dir / "gates-half"
-    res = cli("--quiet", "prune", "gates", *_small(tiny_dir), "--budget", "remove-compute:0.5",
-              "--set", "steps=20", "--out", str(out))
+    res = cli_inproc("--quiet", "prune", "gates", *_small(tiny_dir), "--budget",
+                     "remove-compute:0.5", "--set", "steps=20", "--out", str(out))
     assert res.returncode == 0, res.stderr
     rep = json.loads((out / "manifest.json").read_text())["report"]
     assert rep["achieved"] >= 0.5
@@ -133,8 +133,8 @@ def test_gates_removing_every_mlp_saves_and_reloads(tiny_dir):
     config = json.loads((out / "config.json").read_text())
     if parts == {"mlp"} and len(rep["removed_sublayers"]) == 4:
         assert config["intermediate_size"] == 48
-    ev = cli("--quiet", "eval", "--model", str(out), "--trust-remote-code", "--data",
-             f"text:{tiny_dir / 'text.txt'}", "--samples", "2", "--seqlen", "16")
+    ev = cli_inproc("--quiet", "eval", "--model", str(out), "--trust-remote-code", "--data",
+                    f"text:{tiny_dir / 'text.txt'}", "--samples", "2", "--seqlen", "16")
     assert ev.returncode == 0, ev.stderr
 
 
@@ -142,9 +142,9 @@ def test_slicegpt_width_the_config_cannot_hold_is_rounded_and_said(tiny_dir):
     """26 heads-indivisible -> the nearest width Llama's config accepts, 24, with a warning;
     the checkpoint loads in plain transformers."""
     out = tiny_dir / "slice-26"
-    res = cli("prune", "factor", *_small(tiny_dir), "--method", "slicegpt", "--rotation",
-              "global", "--multiple", "2", "--budget", "remove-hidden:0.1875", "--out",
-              str(out))
+    res = cli_inproc("prune", "factor", *_small(tiny_dir), "--method", "slicegpt", "--rotation",
+                     "global", "--multiple", "2", "--budget", "remove-hidden:0.1875", "--out",
+                     str(out))
     assert res.returncode == 0, res.stderr
     assert "hidden size 26 cannot be a LlamaConfig" in res.stderr
     assert "slicing to the nearest one that can, 24" in res.stderr

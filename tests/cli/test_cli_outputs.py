@@ -11,7 +11,7 @@ import pytest
 
 from prunelab.cli import cli_main
 
-from tiny_models import SAMPLE_TEXT, cli, cli_here, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli_here, cli_inproc, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -19,9 +19,9 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_outputs")
     save_tiny_checkpoint("llama", root / "model")
     (root / "text.txt").write_text(SAMPLE_TEXT * 3)
-    res = cli("--quiet", "prune", "sparsity", "--model", str(root / "model"), "--method",
-              "magnitude", "--data", f"text:{root / 'text.txt'}", "--seqlen", "16",
-              "--samples", "2", "--out", str(root / "sparse"))
+    res = cli_inproc("--quiet", "prune", "sparsity", "--model", str(root / "model"), "--method",
+                     "magnitude", "--data", f"text:{root / 'text.txt'}", "--seqlen", "16",
+                     "--samples", "2", "--out", str(root / "sparse"))
     assert res.returncode == 0, res.stderr
     return root
 
@@ -51,8 +51,7 @@ def test_no_command_writes_over_its_input(root, capsys):
         ["prune", "depth", "--model", m, *data, "--budget", "remove-blocks:1", "--out",
          f"{m}/pruned"],
         ["prune", "factor", "--model", m, "--method", "svd-llm", *data, "--budget",
-         "keep-params:0.8", "--out", m,
-         "--overwrite"],
+         "keep-params:0.8", "--out", m, "--overwrite"],
         ["export", "--model", m, "--budget", "keep-units:0.5", "--out", m, "--overwrite"],
         ["heal", "--model", m, *data, "--out", m, "--overwrite"],
         ["eval", "--model", m, *data, "--json", f"{m}/config.json", "--overwrite"],
@@ -72,23 +71,23 @@ def test_no_command_writes_over_its_input(root, capsys):
 def test_report_replaces_nothing_without_overwrite_and_never_an_input(root, tmp_path):
     sparse = root / "sparse"
     manifest = (sparse / "manifest.json").read_bytes()
-    res = cli("report", str(sparse), "--out", str(sparse / "manifest.json"), "--overwrite")
+    res = cli_inproc("report", str(sparse), "--out", str(sparse / "manifest.json"), "--overwrite")
     _one_line(res, "may never be an input")
     assert (sparse / "manifest.json").read_bytes() == manifest
     mine = tmp_path / "mine.html"
     mine.write_text("my notes")
-    _one_line(cli("report", str(sparse), "--out", str(mine)), "exists", "--overwrite")
+    _one_line(cli_inproc("report", str(sparse), "--out", str(mine)), "exists", "--overwrite")
     assert mine.read_text() == "my notes"
-    _one_line(cli("report", str(sparse), "--out", str(tmp_path)), "not a file")
-    res = cli("report", str(sparse), "--out", str(mine), "--overwrite")
+    _one_line(cli_inproc("report", str(sparse), "--out", str(tmp_path)), "not a file")
+    res = cli_inproc("report", str(sparse), "--out", str(mine), "--overwrite")
     assert res.returncode == 0, res.stderr
     assert mine.read_text().startswith("<!DOCTYPE html>") or "<html" in mine.read_text()
     (sparse / "report.html").unlink(missing_ok=True)
-    assert cli("report", str(sparse)).returncode == 0
+    assert cli_inproc("report", str(sparse)).returncode == 0
     first = (sparse / "report.html").read_bytes()
-    _one_line(cli("report", str(sparse)), "exists")
+    _one_line(cli_inproc("report", str(sparse)), "exists")
     assert (sparse / "report.html").read_bytes() == first
-    assert cli("report", str(sparse), "--overwrite").returncode == 0
+    assert cli_inproc("report", str(sparse), "--overwrite").returncode == 0
 
 
 def test_report_on_a_full_disk_is_one_line(root, tmp_path, monkeypatch, capsys):
@@ -125,8 +124,9 @@ def test_heal_state_never_uses_a_folder_it_did_not_create(root, tmp_path, capsys
 def test_heal_removes_only_its_own_state_folder(root, tmp_path):
     m, data = str(root / "sparse"), ["--data", f"text:{root / 'text.txt'}", "--seqlen", "16"]
     state = tmp_path / "deep" / "state"
-    res = cli("--quiet", "heal", "--model", m, *data, "--steps", "2", "--batch-size", "2",
-              "--eval-data", "none", "--out", str(tmp_path / "healed"), "--state", str(state))
+    res = cli_inproc("--quiet", "heal", "--model", m, *data, "--steps", "2", "--batch-size", "2",
+                     "--eval-data", "none", "--out", str(tmp_path / "healed"), "--state",
+                     str(state))
     assert res.returncode == 0, res.stderr
     assert not state.exists() and (tmp_path / "deep").is_dir()  # the parent is kept
     assert (tmp_path / "healed" / "manifest.json").is_file()

@@ -4,22 +4,18 @@ errors (exit 2, one line)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 import prunelab
 from prunelab.eval.tasks import evaluate_tasks
 
-from tiny_models import cli_here, save_tiny_checkpoint
+from tiny_models import cli_here, cli_inproc, save_tiny_checkpoint
 
 
 def cli(*args):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="160")
-    return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,
-                          text=True, env=env, timeout=300)
+    """``prunelab ARGS`` in this process, 160 columns wide (the task table in one line)."""
+    return cli_inproc(*args, columns=160)
 
 
 @pytest.fixture(scope="module")

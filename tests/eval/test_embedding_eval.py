@@ -175,17 +175,17 @@ def test_api_evaluate_encoder(tmp_path):
         prunelab.evaluate(lm, f"jsonl:{text}", samples=5,
                           reference=wrap(tiny_model("llama"), lm.tokenizer))
     # the CLI prints the embedding metrics and writes them
-    from tiny_models import cli
+    from tiny_models import cli_inproc
 
     out = tmp_path / "e.json"
-    r = cli("--quiet", "eval", "--model", str(tmp_path / "bert"), "--data", f"jsonl:{text}",
-            "--samples", "5", "--seqlen", "32", "--reference", str(tmp_path / "bert"),
-            "--json", str(out))
+    r = cli_inproc("--quiet", "eval", "--model", str(tmp_path / "bert"), "--data", f"jsonl:{text}",
+                   "--samples", "5", "--seqlen", "32", "--reference", str(tmp_path / "bert"),
+                   "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert "nearest-neighbour agreement" in r.stdout and "perplexity" not in r.stdout
     got = json.loads(out.read_text())
     assert got["nn_agreement"] == 1.0
     assert got["same_document_nn"] == pytest.approx(res["same_document_nn"])
-    r = cli("--quiet", "eval", "--model", str(tmp_path / "bert"), "--data", f"jsonl:{text}",
-            "--samples", "50")
+    r = cli_inproc("--quiet", "eval", "--model", str(tmp_path / "bert"), "--data", f"jsonl:{text}",
+                   "--samples", "50")
     assert r.returncode == 2 and "only 7 sentences" in r.stderr + r.stdout

@@ -93,20 +93,19 @@ def test_sweep_refuses_encoders_clearly():
 
 
 def test_cli_probe_and_prune_depth_on_a_bert_checkpoint(tmp_path):
-    from tiny_models import cli
+    from tiny_models import cli_inproc
 
     save_tiny_checkpoint("bert", tmp_path / "bert")
     (tmp_path / "t.txt").write_text(SAMPLE_TEXT)
     data = f"text:{tmp_path / 't.txt'}"
-    r = cli("--quiet", "probe", "--model", str(tmp_path / "bert"), "--data", data,
-            "--probe", "leave-one-out,block-influence", "--samples", "4", "--seqlen", "32",
-            "--out", str(tmp_path / "probes"))
+    r = cli_inproc("--quiet", "probe", "--model", str(tmp_path / "bert"), "--data", data,
+                   "--probe", "leave-one-out,block-influence", "--samples", "4", "--seqlen", "32",
+                   "--out", str(tmp_path / "probes"))
     assert r.returncode == 0, r.stderr
     assert "1 - cos" in (tmp_path / "probes" / "leave-one-out.json").read_text()
-    r = cli("--quiet", "prune", "depth", "--model", str(tmp_path / "bert"), "--data", data,
-            "--budget", "remove-blocks:1", "--probe", "leave-one-out", "--samples", "4",
-            "--seqlen", "32",
-            "--out", str(tmp_path / "pruned"))
+    r = cli_inproc("--quiet", "prune", "depth", "--model", str(tmp_path / "bert"), "--data", data,
+                   "--budget", "remove-blocks:1", "--probe", "leave-one-out", "--samples", "4",
+                   "--seqlen", "32", "--out", str(tmp_path / "pruned"))
     assert r.returncode == 0, r.stderr
     assert "1 - cos (pooled)" in r.stdout
     again = prunelab.load(str(tmp_path / "pruned"))

@@ -15,7 +15,7 @@ from prunelab.errors import ConfigError
 from prunelab.workflow.recipe import load_recipe
 from prunelab.workflow.run import run_recipe
 
-from tiny_models import SAMPLE_TEXT, cli, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli, cli_inproc, save_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_two_saves_with_one_path_refused_by_check(tiny, tmp_path):
     recipe.write_text(_recipe(tiny, "  - save: {path: m}\n"
                                     "  - prune: {method: wanda, sparsity: 0.5}\n"
                                     "  - save: {path: m}\n"))
-    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    r = cli_inproc("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "same folder" in r.stderr
 
@@ -151,7 +151,7 @@ def test_two_saves_with_one_path_refused_by_check(tiny, tmp_path):
 def test_null_stage_and_non_utf8_recipe_are_one_line(tmp_path, content, words):
     recipe = tmp_path / "r.yaml"
     recipe.write_bytes(content)
-    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    r = cli_inproc("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
@@ -225,10 +225,10 @@ def test_compare_refuses_another_models_points(tiny, tmp_path):
     assert fresh["dense"]["perplexity"] != first["dense"]["perplexity"]
     # the CLI says it in one line, exit 2
     save_tiny_checkpoint("llama", model, seed=2)
-    r = cli("compare", "--model", str(model), "--methods", "wanda", "--budget",
-            "remove-weights:0.5", "--out", str(out), "--calib", data, "--test", data,
-            "--samples", "4", "--seqlen", "16", "--test-samples", "4", "--test-seqlen", "16",
-            "--batch-size", "2", "--no-speed")
+    r = cli_inproc("compare", "--model", str(model), "--methods", "wanda", "--budget",
+                   "remove-weights:0.5", "--out", str(out), "--calib", data, "--test", data,
+                   "--samples", "4", "--seqlen", "16", "--test-samples", "4", "--test-seqlen", "16",
+                   "--batch-size", "2", "--no-speed")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "another model" in r.stderr
 
@@ -274,7 +274,7 @@ def test_compare_refuses_a_folder_of_points_that_is_no_comparison(tiny, tmp_path
 def test_check_catches_what_fails_at_once(tiny, tmp_path, extra, stages, line):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(_recipe(tiny, stages, extra))
-    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    r = cli_inproc("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: " + line), lines
@@ -289,7 +289,7 @@ def test_check_catches_what_fails_at_once(tiny, tmp_path, extra, stages, line):
 def test_check_refuses_a_missing_model(tiny, tmp_path, model, words):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(_recipe(tiny, EVAL).replace(str(tiny / "model"), model))
-    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    r = cli_inproc("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     for w in words:
         assert w in r.stderr
@@ -301,7 +301,7 @@ def test_check_accepts_a_probe_read_by_a_later_stage(tiny, tmp_path):
                                     "  - prune: {method: depth, remove: 1, bootstrap: 0, "
                                     "from_probe: points/p/probes/block-influence.json}\n"
                                     + EVAL))
-    r = cli("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
+    r = cli_inproc("run", str(recipe), "--out", str(tmp_path / "out"), "--check")
     assert r.returncode == 0, r.stderr
     assert "3 stages, valid" in r.stdout
 
