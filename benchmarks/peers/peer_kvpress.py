@@ -68,9 +68,16 @@ def run(ctx) -> tuple[str, dict]:
     here = Path(__file__).resolve().parent
     print(f"kvpress: {len(jobs)} press settings x {proto['windows']} windows; ids sha256 "
           f"{sha[:12]}", flush=True)
-    ours = common.run_worker(sys.executable, here / "worker_press.py", spec, workdir,
-                             "prunelab")
-    theirs = common.run_worker(py, here / "worker_kvpress.py", spec, workdir, "kvpress")
+    # the two sides run at the same time, each in its own process: on a core shared with
+    # other jobs this halves the wall time of the run; CPU time and peak RSS are per process
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        f_ours = pool.submit(common.run_worker, sys.executable, here / "worker_press.py",
+                             spec, workdir, "prunelab")
+        f_theirs = pool.submit(common.run_worker, py, here / "worker_kvpress.py", spec,
+                               workdir, "kvpress")
+        ours, theirs = f_ours.result(), f_theirs.result()
     for side, res in (("prunelab", ours), ("kvpress", theirs)):
         if "error" not in res:
             common.check_result_ids(res, sha, side)
@@ -140,7 +147,8 @@ def section(ctx, proto, started, ours, theirs, sha: str = "", error: str = "") -
     head.append(markdown_table(headers, _rows(ours, theirs)))
     head += ["", f"kept: cache entries per layer after the prefill, of {p['prompt']:,}. "
              "CPU s / wall s: the pressed runs (prefill, eviction, continuation) summed over "
-             "the windows, process CPU time and wall time; core 1 was shared with other jobs "
-             "while this ran, so wall time counts their turns too and CPU time is the figure "
-             "to compare. peak: RSS over the RSS before the pressed runs."]
+             "the windows, process CPU time and wall time. The two sides ran at the same "
+             "time, each in its own process, on core 1, which other jobs shared during this "
+             "run: wall time counts their turns too, so CPU time is the figure to compare. "
+             "peak: RSS over the RSS before the pressed runs, per process."]
     return "\n".join(head)

@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     import prunelab
+    import prunelab.log
 
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()

@@ -26,6 +26,7 @@ def main(argv=None) -> None:
     import transformers
 
     import prunelab
+    import prunelab.log
     from prunelab.eval.speed import PeakRSS
     from prunelab.inference import press, press_for
 
