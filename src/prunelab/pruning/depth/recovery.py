@@ -51,21 +51,32 @@ def fit_foldable(runner, index: int, inputs, targets, ridge: float = 1e-6) -> di
     check_additive(ad, index, "foldable")
     mlp_out = ad.residual_branches(index)["mlp"]
     outs, taps = runner.tap(index, inputs, {"m": mlp_out})
+    t, before = foldable_map(outs, taps["m"], targets, ridge)
+    fold_map(ad.mlp_projections(index)["down"], t)
+    return {"error_before": before, "error_after": _error(runner, index, inputs, targets)}
+
+
+def foldable_map(outs, mlps, targets, ridge: float = 1e-6) -> tuple[torch.Tensor, float]:
+    """ReplaceMe's ``T`` (float64 ``[d, d]``: ``m -> m T``) from a block's outputs
+    ``outs``, its MLP outputs ``mlps`` and the dense ``targets`` (one tensor per batch,
+    ``[B, T, d]``), and the summed squared error at the cut before the fit."""
     eq = NormalEquations()
     before = 0.0
-    for out, m, y in zip(outs, taps["m"], targets, strict=True):
+    for out, m, y in zip(outs, mlps, targets, strict=True):
         out, m, y = _rows(out), _rows(m), _rows(y)  # some families flatten tokens (opt)
         rest = out - m
         eq.update(m, y - rest)
         before += float((out - y).pow(2).sum())
-    t = eq.solve(ridge)  # [d, d]: m -> m T
-    down = ad.mlp_projections(index)["down"]
+    return eq.solve(ridge), before
+
+
+def fold_map(down, t: torch.Tensor) -> None:
+    """Fold ``T`` into the down projection ``down``: ``W <- T^T W`` (and ``b <- b T``)."""
     w = weight_out_in(down).detach().double()
     set_weight_out_in(down, t.t().to(w.device) @ w)
     if getattr(down, "bias", None) is not None:
         with torch.no_grad():
             down.bias.copy_((down.bias.double() @ t.to(down.bias.device)).to(down.bias.dtype))
-    return {"error_before": before, "error_after": _error(runner, index, inputs, targets)}
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from prunelab.errors import ConfigError
-from prunelab.log import progress
+from prunelab.log import info, progress
 from prunelab.pruning.depth.strategies.base import STRATEGIES, SelectJob, Strategy
 
 SLEB_SCORES = ("nll", "kl")
@@ -111,15 +111,28 @@ def resume_plan(job: SelectJob, text: str):
     return Plan(units)
 
 
-def search_setup(job: SelectJob, score: str):
+#: greedy searches with recovery in the loop at block granularity take the fast path
+#: (:mod:`prunelab.pruning.depth.fast_loop`: the same plans and scores, fewer block
+#: evaluations); ``False`` runs the straightforward one (kept for comparison and tests)
+FAST_IN_LOOP = True
+
+
+def search_setup(job: SelectJob, score: str, fast: bool | None = None):
     """``(scorer, budget, evals0)`` of a search on ``job`` (the context cached first, so
-    the count excludes the dense pass)."""
+    the count excludes the dense pass). ``fast`` (default :data:`FAST_IN_LOOP`): a
+    :class:`~prunelab.pruning.depth.fast_loop.FastScorer` for recovery in the loop at
+    block granularity."""
     from prunelab.pruning.depth.removal_plan import PlanScorer
     from prunelab.pruning.depth.search_budget import budget_for
 
     cfg = job.cfg
     job.ctx.ensure_cached()
-    if cfg.recovery_in_loop and cfg.holdout > 0:
+    fast = FAST_IN_LOOP if fast is None else fast
+    if fast and cfg.recovery_in_loop and cfg.granularity == "block":
+        from prunelab.pruning.depth.fast_loop import FastScorer
+
+        scorer = FastScorer(job.ctx, score, cfg.recovery, cfg.holdout)
+    elif cfg.recovery_in_loop and cfg.holdout > 0:
         from prunelab.pruning.depth.holdout import HoldoutScorer
 
         scorer = HoldoutScorer(job.ctx, score, cfg.recovery, cfg.holdout)
@@ -148,13 +161,14 @@ def search_result(job: SelectJob, plan, how: dict, evals0: float) -> tuple[list,
 
 
 def greedy_search(job: SelectJob, score: str, protect_ends: bool,
-                  resume: str = "") -> tuple[list, dict]:
+                  resume: str = "", fast: bool | None = None) -> tuple[list, dict]:
     """SLEB's loop over blocks or sub-blocks (see module docstring); ``how`` records each
     step's choice, its score, its score without its own cut repaired and the cumulative
     block evaluations and seconds. With :func:`share_greedy_runs` on the context, a
     finished run reaching the budget answers it with its prefix. ``resume``: start from
     these removals (``Sleb.resume``; greedy removal is nested, so resuming from a run's
-    prefix continues that run exactly; raw searches only)."""
+    prefix continues that run exactly; raw searches only). ``fast``: see
+    :func:`search_setup`. Each step ends with a status line (``prunelab.log.info``)."""
     from prunelab.pruning.depth.removal_plan import Plan, PlanStates, cut_block, cuts_of, unit_name
     from prunelab.pruning.depth.search_budget import candidates
 
@@ -164,14 +178,15 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
     start = resume_plan(job, resume)
     memo = getattr(job.ctx, "greedy_runs", None)
     key = (*_run_key(job.cfg, score, protect_ends), tuple(sorted(start.removed)))
-    scorer, budget, evals0 = search_setup(job, score)
+    scorer, budget, evals0 = search_setup(job, score, fast)
     if start.removed and budget.done(start.removed):
         raise ConfigError("--sleb-resume already reaches the budget: nothing to search")
     if memo is not None and key in memo:
         hit = _prefix(memo[key], budget)
         if hit is not None:
             return hit
-    states, plan, steps, snaps = PlanStates(scorer), start, [], []
+    states = scorer.states() if hasattr(scorer, "states") else PlanStates(scorer)
+    plan, steps, snaps = start, [], []
     in_loop = scorer.recovery is not None
     t0 = time.perf_counter()
     if start.removed:
@@ -182,7 +197,7 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
         if not cands:
             raise ConfigError("sleb: no block left to remove within the budget")
         best = None
-        for units in progress(cands, desc=f"sleb step {len(steps) + 1}"):
+        for units in progress(cands, total=len(cands), desc=f"sleb step {len(steps) + 1}"):
             s = scorer.candidate(plan, units, states)
             if best is None or s.value < best[0].value:
                 best = (s, units)
@@ -200,6 +215,7 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
                       "seconds": time.perf_counter() - t0})
         snaps.append(Plan(plan.removed, {c: (True if f is not None else None)
                                          for c, f in plan.fixes.items()}))
+        info(step_line(steps, budget, score, in_loop))
     how = {"strategy": "sleb", "score": score, "protect_ends": protect_ends,
            **budget.describe(), "steps": steps}
     if start.removed:
@@ -211,6 +227,17 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
     if memo is not None:
         memo[key] = GreedyRun(SimpleNamespace(cfg=job.cfg, ctx=job.ctx), how, snaps)
     return chosen
+
+
+def step_line(steps: list, budget, score: str, in_loop: bool) -> str:
+    """The status line of the last greedy step: what it removed, its score (and without
+    its own repair), the cumulative block evaluations (of the search context) and time."""
+    st = steps[-1]
+    goal = f"/{budget.blocks}" if budget.blocks is not None else ""
+    what = st["removed"] if isinstance(st["removed"], list) else f"block {st['removed']}"
+    raw = f" (without its repair {st['score_without_recovery']:.4f})" if in_loop else ""
+    return (f"sleb step {len(steps)}{goal}: removed {what}, {score} {st['score']:.4f}{raw}; "
+            f"{st['block_evaluations']:.0f} block evaluations, {st['seconds']:.0f} s")
 
 
 def share_greedy_runs(ctx) -> dict:
