@@ -36,7 +36,7 @@ def needle_windows(tokenizer, haystacks: torch.Tensor, horizon: int, seed: int =
                    depths: tuple[float, float] = (0.1, 0.9)) -> tuple[torch.Tensor, list[dict]]:
     """``[N, T]`` needle windows of the same length as ``haystacks`` (``[N, T]`` corpus
     windows, framed as the tokenizer frames a sequence: a leading BOS stays first) and, per
-    window, ``{"key", "depth", "needle_at", "answer_at"}``.
+    window, ``{"key", "depth", "needle_at", "question_at", "answer_at"}``.
 
     Each window: haystack tokens, the needle sentence inserted at a seeded random relative
     depth in ``depths`` of the prompt's haystack, the question ending the prompt (the first
@@ -70,7 +70,8 @@ def needle_windows(tokenizer, haystacks: torch.Tensor, horizon: int, seed: int =
         row = torch.cat([hay[:at], needle, hay[at:body], question, answer,
                          hay[body:body + fill]])
         rows.append(row)
-        info.append({"key": key, "depth": depth, "needle_at": at, "answer_at": prompt})
+        info.append({"key": key, "depth": depth, "needle_at": at,
+                     "question_at": prompt - question.numel(), "answer_at": prompt})
     return torch.stack(rows), info
 
 
