@@ -41,13 +41,21 @@ def test_import_leaves_torch_out():
     assert res.returncode == 0, res.stderr
 
 
+@pytest.fixture(scope="module")
+def catalog_cache(tmp_path_factory):
+    """One catalog cache for the help checks: the first builds the catalog in its child
+    process (the path of a first run), the others read it back (every later run); building
+    it costs a torch import each time, and rebuilding is checked below."""
+    return tmp_path_factory.mktemp("catalog")
+
+
 @pytest.mark.parametrize("args", [["--help"], ["prune", "--help"],
                                   ["prune", "sparsity", "--help"], ["prune", "depth", "--help"],
                                   ["prune", "width", "--help"], ["probe", "--help"],
                                   ["heal", "--help"], ["eval", "--help"],
                                   ["prune", "factor", "--help"]])
-def test_help_imports_no_torch(args, tmp_path):
-    res = python("-c", PROBE, json.dumps(args), env={"PRUNELAB_CACHE": str(tmp_path)})
+def test_help_imports_no_torch(args, catalog_cache):
+    res = python("-c", PROBE, json.dumps(args), env={"PRUNELAB_CACHE": str(catalog_cache)})
     assert res.returncode == 0, res.stderr
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["code"] == 0 and got["heavy"] == []
