@@ -113,3 +113,59 @@ def test_needle_retrieval_runs_each_mode_on_needle_windows():
     plain = [needle_retrieval(lm, SnapKV(ratio=0.0), hay, mode, horizon=10, new_tokens=6)
              for mode in ("prompt", "after", "aware")]
     assert plain[0]["windows"] == plain[1]["windows"] == plain[2]["windows"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny_models import save_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("query_cli")
+    save_tiny_checkpoint("llama", root / "model")
+    return root
+
+
+def _generate(tiny_dir, *extra, prompt=None):
+    from tiny_models import SAMPLE_TEXT, cli_inproc
+
+    return cli_inproc("generate", "--model", str(tiny_dir / "model"), "--prompt",
+                      prompt or SAMPLE_TEXT[:60], "--max-new-tokens", "4", *extra)
+
+
+def test_generate_with_a_question(tiny_dir):
+    """--question without a mode is the prompt followed by the question (the default,
+    unchanged); each mode runs; adakv and pyramidkv are presses of generate with their
+    scorer options as flags."""
+    from tiny_models import SAMPLE_TEXT
+
+    base = _generate(tiny_dir, "--press", "snapkv", "--budget", "remove-cache:0.5",
+                     "--press-window", "4", prompt=SAMPLE_TEXT[:60] + " Who?")
+    same = _generate(tiny_dir, "--press", "snapkv", "--budget", "remove-cache:0.5",
+                     "--press-window", "4", "--question", " Who?")
+    assert base.returncode == 0 and same.returncode == 0, same.stderr
+    assert base.stdout.splitlines()[0] == same.stdout.splitlines()[0]
+    for mode in ("after", "aware"):
+        res = _generate(tiny_dir, "--press", "adakv", "--budget", "remove-cache:0.5",
+                        "--press-scorer", "knorm", "--question", " Who?", "--question-mode",
+                        mode)
+        assert res.returncode == 0, res.stderr
+        assert "entries" in res.stdout and "question" in res.stdout
+    res = _generate(tiny_dir, "--press", "pyramidkv", "--budget", "remove-cache:0.5",
+                    "--press-beta", "2", "--press-floor", "2", "--press-scorer-options",
+                    "window=4,kernel=3")
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (("--question-mode", "aware"), "--question-mode applies with --question TEXT only"),
+    (("--question", "Who?", "--question-mode", "aware"), "--question-mode needs --press"),
+    (("--question", "Who?", "--question-mode", "sideways", "--press", "snapkv"),
+     "--question-mode must be one of prompt, after, aware"),
+    (("--question", "Who?", "--question-mode", "aware", "--press", "snapkv",
+      "--press-window", "8"), "the question is SnapKV's observation window"),
+    (("--question", "Who?", "--question-mode", "aware", "--press", "lazyllm"),
+     "query-aware compression needs a KV-cache press"),
+])
+def test_generate_question_conflicts_are_one_line_errors(tiny_dir, extra, msg):
+    res = _generate(tiny_dir, *extra)
+    assert res.returncode == 2 and msg in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

@@ -195,10 +195,20 @@ def generate_cmd(
             None, "--press-option", help="KEY=VALUE: any option of the press "
             "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL), "
             "needles=N (with fit=kl: N key-retrieval windows join the fit)"),
+        question: Optional[str] = typer.Option(
+            None, help="a question asked after the prompt (the context; @FILE reads a "
+            "file), placed as --question-mode says"),
+        question_mode: Optional[str] = typer.Option(
+            None, help="with --question and --press: prompt (context and question pressed "
+            "as one prompt), after (the context compressed alone, the question appended: "
+            "kvpress' pipeline) or aware (the question scores the context and is kept); "
+            "default prompt"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt):
     """Greedy generation, optionally under an inference-time press (KV-cache eviction or
-    prefill token pruning); prints the text, the kept prompt tokens and the cache bytes."""
+    prefill token pruning); prints the text, the kept prompt tokens and the cache bytes.
+    With --question, the prompt is the context and --question-mode where the question goes
+    (prunelab.inference.query)."""
     import time
 
     import torch
@@ -215,23 +225,58 @@ def generate_cmd(
     if lm.is_encoder or lm.tokenizer is None:
         raise ConfigError(f"{model} cannot generate (an encoder, or no tokenizer)")
     ids = lm.tokenizer(text, return_tensors="pt")["input_ids"].to(lm.device)
-    check_positions(lm, ids.shape[1], max_new_tokens)
+    asked = _question_ids(lm, question, question_mode, press_name)
+    check_positions(lm, ids.shape[1] + (0 if asked is None else asked.shape[1]),
+                    max_new_tokens)
     with _press_context(lm, press_name, press_ratio, press_options, 1.0,
                         values(ctx)) as session:
         start = time.perf_counter()
-        with torch.no_grad():
-            gen = lm.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                                    pad_token_id=lm.tokenizer.eos_token_id)
+        if asked is not None:
+            from prunelab.inference.query import answer
+
+            gen, _ = answer(lm, ids, asked, max_new_tokens, question_mode or "prompt",
+                            eos=lm.tokenizer.eos_token_id)
+            gen = torch.cat([ids, asked, gen], 1)
+            ids = torch.cat([ids, asked], 1)
+        else:
+            with torch.no_grad():
+                gen = lm.model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                        pad_token_id=lm.tokenizer.eos_token_id)
         seconds = time.perf_counter() - start
     new = gen[0, ids.shape[1]:]
     out.print(lm.tokenizer.decode(new, skip_special_tokens=True))
     t = Table(show_header=False)
     t.add_row("prompt tokens", str(ids.shape[1]))
+    if asked is not None:
+        t.add_row("question tokens", f"{asked.shape[1]} (the last of the prompt; mode "
+                  f"{question_mode or 'prompt'})")
     t.add_row("generated tokens", f"{len(new)} in {seconds:.2f} s")
     if session is not None:
         for k, v in _press_report(session)["last_prefill"].items():
             t.add_row(k.replace("_", " "), f"{v:,}" if isinstance(v, int) else str(v))
     out.print(t)
+
+
+def _question_ids(lm, question, mode, press_name):
+    """``--question`` as ``[1, Q]`` token ids (no special tokens), or ``None``; a mode
+    without a question, or without a press to place it for, is an error."""
+    from prunelab.errors import ConfigError
+    from prunelab.inference.query import MODES
+
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"--question-mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if question is None:
+        if mode is not None:
+            raise ConfigError("--question-mode applies with --question TEXT only")
+        return None
+    if mode is not None and press_name is None:
+        raise ConfigError("--question-mode needs --press NAME (without a press the question "
+                          "simply follows the prompt)")
+    ids = lm.tokenizer(prompt_text(question), add_special_tokens=False,
+                       return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:
+        raise ConfigError("--question has no tokens")
+    return ids.to(lm.device)
 
 
 def prompt_text(prompt: str) -> str:
