@@ -17,7 +17,7 @@ import prunelab
 from prunelab.cli import cli_main, plugins
 from prunelab.pruning import METHODS
 
-from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
+from tiny_models import SAMPLE_TEXT, cli_here, save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "one_file_method.py"
@@ -83,21 +83,27 @@ def test_a_run_uses_the_plugin_option(tmp_path, forget_plugin, capsys):
     assert "error: --power does not apply to --method wanda" in cap.out + cap.err
 
 
-def test_missing_or_broken_plugin_is_a_one_line_error(tmp_path):
-    res = cli("--plugin", str(tmp_path / "nope.py"), "prune", "sparsity", "--help")
+def test_missing_or_broken_plugin_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """In this process (the plugin file and the environment are what the command reads),
+    except the --help of a broken plugin: only a new interpreter (no torch yet) builds the
+    catalog in a child, whose failure is then raised in the parent."""
+    monkeypatch.delenv("PRUNELAB_PLUGINS", raising=False)
+    monkeypatch.setenv("PRUNELAB_CACHE", str(tmp_path / "cache"))
+    res = cli_here(capsys, "--plugin", str(tmp_path / "nope.py"), "prune", "sparsity",
+                   "--help")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [f"error: --plugin {tmp_path / 'nope.py'}: "
                                                "no such file"]
     bad = tmp_path / "bad.py"
     bad.write_text("raise RuntimeError('boom')\n")
-    env = {"PRUNELAB_CACHE": str(tmp_path / "cache")}
-    for args in (["--plugin", str(bad), "info", "--model", "x"],
-                 ["--plugin", str(bad), "prune", "sparsity", "--help"]):
-        res = cli(*args, env=env)
+    for res in (cli_here(capsys, "--plugin", str(bad), "info", "--model", "x"),
+                cli("--plugin", str(bad), "prune", "sparsity", "--help",
+                    env={"PRUNELAB_CACHE": str(tmp_path / "cache")})):
         assert res.returncode == 2, res.stdout + res.stderr
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: cannot load plugin {bad}")
         assert "RuntimeError: boom" in lines[0]
-    res = cli("info", "--model", "x", env={**env, "PRUNELAB_PLUGINS": "no_such_module_xyz"})
+    monkeypatch.setenv("PRUNELAB_PLUGINS", "no_such_module_xyz")
+    res = cli_here(capsys, "info", "--model", "x")
     assert res.returncode == 2
     assert res.stderr.strip() == "error: plugin no_such_module_xyz: no such module"
