@@ -36,11 +36,17 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from prunelab.errors import ConfigError, PressedCacheError, UnsupportedOperationError
+from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.inference import budgets, kv
 from prunelab.inference.config import H2O, PRESSES, TOVA, Press, StreamingLLM
 from prunelab.inference.decay import DecayEviction, decay_scores
 from prunelab.inference.expected import ExpectedAttention, rope_function
+from prunelab.inference.guard import (
+    _STEPPING,
+    PressedDynamicCache,  # noqa: F401 (re-exported)
+    _mark_pressed,
+    _PressedCache,
+)
 from prunelab.inference.prefill import TokenPruner
 from prunelab.inference.scores import attention_rows
 from prunelab.models.loading import LoadedModel, wrap
@@ -48,7 +54,6 @@ from prunelab.registry import check_range
 
 _PREFIX = "prunelab_press_"
 _SESSIONS: dict[int, Session] = {}
-_STEPPING: set[int] = set()  # ids of the caches inside a press' forward right now
 _BYPASS_BASE = {"opt"}
 _NO_PREFILL = {"gpt2"}
 
@@ -71,42 +76,6 @@ def _wrapped(impl: str):
 for _impl, _mask in (("eager", eager_mask), ("sdpa", sdpa_mask)):
     AttentionInterface.register(_PREFIX + _impl, _wrapped(_impl))
     AttentionMaskInterface.register(_PREFIX + _impl, _mask)
-
-
-class _PressedCache:
-    """Mixed into a cache once a press has compressed it: its ``update`` (called by every
-    attention block of a forward) refuses to run outside a press' forward, where the
-    model would take the shrunken cache length for the position of the new tokens."""
-
-    prunelab_seen: int = 0
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        if id(self) not in _STEPPING:
-            raise PressedCacheError(
-                f"this KV cache was compressed by a press ({self.prunelab_seen} tokens seen, "
-                f"{self.get_seq_length()} kept in block 0): continue it inside a `with "
-                f"press(...)` block, which numbers new tokens from {self.prunelab_seen}; "
-                "outside one the model would number them from the shrunken length (wrong "
-                "positions)")
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-
-class PressedDynamicCache(_PressedCache, DynamicCache):
-    """A :class:`~transformers.DynamicCache` a press has compressed (see
-    :class:`_PressedCache`)."""
-
-
-_PRESSED_CLASSES: dict[type, type] = {DynamicCache: PressedDynamicCache}
-
-
-def _mark_pressed(cache, seen: int) -> None:
-    """Record the tokens ``cache`` has seen and guard it against use outside a press."""
-    if not isinstance(cache, _PressedCache):
-        cls = type(cache)
-        if cls not in _PRESSED_CLASSES:
-            _PRESSED_CLASSES[cls] = type("Pressed" + cls.__name__, (_PressedCache, cls), {})
-        cache.__class__ = _PRESSED_CLASSES[cls]
-    cache.prunelab_seen = seen
 
 
 def active_session(lm) -> Session | None:
