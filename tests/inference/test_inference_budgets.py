@@ -31,6 +31,20 @@ def test_registered_with_their_defaults_and_scorer_options():
         PyramidKV(beta=0.5)
 
 
+def test_recipes_round_trip_the_wrappers():
+    """A recipe stores a press as its fields (the scorer by name and options): reading it
+    back gives the same wrapper, scorer included."""
+    from prunelab.registry import to_dict
+
+    for cfg in (AdaKV(ratio=0.4, scorer="h2o", scorer_options=("recent=0.25",),
+                      alpha_safeguard=0.5),
+                PyramidKV(ratio=0.6, beta=4.0, floor=8, scorer_options=("window=16",))):
+        d = to_dict(cfg)
+        assert d["name"] == cfg.registry_name and isinstance(d["scorer_options"], list)
+        back = PRESSES.from_dict(d)
+        assert back == cfg and back.base == cfg.base
+
+
 def test_adakv_selection_by_hand():
     scores = torch.tensor([[[0.9, 0.8, 0.7, 0.6, 0.1, 0.0],
                             [0.05, 0.2, 0.02, 0.01, 0.03, 0.5]]])
