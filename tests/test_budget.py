@@ -169,15 +169,28 @@ def test_retired_hints():
     (["prune", "tokens", "--keep", "0.5"], "--budget keep-tokens:F"),
     (["sweep", "depth", "--remove", "1..3"], "--budget remove-blocks:N..M"),
 ])
-def test_retired_flag_is_one_line_error(argv, new, tmp_path):
-    """In a child process (the real entry point): exit 2, one line naming the new
-    spelling, nothing written."""
+def test_retired_flag_is_one_line_error(argv, new, tmp_path, capsys):
+    """Exit 2, one line naming the new spelling, nothing written (in this process; the
+    real entry point is checked once below)."""
+    from tiny_models import cli_here
+
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, "-m", "prunelab", *argv, "--out", str(out)],
-                         capture_output=True, text=True, timeout=120)
+    res = cli_here(capsys, *argv, "--out", str(out))
     assert res.returncode == 2, res.stderr
     lines = (res.stdout + res.stderr).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and new in lines[0], lines
+    assert "Traceback" not in res.stderr and not out.exists()
+
+
+def test_retired_flag_in_a_child_process(tmp_path):
+    """The same through the real entry point (``python -m prunelab``)."""
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "prunelab", "prune", "depth", "--remove", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(
+        "--remove was replaced by --budget remove-blocks:N"), lines
     assert "Traceback" not in res.stderr and not out.exists()
 
 
