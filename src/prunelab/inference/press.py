@@ -63,8 +63,9 @@ def _wrapped(impl: str):
         session = _SESSIONS.get(id(module))
         if session is not None:
             session.on_attention(module, query, key, {**kwargs, "value": value})
-            attention_mask = budgets.layer_mask(session.cache, module.layer_idx, query, key,
-                                                attention_mask, impl)
+            if session.phase is not None:  # a step on session.cache: its holes, if any
+                attention_mask = budgets.layer_mask(session.cache, module.layer_idx, query,
+                                                    key, attention_mask, impl)
         if impl == "eager":  # the model's own eager function (softcapping, sinks, ...)
             fn = sys.modules[type(module).__module__].eager_attention_forward
         else:
