@@ -108,3 +108,38 @@ def test_every_step_prints_a_status_line_unless_quiet(monkeypatch, capsys):
         assert "sleb step" not in capsys.readouterr().err
     finally:
         log.set_quiet(False)
+
+
+@pytest.mark.parametrize("recovery,in_loop,granularity", [
+    ("foldable", True, "block"), ("ghost", True, "block"), ("none", False, "block"),
+    ("ghost", True, "sublayer")])
+def test_workers_give_the_serial_choice_scores_and_costs(recovery, in_loop, granularity,
+                                                         monkeypatch):
+    """Candidates scored in 3 processes (forked): the same steps, scores, repaired cuts
+    and block evaluations as one process (the taps gathered in the workers come back)."""
+    from prunelab.pruning.depth.strategies import sleb
+
+    monkeypatch.setattr(sleb, "FAST_IN_LOOP", True)
+    lm = _lm("llama")
+    out = []
+    for workers in (1, 3):
+        cfg = Depth(select=Sleb(score="nll", workers=workers), remove=4, recovery=recovery,
+                    recovery_in_loop=in_loop, granularity=granularity,
+                    **({"recovery_holdout": 0.25} if in_loop else {}))
+        out.append(select(lm, cfg, ProbeContext(lm, IDS, batch_size=2), 4))
+    (one, how1), (many, how3) = out
+    assert many == one and how3["workers"] == 3 and "workers" not in how1
+    assert how3.get("repaired_cuts") == how1.get("repaired_cuts")
+    for a, b in zip(how3["steps"], how1["steps"], strict=True):
+        assert a["removed"] == b["removed"]
+        assert a["score"] == b["score"]
+        assert a["score_without_recovery"] == b["score_without_recovery"]
+    assert how3["block_evaluations"] == how1["block_evaluations"]
+
+
+def test_workers_must_be_a_positive_integer():
+    from prunelab.errors import ConfigError
+
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="sleb workers"):
+            Sleb(workers=bad)

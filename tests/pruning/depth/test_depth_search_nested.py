@@ -113,6 +113,11 @@ def _window(ids: torch.Tensor) -> list[int]:
 
 
 def test_holdout_fits_and_scores_on_disjoint_windows(monkeypatch):
+    """The straightforward path (its fits and scores are spied on here); the fast path
+    gives the same scores (tests/pruning/depth/test_depth_fast_loop.py)."""
+    from prunelab.pruning.depth.strategies import sleb
+
+    monkeypatch.setattr(sleb, "FAST_IN_LOOP", False)
     lm = _lm(seed=1)
     ctx = ProbeContext(lm, IDS, batch_size=1)  # one window per batch
     fitted, scored = [], []

@@ -48,15 +48,24 @@ class Sleb(Strategy):
                 "sub-blocks (5:attention,16:mlp), e.g. the steps of an interrupted or "
                 "smaller run; not with --recovery-in-loop"})
 
+    workers: int = field(default=1, metadata={
+        "cli": "sleb_workers",
+        "help": "sleb: score each step's candidates in this many processes (Linux fork; "
+                "the same choice and scores as one)"})
+
     uses_probe = False
 
     def __post_init__(self):
         if self.score not in SLEB_SCORES:
             raise ConfigError(f"sleb score must be nll or kl, got {self.score!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or \
+                self.workers < 1:
+            raise ConfigError(f"sleb workers must be an integer >= 1, got {self.workers!r}")
         parse_resume(self.resume)
 
     def choose(self, job: SelectJob) -> tuple[list, dict]:
-        return greedy_search(job, self.score, self.protect_ends, self.resume)
+        return greedy_search(job, self.score, self.protect_ends, self.resume,
+                             workers=self.workers)
 
 
 def parse_resume(text: str) -> tuple:
@@ -161,14 +170,17 @@ def search_result(job: SelectJob, plan, how: dict, evals0: float) -> tuple[list,
 
 
 def greedy_search(job: SelectJob, score: str, protect_ends: bool,
-                  resume: str = "", fast: bool | None = None) -> tuple[list, dict]:
+                  resume: str = "", fast: bool | None = None,
+                  workers: int = 1) -> tuple[list, dict]:
     """SLEB's loop over blocks or sub-blocks (see module docstring); ``how`` records each
     step's choice, its score, its score without its own cut repaired and the cumulative
     block evaluations and seconds. With :func:`share_greedy_runs` on the context, a
     finished run reaching the budget answers it with its prefix. ``resume``: start from
     these removals (``Sleb.resume``; greedy removal is nested, so resuming from a run's
     prefix continues that run exactly; raw searches only). ``fast``: see
-    :func:`search_setup`. Each step ends with a status line (``prunelab.log.info``)."""
+    :func:`search_setup`; ``workers``: processes scoring each step's candidates
+    (:mod:`prunelab.pruning.depth.parallel`). Each step ends with a status line
+    (``prunelab.log.info``)."""
     from prunelab.pruning.depth.removal_plan import Plan, PlanStates, cut_block, cuts_of, unit_name
     from prunelab.pruning.depth.search_budget import candidates
 
@@ -196,12 +208,19 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
                            protect_ends)
         if not cands:
             raise ConfigError("sleb: no block left to remove within the budget")
-        best = None
-        for units in progress(cands, total=len(cands), desc=f"sleb step {len(steps) + 1}"):
-            s = scorer.candidate(plan, units, states)
-            if best is None or s.value < best[0].value:
-                best = (s, units)
-        s, units = best
+        if workers > 1:
+            from prunelab.pruning.depth.parallel import score_step
+
+            s, _ = score_step(scorer, plan, cands, states, workers)
+            units = s.plan.removed - plan.removed
+        else:
+            best = None
+            for units in progress(cands, total=len(cands),
+                                  desc=f"sleb step {len(steps) + 1}"):
+                s = scorer.candidate(plan, units, states)
+                if best is None or s.value < best[0].value:
+                    best = (s, units)
+            s, units = best
         plan = s.plan
         if in_loop:
             cut = next(c for c in cuts_of(plan.removed) if c[0] <= min(units) <= c[1])
@@ -218,10 +237,12 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
         info(step_line(steps, budget, score, in_loop))
     how = {"strategy": "sleb", "score": score, "protect_ends": protect_ends,
            **budget.describe(), "steps": steps}
+    if workers > 1:
+        how["workers"] = workers
     if start.removed:
         how["resumed_from"] = [list(unit_name(u)) for u in sorted(start.removed)] \
             if job.cfg.granularity == "sublayer" else sorted({u // 2 for u in start.removed})
-    if hasattr(scorer, "describe"):
+    if hasattr(scorer, "describe") and scorer.fraction > 0:  # fast path: also at 0
         how["holdout_split"] = scorer.describe()
     chosen = search_result(job, plan, how, evals0)
     if memo is not None:
