@@ -32,7 +32,7 @@ Run (defaults are the issue's protocol)::
 
     python benchmarks/depth_search.py [--calib 32 --test 32 --seqlen 256 --test-seqlen 512]
         [--removes 4,6,8] [--rows sleb:ghost,sleb:ghost:loop] [--json out.json]
-        [--no-nested] [--holdout 0.25]
+        [--no-nested] [--holdout 0.25] [--workers 2] [--no-fast] [--threads 1]
 
 ``--json`` is rewritten after every row, so an interrupted run still leaves its table.
 """
@@ -58,10 +58,11 @@ def all_rows() -> list[str]:
 
 def make_config(row: str, remove: int, holdout: float | None = None,
                 search_windows: int | None = None, plans: dict | None = None,
-                resume: str = ""):
+                resume: str = "", workers: int = 1):
     """The Depth config of a row label (``holdout``: recovery_holdout of ``:loop`` rows;
     ``search_windows``: the search rows score candidates on that many windows;
-    ``resume``: sleb / sublayer rows continue a search from these removals)."""
+    ``resume``: sleb / sublayer rows continue a search from these removals; ``workers``:
+    processes scoring a sleb / sublayer step's candidates)."""
     from prunelab.pruning import Beam, Depth, Sleb
 
     method, recovery, *loop = row.split(":")
@@ -80,9 +81,10 @@ def make_config(row: str, remove: int, holdout: float | None = None,
     if method == "beam":
         return Depth(probe="block-influence", select=Beam(), **kw)
     if method == "sleb":
-        return Depth(select=Sleb(score="nll", resume=resume), **kw)
+        return Depth(select=Sleb(score="nll", resume=resume, workers=workers), **kw)
     if method == "sublayer":
-        return Depth(select=Sleb(score="nll", resume=resume), granularity="sublayer", **kw)
+        return Depth(select=Sleb(score="nll", resume=resume, workers=workers),
+                     granularity="sublayer", **kw)
     if method == "plan":
         if loop:
             raise SystemExit(f"error: {row}: a given plan has no search to loop over")
@@ -95,7 +97,7 @@ def make_config(row: str, remove: int, holdout: float | None = None,
 def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
             holdout: float | None = None, search_windows: int | None = None,
             shared: dict | None = None, plans: dict | None = None,
-            resume: str = "") -> dict:
+            resume: str = "", workers: int = 1) -> dict:
     """Prune a copy of ``lm`` by ``row``, evaluate it on ``test``. A nested greedy row
     answered from a larger run adds that run's prefix cost (``search_*``) to its own.
 
@@ -110,7 +112,7 @@ def run_row(lm, ctx, row: str, remove: int, calib, test, batch_size: int,
     from prunelab.pruning.depth.surgery import prune_depth
 
     work = copy.deepcopy(lm)
-    cfg = make_config(row, remove, holdout, search_windows, plans, resume)
+    cfg = make_config(row, remove, holdout, search_windows, plans, resume, workers)
     method, _, *loop = row.split(":")
     key = (remove, search_windows) if method == "beam" and not loop else None
     reuse = shared.get(key) if (shared is not None and key is not None) else None
@@ -202,20 +204,36 @@ def main() -> None:
                     "removals (blocks 5,16 or sub-blocks 5:attention,16:mlp; the steps of a "
                     "smaller run: greedy runs are nested); one count in --removes; "
                     "block evaluations and seconds are then those of the continuation")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="sleb / sublayer rows: processes scoring each step's candidates "
+                    "(Sleb.workers; the same choice)")
+    ap.add_argument("--fast", action=argparse.BooleanOptionalAction, default=True,
+                    help="sleb / sublayer :loop rows at block granularity: the fast path "
+                    "(prunelab.pruning.depth.fast_loop); --no-fast runs the straightforward "
+                    "one (the same choice and scores, for comparison)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's)")
     ap.add_argument("--progress", action="store_true",
                     help="show progress on stderr (loading, each search step); "
                     "default quiet: rows print when they end")
     args = ap.parse_args()
 
+    import torch
+
     import prunelab
     from prunelab import api
     from prunelab.probes import ProbeContext
+    from prunelab.pruning.depth.strategies import sleb as sleb_strategy
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sleb_strategy.FAST_IN_LOOP = args.fast
     rows = [r for r in args.rows.split(",") if r]
     plans = parse_plans(args.plans)
     for r in rows:
         for n in ([int(x) for x in args.removes.split(",")] if r.startswith("plan:") else [1]):
-            make_config(r, n, plans=plans, resume=args.resume)  # refuse bad rows early
+            make_config(r, n, plans=plans, resume=args.resume,
+                        workers=args.workers)  # refuse bad rows early
     if args.resume and "," in args.removes:
         raise SystemExit("error: --resume continues one search: give one count in --removes")
     prunelab.log.set_quiet(not args.progress)
@@ -237,7 +255,8 @@ def main() -> None:
     points, shared = [], {}
     for row, n in plan_rows(rows, [int(x) for x in args.removes.split(",")], args.nested):
         points.append(run_row(lm, ctx, row, n, calib, test, args.batch_size, args.holdout,
-                              args.search_windows, shared, plans, args.resume))
+                              args.search_windows, shared, plans, args.resume,
+                              args.workers))
         print(json.dumps(points[-1]), flush=True)
         if args.json:
             write_json(args.json, dense, points, args)
