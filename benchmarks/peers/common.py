@@ -190,7 +190,9 @@ def run_worker(python, script: Path, spec: dict, workdir: Path, tag: str,
     """Run ``script`` under ``python`` in a fresh process on ``spec``; its JSON result.
 
     The spec goes in as ``<workdir>/<tag>.spec.json``; stdout and stderr go to
-    ``<tag>.log``. A failed job returns ``{"error": ..., "log": ...}`` with the log's last
+    ``<tag>.log``. The job gets its own session (``start_new_session``: on Linux with
+    autogroup scheduling, concurrent jobs on a shared core are then scheduled as separate
+    groups, not as one). A failed job returns ``{"error": ..., "log": ...}`` with the log's last
     lines, never raises (one peer's failure must not stop the others).
     """
     workdir.mkdir(parents=True, exist_ok=True)
@@ -203,7 +205,8 @@ def run_worker(python, script: Path, spec: dict, workdir: Path, tag: str,
     try:
         with open(log_path, "w") as fh:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**os.environ, **ONE_THREAD}).returncode
+                                env={**os.environ, **ONE_THREAD},
+                                start_new_session=True).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
     if rc != 0 or not result_path.is_file():

@@ -45,6 +45,8 @@ def run(ctx) -> tuple[str, dict]:
     proto = protocol(ctx.quick)
     if ctx.ratios:
         proto["ratios"] = tuple(ctx.ratios)
+    if ctx.windows:
+        proto["windows"] = ctx.windows
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     try:
         py, versions = common.ensure_venv("kvpress", [PIN, "psutil"],

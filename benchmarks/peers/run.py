@@ -48,6 +48,7 @@ class Context:
     machine: str
     command: str
     ratios: tuple[float, ...] | None = None
+    windows: int | None = None
 
 
 def git_commit() -> str:
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m", help="prunelab model spec")
     ap.add_argument("--ratios", help="comma-separated budgets instead of the peer's own "
                     "(kvpress: fractions of the cache removed, default 0.25,0.5,0.75)")
+    ap.add_argument("--windows", type=int, help="kvpress: test windows instead of the "
+                    "protocol's (full 6, quick 2)")
     ap.add_argument("--out", help=f"page to update (default {PAGE.relative_to(common.ROOT)}; "
                     "with --quick .bench/peers/peers-quick.md)")
     args = ap.parse_args(argv)
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                   workdir=common.BENCH / ("work-quick" if args.quick else "work"),
                   commit=git_commit(), machine=machine(), command=command,
                   ratios=tuple(float(r) for r in args.ratios.split(",")) if args.ratios
-                  else None)
+                  else None, windows=args.windows)
     failed = 0
     for name in names:
         mod = __import__(MODULES[name])
