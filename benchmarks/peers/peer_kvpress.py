@@ -120,7 +120,9 @@ def section(ctx, proto, started, ours, theirs, sha: str = "", error: str = "") -
     if error:
         return "\n".join(head + [f"Not run: {error}"])
     p = proto
-    head += [f"{ctx.model}, float32, CPU, eager attention; {p['windows']} windows of "
+    attn = (ours or {}).get("attn_implementation", "?")
+    head += [f"{ctx.model}, float32, CPU, `{attn}` attention on both sides; {p['windows']} "
+             f"windows of "
              f"{p['prompt']:,} prompt + {p['continuation']} continuation tokens of "
              f"`wiki-vital:test` (token ids sha256 `{sha[:16]}`, checked by both sides). "
              "The prompt is prefilled under the press, the continuation runs on the "

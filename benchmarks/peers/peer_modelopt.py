@@ -1,7 +1,8 @@
 """Peer: NVIDIA ModelOpt (``nvidia-modelopt`` 0.47.0), Minitron-style width / depth pruning.
 
 Installs ModelOpt in ``.bench/peers/modelopt-venv`` (torch 2.13.0 CPU, transformers below
-5.15 as its ``hf`` extra asks) and runs ``worker_modelopt.py``, which tries
+5.15 as its ``hf`` extra asks, and ``requests``, which ``modelopt.torch`` imports without
+declaring it) and runs ``worker_modelopt.py``, which tries
 ``mtp.prune(model, mode="mcore_minitron", ...)`` on the Hugging Face Llama (SmolLM2) on CPU
 at the Torch-Pruning budgets (80 % and 50 % of the parameters kept) with the calibration
 windows as the forward loop. If it runs, the checkpoints would go through the same
@@ -29,9 +30,11 @@ def run(ctx) -> tuple[str, dict]:
             f"Run {started}, commit `{ctx.commit}`, {ctx.machine}; command: `{ctx.command}`.",
             ""]
     try:
+        # modelopt.torch imports requests without declaring it (0.47.0)
         py, versions = common.ensure_venv("modelopt", [PIN, "transformers>=4.57,<5.15",
-                                                       "psutil"],
-                                          ["modelopt", "torch", "transformers", "psutil"])
+                                                       "psutil", "requests"],
+                                          ["modelopt.torch.prune", "torch", "transformers",
+                                           "psutil"])
     except RuntimeError as exc:
         return "\n".join(head + [f"Could not be installed here: `{exc}`"]), {"error": str(exc)}
     lm = prunelab.load(ctx.model, dtype="float32", device="cpu")

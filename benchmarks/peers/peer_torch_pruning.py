@@ -142,7 +142,8 @@ def section(ctx, started, raw) -> str:
                 continue
             s = sc.get(f"{tag}/{side}", {})
             shape = (f"{tp['heads']} / {tp['kv_heads']} / {tp['intermediate']}"
-                     if side == "torch-pruning" else f"9 / 3 / {res.get('ffn', ['?'])[0]}")
+                     if side == "torch-pruning"
+                     else f"all kept / {res.get('ffn', ['?'])[0]}")
             ours = side != "torch-pruning"
             g = " ".join(x for x in (gap(s.get("perplexity"), s_tp.get("perplexity"), 0.001),
                                      gap(s.get("kl"), s_tp.get("kl"), 0.02)) if x) \
@@ -154,4 +155,14 @@ def section(ctx, started, raw) -> str:
                          ratio(s.get("perplexity"), s_tp.get("perplexity")) if ours else "",
                          ratio(s.get("kl"), s_tp.get("kl")) if ours else "", g or "-"])
     lines.append(markdown_table(headers, rows))
+    for tag, row in raw["results"].items():
+        tp = row["torch-pruning"]
+        if "error" not in tp:
+            failed = [a["error"] for a in tp.get("attempts", []) if "error" in a]
+            lines.append(f"\nR {tag[1:]}: Torch-Pruning's checkpoint has {tp['heads']} query / "
+                         f"{tp['kv_heads']} key-value heads and FFN width {tp['intermediate']} "
+                         f"(uniform over blocks: {tp['uniform']}; importance "
+                         f"`{tp.get('importance')}`)"
+                         + (f"; pruning heads failed first: `{failed[0]}`, so this row is "
+                            "FFN channels only" if failed else "") + ".")
     return "\n".join(lines)

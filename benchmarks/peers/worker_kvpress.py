@@ -2,11 +2,12 @@
 
 kvpress 0.5.5 pins ``transformers<5.3``, older than prunelab's, so it runs in
 ``.bench/peers/kvpress-venv`` and never imports prunelab. It loads the checkpoint that
-prunelab converted (``model_dir``, float32, the same attention implementation as the
-prunelab side), and runs :func:`continuation.run_presses` with kvpress' presses as the
-context (``with press(model):`` registers its forward hooks, which compress the cache at
-the end of the prefill). kvpress leaves the continuation's positions to the caller, so
-they are passed explicitly (``T - C .. T - 1``), as its pipeline does for the question.
+prunelab converted (``model_dir``, float32, the attention implementation prunelab's load
+chose, ``attn_implementation`` in the spec), and runs :func:`continuation.run_presses`
+with kvpress' presses as the context (``with press(model):`` registers its forward
+hooks, which compress the cache at the end of the prefill). kvpress leaves the
+continuation's positions to the caller, so they are passed explicitly
+(``T - C .. T - 1``), as its pipeline does for the question.
 
 Presses (kvpress 0.5.5 class and settings): ``streaming-llm`` StreamingLLMPress (4 sink
 tokens), ``snapkv`` SnapKVPress (window 64, kernel 5, mean pooling: its defaults),
@@ -38,7 +39,8 @@ def make_press(name: str, ratio: float):
 def main(argv=None) -> None:
     spec, result = common.worker_io(argv)
     common.one_thread()
-    import kvpress
+    from importlib.metadata import version
+
     import torch
     import transformers
 
@@ -58,7 +60,7 @@ def main(argv=None) -> None:
                                     peak_rss_cls=common.peak_rss_class(), rss_fn=common.rss)
     out = {"side": "kvpress", "ids_sha256": common.ids_sha256(ids), "rows": rows,
            "attn_implementation": model.config._attn_implementation,
-           "versions": {"kvpress": getattr(kvpress, "__version__", "?"),
+           "versions": {"kvpress": version("kvpress"),
                         "torch": torch.__version__,
                         "transformers": transformers.__version__},
            "threads": torch.get_num_threads()}
