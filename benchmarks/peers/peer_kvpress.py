@@ -83,9 +83,37 @@ def run(ctx) -> tuple[str, dict]:
     for side, res in (("prunelab", ours), ("kvpress", theirs)):
         if "error" not in res:
             common.check_result_ids(res, sha, side)
+    earlier = merge_earlier(ctx, sha, ours, theirs)
     raw = {"protocol": proto, "ids_sha256": sha, "prunelab": ours, "kvpress": theirs,
-           "venv_versions": versions}
-    return section(ctx, proto, started, ours, theirs, sha=sha), raw
+           "venv_versions": versions, "earlier": earlier, "started": started,
+           "commit": ctx.commit}
+    return section(ctx, proto, started, ours, theirs, sha=sha, earlier=earlier), raw
+
+
+def merge_earlier(ctx, sha: str, ours: dict, theirs: dict) -> list[str]:
+    """With ``--ratios``: rows of an earlier run on the same token ids (its raw JSON,
+    ``.bench/peers/kvpress.json``) for the settings this run did not redo are kept, so the
+    ratios can be run one at a time. Returns the earlier runs' descriptions."""
+    path = common.BENCH / f"{NAME}{'-quick' if ctx.quick else ''}.json"
+    if not ctx.ratios or not path.is_file() or "error" in ours or "error" in theirs:
+        return []
+    import json
+
+    old = json.loads(path.read_text())
+    if old.get("ids_sha256") != sha or "rows" not in old.get("prunelab", {}):
+        return []
+    done = {(r["press"], r["ratio"]) for r in ours["rows"]}
+    kept = [r for r in old["prunelab"]["rows"] if (r["press"], r["ratio"]) not in done]
+    if not kept:
+        return []
+    ours["rows"] = sorted(ours["rows"] + kept, key=lambda r: (r["ratio"], r["press"]))
+    theirs_old = [r for r in old["kvpress"].get("rows", [])
+                  if (r["press"], r["ratio"]) not in done]
+    theirs["rows"] = sorted(theirs["rows"] + theirs_old, key=lambda r: (r["ratio"], r["press"]))
+    ratios = sorted({r["ratio"] for r in kept})
+    return [f"rows at {', '.join(f'{x:g}' for x in ratios)} from an earlier run on the same "
+            f"token ids ({old.get('started', 'date in its JSON')}, commit "
+            f"{old.get('commit', '?')})"] + old.get("earlier", [])
 
 
 def _rows(ours: dict, theirs: dict) -> list[list]:
@@ -113,10 +141,11 @@ def _rows(ours: dict, theirs: dict) -> list[list]:
     return rows
 
 
-def section(ctx, proto, started, ours, theirs, sha: str = "", error: str = "") -> str:
+def section(ctx, proto, started, ours, theirs, sha: str = "", error: str = "",
+            earlier: list[str] | None = None) -> str:
     head = [f"## kvpress ({PIN.split('==')[1]}): KV-cache presses", "",
             f"Run {started}, commit `{ctx.commit}`, {ctx.machine}; command: "
-            f"`{ctx.command}`.", ""]
+            f"`{ctx.command}`" + "".join(f"; {e}" for e in earlier or []) + ".", ""]
     if error:
         return "\n".join(head + [f"Not run: {error}"])
     p = proto

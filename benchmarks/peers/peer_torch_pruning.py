@@ -162,7 +162,9 @@ def section(ctx, started, raw) -> str:
             lines.append(f"\nR {tag[1:]}: Torch-Pruning's checkpoint has {tp['heads']} query / "
                          f"{tp['kv_heads']} key-value heads and FFN width {tp['intermediate']} "
                          f"(uniform over blocks: {tp['uniform']}; importance "
-                         f"`{tp.get('importance')}`)"
+                         f"`{tp.get('importance')}`; perplexity on the calibration windows "
+                         f"in its own venv before saving "
+                         f"{fmt(tp.get('pruned_calib_ppl_in_venv'), '.1f')})"
                          + (f"; pruning heads failed first: `{failed[0]}`, so this row is "
                             "FFN channels only" if failed else "") + ".")
     return "\n".join(lines)

@@ -41,6 +41,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "generation_config.json")
 
 
+def calib_perplexity(model, ids) -> float:
+    """Perplexity of ``model`` on the calibration windows, inside this venv (so the page
+    can tell a weak pruned model from a checkpoint that reloads wrongly)."""
+    import math
+
+    import torch
+
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(ids)):
+            logits = model(input_ids=ids[i:i + 1], use_cache=False).logits[0].float()
+            logp = torch.log_softmax(logits[:-1], dim=-1)
+            nll -= float(logp.gather(-1, ids[i, 1:, None]).sum())
+            n += ids.shape[1] - 1
+    return math.exp(nll / n)
+
+
 def main(argv=None) -> None:
     spec, result = common.worker_io(argv)
     common.one_thread()
@@ -98,6 +115,7 @@ def main(argv=None) -> None:
         attempts.append({"heads": heads_too, "ok": True})
         break
     del pruner
+    pruned_calib_ppl = calib_perplexity(model, ids)  # before saving: a round-trip check
     att0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
     heads = att0.q_proj.out_features // att0.head_dim
     kv_heads = att0.k_proj.out_features // att0.head_dim
@@ -119,7 +137,8 @@ def main(argv=None) -> None:
            "params_before": params_before, "params_after": params_after,
            "heads": heads, "kv_heads": kv_heads, "intermediate": cfg.intermediate_size,
            "uniform": len(shapes) == 1,
-           "importance": importance_cls.__name__, "attempts": attempts, "shapes": shapes,
+           "importance": importance_cls.__name__,
+           "pruned_calib_ppl_in_venv": pruned_calib_ppl, "attempts": attempts, "shapes": shapes,
            "save_dir": spec["save_dir"],
            "versions": {"torch_pruning": getattr(tp, "__version__", "?"),
                         "torch": torch.__version__, "transformers": transformers.__version__}}
