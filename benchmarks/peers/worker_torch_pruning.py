@@ -115,7 +115,6 @@ def main(argv=None) -> None:
         attempts.append({"heads": heads_too, "ok": True})
         break
     del pruner
-    pruned_calib_ppl = calib_perplexity(model, ids)  # before saving: a round-trip check
     att0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
     heads = att0.q_proj.out_features // att0.head_dim
     kv_heads = att0.k_proj.out_features // att0.head_dim
@@ -126,6 +125,7 @@ def main(argv=None) -> None:
     cfg.num_attention_heads, cfg.num_key_value_heads = heads, kv_heads
     cfg.intermediate_size = mlp0.gate_proj.out_features
     cfg.head_dim = att0.head_dim
+    pruned_calib_ppl = calib_perplexity(model, ids)  # before saving: a round-trip check
     params_after = sum(p.numel() for p in model.parameters())
     transformers.PreTrainedModel.save_pretrained(model, spec["save_dir"])
     for name in TOKENIZER_FILES:
