@@ -126,17 +126,16 @@ def resume_plan(job: SelectJob, text: str):
 FAST_IN_LOOP = True
 
 
-def search_setup(job: SelectJob, score: str, fast: bool | None = None):
+def search_setup(job: SelectJob, score: str, fast: bool = False):
     """``(scorer, budget, evals0)`` of a search on ``job`` (the context cached first, so
-    the count excludes the dense pass). ``fast`` (default :data:`FAST_IN_LOOP`): a
-    :class:`~prunelab.pruning.depth.fast_loop.FastScorer` for recovery in the loop at
-    block granularity."""
+    the count excludes the dense pass). ``fast`` (greedy searches, default
+    :data:`FAST_IN_LOOP`): a :class:`~prunelab.pruning.depth.fast_loop.FastScorer` for
+    recovery in the loop at block granularity."""
     from prunelab.pruning.depth.removal_plan import PlanScorer
     from prunelab.pruning.depth.search_budget import budget_for
 
     cfg = job.cfg
     job.ctx.ensure_cached()
-    fast = FAST_IN_LOOP if fast is None else fast
     if fast and cfg.recovery_in_loop and cfg.granularity == "block":
         from prunelab.pruning.depth.fast_loop import FastScorer
 
@@ -190,7 +189,7 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
     start = resume_plan(job, resume)
     memo = getattr(job.ctx, "greedy_runs", None)
     key = (*_run_key(job.cfg, score, protect_ends), tuple(sorted(start.removed)))
-    scorer, budget, evals0 = search_setup(job, score, fast)
+    scorer, budget, evals0 = search_setup(job, score, FAST_IN_LOOP if fast is None else fast)
     if start.removed and budget.done(start.removed):
         raise ConfigError("--sleb-resume already reaches the budget: nothing to search")
     if memo is not None and key in memo:
