@@ -93,3 +93,28 @@ def test_window_sums_hand_case():
     assert done["continuation_perplexity"] == pytest.approx(1 / 0.75)
     assert done["continuation_kl"] == pytest.approx(kl, rel=1e-5)
     assert done["windows"] == 2 and done["tokens"] == 2
+
+
+def test_kvpress_keeps_earlier_rows_on_the_same_ids(tmp_path, monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    import peer_kvpress
+
+    monkeypatch.setattr(common, "BENCH", tmp_path)
+    old = {"ids_sha256": "abc", "started": "S", "commit": "C0",
+           "prunelab": {"rows": [{"press": "tova", "ratio": 0.5, "v": 1},
+                                 {"press": "tova", "ratio": 0.25, "v": 9}]},
+           "kvpress": {"rows": [{"press": "tova", "ratio": 0.5, "v": 2}]}}
+    (tmp_path / "kvpress.json").write_text(json.dumps(old))
+    ctx = SimpleNamespace(quick=False, ratios=(0.25,))
+    ours = {"rows": [{"press": "tova", "ratio": 0.25, "v": 3}]}
+    theirs = {"rows": [{"press": "tova", "ratio": 0.25, "v": 4}]}
+    earlier = peer_kvpress.merge_earlier(ctx, "abc", ours, theirs)
+    # the rerun setting (0.25) is the new one; 0.5 comes from the earlier run
+    assert [(r["ratio"], r["v"]) for r in ours["rows"]] == [(0.25, 3), (0.5, 1)]
+    assert [(r["ratio"], r["v"]) for r in theirs["rows"]] == [(0.25, 4), (0.5, 2)]
+    assert len(earlier) == 1 and "0.5" in earlier[0] and "C0" in earlier[0]
+    other = {"rows": [{"press": "tova", "ratio": 0.25, "v": 3}]}
+    assert peer_kvpress.merge_earlier(ctx, "other-ids", other, {"rows": []}) == []
+    assert len(other["rows"]) == 1
