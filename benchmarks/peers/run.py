@@ -5,6 +5,7 @@ Usage (pin to one core, as the page's figures were measured)::
     taskset -c 1 python benchmarks/peers/run.py --all
     taskset -c 1 python benchmarks/peers/run.py --peer kvpress [--peer torch-pruning]
     taskset -c 1 python benchmarks/peers/run.py --peer kvpress --quick   # smoke protocol
+    taskset -c 1 python benchmarks/peers/run.py --peer kvpress --ratios 0.25 --windows 2
 
 Each peer module (``peer_*.py``) installs its tool at a pinned version in its own venv
 under ``.bench/peers/`` (``common.ensure_venv``), runs it and prunelab on the same token ids
