@@ -100,7 +100,7 @@ def label(s: str) -> str:
 def _quiet():
     import transformers
 
-    import prunelab
+    import prunelab.log
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -419,6 +419,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     import transformers
 
     import prunelab
+    import prunelab.log
     from prunelab.data import make_batches
 
     transformers.logging.set_verbosity_error()

@@ -52,9 +52,7 @@ def run(ctx) -> tuple[str, dict]:
            "--venv", str(common.BENCH / "llmc-venv"), "--keep", "--skip-lower-bound",
            "--json", str(out_json)]
     log = workdir / "sparsity.log"
-    shim = str(HERE / "_shim")  # see _shim/sitecustomize.py
-    env = {**os.environ, **common.ONE_THREAD,
-           "PYTHONPATH": os.pathsep.join(x for x in (shim, os.environ.get("PYTHONPATH")) if x)}
+    env = {**os.environ, **common.ONE_THREAD}
     with open(log, "w") as fh:
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
     shown = " ".join(["python", str(SCRIPT.relative_to(common.ROOT)), *cmd[2:]])
