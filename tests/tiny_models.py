@@ -135,10 +135,14 @@ def _cli_main_here(args, cwd, columns=120) -> int:
     state) are put back after it, so that they cannot leak into the next test."""
     from prunelab import log
     from prunelab.cli import cli_main
-    from prunelab.cli.common import state
+    from prunelab.cli.common import out, state
 
     saved_state, quiet, before = dict(state), log.is_quiet(), os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = str(columns)
+    # the rich consoles read $COLUMNS once, when first imported (maybe by an earlier test)
+    consoles = [(c, c._width) for c in (out, log.console)]
+    for c, _ in consoles:
+        c.width = columns
     try:
         with contextlib.chdir(cwd) if cwd is not None else contextlib.nullcontext():
             return cli_main([str(a) for a in args])
@@ -146,6 +150,8 @@ def _cli_main_here(args, cwd, columns=120) -> int:
         state.clear()
         state.update(saved_state)
         log.set_quiet(quiet)
+        for c, width in consoles:
+            c._width = width
         if before is None:
             os.environ.pop("COLUMNS", None)
         else:

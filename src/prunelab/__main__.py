@@ -4,14 +4,14 @@ the command line is still being imported exits 130 with one line, no traceback."
 
 import sys
 
+from prunelab import interrupts  # stdlib only: loaded with this module, before main()
+
 
 def main() -> None:
     """Import the command line and run it; Ctrl-C during the imports is exit 130 (also
     when a library swallowed it and its import then failed: see :mod:`prunelab.interrupts`)."""
-    from prunelab import interrupts
-
-    interrupts.watch()
     try:
+        interrupts.watch()
         from prunelab.cli import run
     except KeyboardInterrupt:
         interrupted_early()

@@ -75,6 +75,7 @@ NEEDS = {
     ("prune sparsity", "--rho-growth"): ["--method", "admm"],
     ("prune sparsity", "--admm-damp"): ["--method", "admm"],
     ("prune sparsity", "--grad-damp"): ["--method", "cactus"],
+    ("prune sparsity", "--tolerance"): ["--method", "admm"],
 
     ("prune factor", "--energy"): ["--widths", "energy"],
     ("prune factor", "--tol"): ["--method", "shared-dict"],
@@ -86,7 +87,8 @@ NEEDS = {
                           ("mix", "entroprefill"), ("alpha", "entroprefill"),
                           ("keep-scale", "entroprefill"), ("max-ratio", "entroprefill"),
                           ("stability", "entroprefill"), ("share", "decay"),
-                          ("epsilon", "expected-attention"))},
+                          ("epsilon", "expected-attention"), ("alpha-safeguard", "adakv"),
+                          ("beta", "pyramidkv"))},
 }
 
 # the size each command needs unless the swept option is the size itself

@@ -183,8 +183,8 @@ def test_every_registered_piece_documents_its_options_for_the_cli():
             assert opt.help and opt.owners, flag
     opts = flat_options(STRATEGIES)
     assert sorted(opts) == ["beam_score", "beam_seeds", "beam_width", "blend_probe",
-                            "protect_ends", "sleb_resume", "sleb_score", "val_metric",
-                            "val_options", "val_width"]
+                            "protect_ends", "sleb_resume", "sleb_score", "sleb_workers",
+                            "val_metric", "val_options", "val_width"]
     assert (opts["beam_width"].default, opts["beam_width"].help) == (3, "beam: width")
     assert opts["blend_probe"].owners == {"blend": "probe"}
     assert flat_options(RECOVERIES)["token_aware"].owners == {"ghost": "token_aware",
