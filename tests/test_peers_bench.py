@@ -118,3 +118,85 @@ def test_kvpress_keeps_earlier_rows_on_the_same_ids(tmp_path, monkeypatch):
     other = {"rows": [{"press": "tova", "ratio": 0.25, "v": 3}]}
     assert peer_kvpress.merge_earlier(ctx, "other-ids", other, {"rows": []}) == []
     assert len(other["rows"]) == 1
+
+
+def test_ragged_ids_round_trip_and_mismatch(tmp_path):
+    rows = [torch.tensor([3, 1, 4]), np.array([1, 5]), torch.tensor([9])]
+    sha, lengths = common.save_ragged(tmp_path / "r.npy", rows)
+    assert lengths == [3, 2, 1]
+    assert sha == common.ids_sha256(np.array([[3, 1, 4, 1, 5, 9]]))
+    back = common.load_ragged(tmp_path / "r.npy", sha, lengths)
+    assert [b.tolist() for b in back] == [[[3, 1, 4]], [[1, 5]], [[9]]]
+    with pytest.raises(common.IdsMismatch):
+        common.load_ragged(tmp_path / "r.npy", sha, [3, 2])
+    with pytest.raises(common.IdsMismatch):
+        common.load_ragged(tmp_path / "r.npy", "0" * 64, lengths)
+
+
+def _tiny_llama():
+    from tiny_models import tiny_model
+
+    return tiny_model("llama").eval()
+
+
+def test_stepwise_continuation_equals_one_forward():
+    """One token per forward gives the one-shot continuation's logits (no press, with and
+    without explicit positions)."""
+    model = _tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (1, 14), generator=torch.Generator()
+                        .manual_seed(1))
+    for explicit in (False, True):
+        one, kept, _ = continuation.pressed_window(model, ids, 5, None, explicit)
+        step, kept2, _ = continuation.pressed_window(model, ids, 5, None, explicit,
+                                                     stepwise=True)
+        assert kept == kept2 == [9] * model.config.num_hidden_layers
+        assert one.shape == step.shape == (5, model.config.vocab_size)
+        torch.testing.assert_close(step, one, atol=1e-5, rtol=1e-5)
+
+
+def test_needle_answer_is_greedy_decoding():
+    """The dense answer is the greedy continuation: each token the argmax of the full
+    forward over the prompt plus the answer so far."""
+    model = _tiny_llama()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator()
+                           .manual_seed(2))
+    for explicit in (False, True):
+        got = continuation.needle_answer(model, prompt, None, explicit, new_tokens=4)
+        seq = prompt
+        want = []
+        with torch.no_grad():
+            for _ in range(4):
+                tok = int(model(input_ids=seq, use_cache=False).logits[0, -1].argmax())
+                want.append(tok)
+                seq = torch.cat([seq, torch.tensor([[tok]])], 1)
+        assert got == want
+
+
+def test_a_failing_press_is_a_row_not_the_end():
+    model = _tiny_llama()
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator()
+                        .manual_seed(3))
+
+    class Boom:
+        def __enter__(self):
+            raise RuntimeError("mask of 204 against 208\nsecond line")
+
+        def __exit__(self, *exc):
+            return False
+
+    class NoPeak:
+        peak = 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    rows = continuation.run_presses(model, ids, 4, [("boom", 0.5, Boom), ("none", 0.5, None)],
+                                    False, NoPeak, lambda: 0, needles=[ids[:, :8]],
+                                    new_tokens=2, needle_ratios=(0.5,))
+    assert [r["press"] for r in rows] == ["dense", "boom", "none"]
+    assert rows[1]["error"] == "RuntimeError: mask of 204 against 208"
+    assert rows[2]["continuation_kl"] == pytest.approx(0.0, abs=1e-6)  # no press: dense
+    assert rows[2]["needle_tokens"] == rows[0]["needle_tokens"]

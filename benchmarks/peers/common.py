@@ -39,6 +39,12 @@ SPEED_PY = ROOT / "src" / "prunelab" / "eval" / "speed.py"
 TORCH_PIN = "torch==2.13.0"  # the CPU wheel on this machine's disk (/opt/wheels)
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+#: glibc settings under which RSS follows the live tensors: every block of 64 KiB or more
+#: is its own mapping, returned to the system when freed. Without them the peak over the
+#: baseline of one press varied by 50-70 MiB between repeats in one process (freed heap
+#: kept or not), more than the differences measured; with them, within 2 MiB. They cost
+#: both sides the same page faults (about 20 % more CPU time in the press runs).
+EXACT_RSS = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 MiB = 2**20
 
 
@@ -87,6 +93,29 @@ def load_ids(path, expected_sha256: str):
         raise IdsMismatch(f"token ids {path}: sha256 {got[:12]} != expected "
                           f"{expected_sha256[:12]}")
     return arr
+
+
+def save_ragged(path: Path, rows) -> tuple[str, list[int]]:
+    """Write 1-D token id rows of different lengths as one ``[1, sum]`` int64 ``.npy``;
+    returns its hash and the lengths (to give :func:`load_ragged`)."""
+    import numpy as np
+
+    arrs = [np.asarray(r.detach().cpu().numpy() if hasattr(r, "detach") else r,
+                       dtype="<i8").reshape(-1) for r in rows]
+    return save_ids(path, np.concatenate(arrs)[None]), [int(a.size) for a in arrs]
+
+
+def load_ragged(path, expected_sha256: str, lengths: list[int]) -> list:
+    """The rows :func:`save_ragged` wrote (hash checked), as ``[1, n_i]`` numpy arrays."""
+    arr = load_ids(path, expected_sha256)[0]
+    if sum(lengths) != arr.size:
+        raise IdsMismatch(f"token ids {path}: {arr.size} ids, the lengths add to "
+                          f"{sum(lengths)}")
+    out, at = [], 0
+    for n in lengths:
+        out.append(arr[at:at + n][None])
+        at += n
+    return out
 
 
 def check_result_ids(result: dict, expected_sha256: str, side: str) -> None:
@@ -186,14 +215,15 @@ def ensure_venv(name: str, pins: list[str], imports: list[str]) -> tuple[Path, d
 # ----------------------------------------------------------------------------- workers
 
 def run_worker(python, script: Path, spec: dict, workdir: Path, tag: str,
-               timeout: float | None = None) -> dict:
+               timeout: float | None = None, env: dict | None = None) -> dict:
     """Run ``script`` under ``python`` in a fresh process on ``spec``; its JSON result.
 
     The spec goes in as ``<workdir>/<tag>.spec.json``; stdout and stderr go to
     ``<tag>.log``. The job gets its own session (``start_new_session``: on Linux with
     autogroup scheduling, concurrent jobs on a shared core are then scheduled as separate
     groups, not as one). A failed job returns ``{"error": ..., "log": ...}`` with the log's last
-    lines, never raises (one peer's failure must not stop the others).
+    lines, never raises (one peer's failure must not stop the others). ``env``: more
+    environment variables (e.g. :data:`EXACT_RSS`).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = workdir / f"{tag}.spec.json", workdir / f"{tag}.result.json"
@@ -205,7 +235,7 @@ def run_worker(python, script: Path, spec: dict, workdir: Path, tag: str,
     try:
         with open(log_path, "w") as fh:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
-                                env={**os.environ, **ONE_THREAD},
+                                env={**os.environ, **ONE_THREAD, **(env or {})},
                                 start_new_session=True).returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"

@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in table.ORDER if args.all or n in args.peer]
     out = Path(args.out) if args.out else (common.BENCH / "peers-quick.md" if args.quick
                                            else PAGE)
-    command = "taskset -c 1 python benchmarks/peers/run.py " + " ".join(
+    cores = sorted(os.sched_getaffinity(0))
+    pin = "" if len(cores) == os.cpu_count() else \
+        f"taskset -c {','.join(str(c) for c in cores)} "
+    command = pin + "python benchmarks/peers/run.py " + " ".join(
         shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     common.BENCH.mkdir(parents=True, exist_ok=True)
     os.environ.update(common.ONE_THREAD)

@@ -12,7 +12,9 @@ continuation's positions to the caller, so they are passed explicitly
 Presses (kvpress 0.5.5 class and settings): ``streaming-llm`` StreamingLLMPress (4 sink
 tokens), ``snapkv`` SnapKVPress (window 64, kernel 5, mean pooling: its defaults),
 ``tova`` TOVAPress, ``knorm`` KnormPress, ``expected-attention`` ExpectedAttentionPress
-(512 future positions, 4 sinks, covariance and value norms: its defaults).
+(512 future positions, 4 sinks, covariance and value norms: its defaults), ``adakv``
+AdaKVPress over SnapKVPress (alpha_safeguard 0.20), ``pyramidkv`` PyramidKVPress (window
+64, kernel 5, beta 20).
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def make_press(name: str, ratio: float):
 
     classes = {"streaming-llm": kvpress.StreamingLLMPress, "snapkv": kvpress.SnapKVPress,
                "tova": kvpress.TOVAPress, "knorm": kvpress.KnormPress,
-               "expected-attention": kvpress.ExpectedAttentionPress}
+               "expected-attention": kvpress.ExpectedAttentionPress,
+               "pyramidkv": kvpress.PyramidKVPress}
+    if name == "adakv":
+        return kvpress.AdaKVPress(kvpress.SnapKVPress(compression_ratio=ratio))
     return classes[name](compression_ratio=ratio)
 
 
@@ -54,11 +59,19 @@ def main(argv=None) -> None:
     for name, ratio, _options in spec["jobs"]:
         p = make_press(name, ratio)
         jobs.append((name, ratio, lambda p=p: p(model)))
+    needles = None
+    if spec.get("needles"):
+        needles = [torch.from_numpy(a) for a in common.load_ragged(
+            spec["needles"], spec["needles_sha256"], spec["needle_lengths"])]
     common.trim_heap()
     rows = continuation.run_presses(model, ids, spec["continuation"], jobs,
                                     explicit_positions=True,
-                                    peak_rss_cls=common.peak_rss_class(), rss_fn=common.rss)
-    out = {"side": "kvpress", "ids_sha256": common.ids_sha256(ids), "rows": rows,
+                                    peak_rss_cls=common.peak_rss_class(), rss_fn=common.rss,
+                                    needles=needles, new_tokens=spec.get("new_tokens", 8),
+                                    needle_ratios=spec.get("needle_ratios"),
+                                    stepwise=tuple(spec.get("stepwise", ())))
+    out = {"needles_sha256": spec.get("needles_sha256"),
+           "side": "kvpress", "ids_sha256": common.ids_sha256(ids), "rows": rows,
            "attn_implementation": model.config._attn_implementation,
            "versions": {"kvpress": version("kvpress"),
                         "torch": torch.__version__,

@@ -36,13 +36,22 @@ def main(argv=None) -> None:
     lm = prunelab.load(spec["model"], dtype="float32", device="cpu")
     jobs = []
     for name, ratio, options in spec["jobs"]:
-        cfg = press_for(name, ratio, **options)
+        cfg = press_for(name, ratio, **{k: tuple(v) if isinstance(v, list) else v
+                                        for k, v in options.items()})
         jobs.append((name, ratio, lambda cfg=cfg: press(lm, cfg)))
+    needles = None
+    if spec.get("needles"):
+        needles = [torch.from_numpy(a) for a in common.load_ragged(
+            spec["needles"], spec["needles_sha256"], spec["needle_lengths"])]
     common.trim_heap()
     rows = continuation.run_presses(lm.model, ids, spec["continuation"], jobs,
                                     explicit_positions=False, peak_rss_cls=PeakRSS,
-                                    rss_fn=common.rss)
-    out = {"side": "prunelab", "ids_sha256": common.ids_sha256(ids), "rows": rows,
+                                    rss_fn=common.rss,
+                                    needles=needles, new_tokens=spec.get("new_tokens", 8),
+                                    needle_ratios=spec.get("needle_ratios"),
+                                    stepwise=tuple(spec.get("stepwise", ())))
+    out = {"needles_sha256": spec.get("needles_sha256"),
+           "side": "prunelab", "ids_sha256": common.ids_sha256(ids), "rows": rows,
            "attn_implementation": lm.model.config._attn_implementation,
            "versions": {"prunelab": prunelab.__version__, "torch": torch.__version__,
                         "transformers": transformers.__version__},
