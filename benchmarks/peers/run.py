@@ -35,7 +35,8 @@ import common  # noqa: E402
 import table  # noqa: E402
 
 PAGE = common.ROOT / "benchmarks" / "results" / "peers.md"
-MODULES = {"kvpress": "peer_kvpress", "llm-compressor": "peer_llmcompressor",
+MODULES = {"kvpress": "peer_kvpress", "snapkv-settings": "peer_snapkv_settings",
+           "llm-compressor": "peer_llmcompressor",
            "torch-pruning": "peer_torch_pruning", "modelopt": "peer_modelopt",
            "mergekit": "peer_mergekit"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-ORDER = ("kvpress", "llm-compressor", "torch-pruning", "modelopt", "mergekit")
+ORDER = ("kvpress", "snapkv-settings", "llm-compressor", "torch-pruning", "modelopt", "mergekit")
 PAGE_HEAD = """# prunelab beside its peers
 
 prunelab and the tools users would pick instead, on the same model, the same calibration and

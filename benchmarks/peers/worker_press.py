@@ -1,7 +1,8 @@
 """prunelab side of the KV-cache press comparison (one fresh process, prunelab's env).
 
 Spec (JSON, see ``common.py``): ``model`` (a prunelab spec), ``ids`` / ``ids_sha256``
-(``[N, T]`` windows), ``continuation`` (C), ``jobs``: ``[[press name, ratio, options]]``.
+(``[N, T]`` windows), ``continuation`` (C), ``jobs``: ``[[press name, ratio, options]]``
+(an optional fourth item labels the row instead of the press name).
 Loads the model with ``prunelab.load`` (float32, CPU, eager attention as prunelab sets
 it), runs :func:`continuation.run_presses` with ``prunelab.press(lm, press_for(name,
 ratio, **options))`` as the context, and writes the rows plus the ids' hash.
@@ -35,10 +36,10 @@ def main(argv=None) -> None:
     ids = torch.from_numpy(common.load_ids(spec["ids"], spec["ids_sha256"]))
     lm = prunelab.load(spec["model"], dtype="float32", device="cpu")
     jobs = []
-    for name, ratio, options in spec["jobs"]:
+    for name, ratio, options, *label in spec["jobs"]:
         cfg = press_for(name, ratio, **{k: tuple(v) if isinstance(v, list) else v
                                         for k, v in options.items()})
-        jobs.append((name, ratio, lambda cfg=cfg: press(lm, cfg)))
+        jobs.append((label[0] if label else name, ratio, lambda cfg=cfg: press(lm, cfg)))
     needles = None
     if spec.get("needles"):
         needles = [torch.from_numpy(a) for a in common.load_ragged(
