@@ -29,6 +29,13 @@ from table import fmt, gap, markdown_table, ratio
 NAME = "torch-pruning"
 PIN = "torch-pruning==1.6.1"
 HERE = Path(__file__).resolve().parent
+#: (row, prunelab width score, compensate): prunelab's calibrated default plain and with
+#: compensation, its data-free score (the same information as Torch-Pruning's), and the
+#: hand-written replica of Torch-Pruning's criterion (a check of the peer, not a method;
+#: only where Torch-Pruning kept every head)
+SIDES = (("prunelab", "wanda-sp", False), ("prunelab+comp", "wanda-sp", True),
+         ("prunelab data-free", "magnitude-profile", False),
+         ("group-L2 by hand", "group-l2-by-hand", False))
 
 
 def protocol(quick: bool) -> dict:
@@ -58,6 +65,7 @@ def run(ctx) -> tuple[str, dict]:
     calib = make_batches(lm.tokenizer, "wiki-vital:calib", seqlen=cs, samples=cn, seed=0)
     test = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=ts, samples=tn)
     model_dir = str(lm.source)
+    dense_heads = lm.model.config.num_attention_heads
     del lm
     workdir = ctx.workdir / NAME
     workdir.mkdir(parents=True, exist_ok=True)
@@ -75,15 +83,17 @@ def run(ctx) -> tuple[str, dict]:
             common.check_result_ids(theirs, sha, "torch-pruning")
             dirs[f"{tag}/torch-pruning"] = tp_dir
             specs = {}
-            for comp in (False, True):
-                side = "prunelab+comp" if comp else "prunelab"
+            for side, score, comp in SIDES:
+                if score == "group-l2-by-hand" and theirs["heads"] != dense_heads:
+                    continue  # the hand check redoes FFN-only pruning
                 specs[side] = {"model": ctx.model, "ids_sha256": sha,
                                "calib": {"source": "wiki-vital:calib", "seqlen": cs,
                                          "samples": cn},
                                "target_params": theirs["params_after"], "unit": "ffn",
-                               "compensate": comp,
+                               "score": score, "compensate": comp,
+                               "ffn_width": theirs["intermediate"],
                                "save_dir": str(workdir / f"{side}-{tag}")}
-            with ThreadPoolExecutor(2) as pool:  # two processes at once on the shared core
+            with ThreadPoolExecutor(2) as pool:  # two processes at once
                 futures = {side: pool.submit(common.run_worker, sys.executable,
                                              HERE / "worker_width.py", spec, workdir,
                                              f"{side}-{tag}")
@@ -118,7 +128,8 @@ def section(ctx, started, raw) -> str:
              "kept (`embed_tokens`, `o_proj`, `down_proj` ignored as roots), so both sides "
              "prune inside the blocks only. prunelab: `Width(unit='ffn', score='wanda-sp', "
              "target_params=N)` with N the parameter count Torch-Pruning's checkpoint keeps, "
-             "plain and with `compensate=True`, calibrated on "
+             "plain and with `compensate=True`, and `score='magnitude-profile'` (prunelab "
+             "data-free: weights only, like Torch-Pruning's criterion), calibrated on "
              f"{p['calib'][0]} x {p['calib'][1]} tokens of `wiki-vital:calib` (sha256 "
              f"`{raw['ids_sha256'][:16]}`, checked by every job). All checkpoints reloaded "
              f"and scored by prunelab's evaluator on {p['test'][0]} x {p['test'][1]} tokens "
@@ -126,14 +137,19 @@ def section(ctx, started, raw) -> str:
              f"{fmt(sc['dense']['perplexity'], '.3f')}, {fmt(sc['dense']['params'], ',')} "
              "parameters. Time and peak RSS: the pruning call (Torch-Pruning: building the "
              "dependency graph and pruning), each in a fresh process; CPU time is the figure "
-             "to compare (core 1 was shared with other jobs).", ""]
+             "to compare. group-L2 by hand: a check of the peer, not a method: Torch-"
+             "Pruning's criterion written from its definition in this harness (each FFN "
+             "channel's squared L2 norm over its gate / up rows and down column, averaged; "
+             "the same width kept in every block), run where Torch-Pruning kept every head; "
+             "if it scores as Torch-Pruning's checkpoint, the tool did what its criterion "
+             "says and the criterion is what fails here.", ""]
     headers = ["R", "side", "shape (heads / kv / FFN)", "params kept", "ppl", "KL", "top-1",
                "CPU s", "peak MiB", "ppl ratio pl/TP", "KL ratio pl/TP", "gap"]
     rows = []
     for tag, row in raw["results"].items():
         tp = row["torch-pruning"]
         s_tp = sc.get(f"{tag}/torch-pruning", {})
-        for side in ("torch-pruning", "prunelab", "prunelab+comp"):
+        for side in ("torch-pruning", *(x[0] for x in SIDES)):
             res = row.get(side)
             if res is None:
                 continue
@@ -144,7 +160,7 @@ def section(ctx, started, raw) -> str:
             shape = (f"{tp['heads']} / {tp['kv_heads']} / {tp['intermediate']}"
                      if side == "torch-pruning"
                      else f"all kept / {res.get('ffn', ['?'])[0]}")
-            ours = side != "torch-pruning"
+            ours = side not in ("torch-pruning", "group-L2 by hand")
             g = " ".join(x for x in (gap(s.get("perplexity"), s_tp.get("perplexity"), 0.001),
                                      gap(s.get("kl"), s_tp.get("kl"), 0.02)) if x) \
                 if ours else ""
@@ -167,4 +183,13 @@ def section(ctx, started, raw) -> str:
                          f"{fmt(tp.get('pruned_calib_ppl_in_venv'), '.1f')})"
                          + (f"; pruning heads failed first: `{failed[0]}`, so this row is "
                             "FFN channels only" if failed else "") + ".")
+            hand, s_tp = sc.get(f"{tag}/group-L2 by hand"), sc.get(f"{tag}/torch-pruning")
+            if hand and s_tp and hand.get("perplexity") and s_tp.get("perplexity"):
+                rel = abs(hand["perplexity"] / s_tp["perplexity"] - 1)
+                lines.append(f"Hand check at R {tag[1:]}: the hand-written criterion's "
+                             f"checkpoint scores perplexity {hand['perplexity']:.3f}, "
+                             f"Torch-Pruning's {s_tp['perplexity']:.3f} (relative difference "
+                             f"{rel:.1e}): " + ("the same channels, so Torch-Pruning applied "
+                                               "its criterion as defined." if rel < 1e-4
+                                               else "they differ."))
     return "\n".join(lines)
