@@ -186,7 +186,7 @@ def section(ctx, started, raw) -> str:
             hand, s_tp = sc.get(f"{tag}/group-L2 by hand"), sc.get(f"{tag}/torch-pruning")
             if hand and s_tp and hand.get("perplexity") and s_tp.get("perplexity"):
                 rel = abs(hand["perplexity"] / s_tp["perplexity"] - 1)
-                lines.append(f"Hand check at R {tag[1:]}: the hand-written criterion's "
+                lines.append(f"\nHand check at R {tag[1:]}: the hand-written criterion's "
                              f"checkpoint scores perplexity {hand['perplexity']:.3f}, "
                              f"Torch-Pruning's {s_tp['perplexity']:.3f} (relative difference "
                              f"{rel:.1e}): " + ("the same channels, so Torch-Pruning applied "
