@@ -15,7 +15,15 @@ from tiny_models import tiny_model, tiny_tokens
 
 def test_registered_with_their_defaults_and_scorer_options():
     assert PRESSES.make("adakv") == AdaKV(ratio=0.5, scorer="snapkv", alpha_safeguard=0.2)
-    assert PRESSES.make("pyramidkv").base == SnapKV(ratio=0.5)
+    assert SnapKV() == SnapKV(ratio=0.5, window=64, kernel=5, pooling="max")
+    assert PRESSES.make("adakv").base == SnapKV(ratio=0.5)
+    # PyramidKV's SnapKV window: half the floor unless given (the smallest blocks keep
+    # `floor` entries; a window of `floor` would leave them nothing to choose)
+    assert PRESSES.make("pyramidkv").base == SnapKV(ratio=0.5, window=32)
+    assert PyramidKV(floor=16).base.window == 8
+    assert PyramidKV(floor=512).base.window == 64
+    assert PyramidKV(scorer_options=("window=64", "pooling=mean")).base == \
+        SnapKV(ratio=0.5, window=64, pooling="mean")
     cfg = AdaKV(ratio=0.3, scorer_options=("window=16", "kernel=7", "pooling=mean"))
     assert cfg.base == SnapKV(ratio=0.3, window=16, kernel=7, pooling="mean")
     assert PyramidKV(scorer="knorm", ratio=0.25).base == KNorm(ratio=0.25)

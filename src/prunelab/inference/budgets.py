@@ -128,7 +128,9 @@ class PyramidKV(Budgeted):
     """Layer-wise budgets (PyramidKV): lower blocks keep more tokens, upper blocks fewer, on
     a linear pyramid with the scorer's total (kvpress' schedule: steepness ``beta``, ends
     ``floor`` away from 0 and from the prompt length). Cai et al. 2024, "PyramidKV: Dynamic
-    KV Cache Compression based on Pyramidal Information Funneling"."""
+    KV Cache Compression based on Pyramidal Information Funneling". With the SnapKV
+    scorer and no ``window`` among ``scorer_options``, the window is at most half of
+    ``floor`` (32 by default)."""
 
     beta: float = field(default=20.0, metadata={"help": (
         "pyramidkv: steepness, the top block keeps about keep / beta (>= 1)")})
@@ -140,6 +142,16 @@ class PyramidKV(Budgeted):
         super().__post_init__()
         check_range("beta", self.beta, 1.0, None)
         check_range("floor", self.floor, 1, None, integer=True)
+        base = self.base
+        given = {str(o).partition("=")[0].strip().replace("-", "_")
+                 for o in self.scorer_options}
+        if isinstance(base, SnapKV) and "window" not in given:
+            # SnapKV's own window (64) would fill the smallest blocks (floor 64 entries):
+            # they would keep nothing but the window (continuation KL 0.0196 against 0.0080
+            # with 32 on SmolLM2-135M at 0.5, docs/inference.md); half the floor leaves
+            # them half their budget to choose
+            window = min(base.window, max(1, self.floor // 2))
+            object.__setattr__(self, "_base", dataclasses.replace(base, window=window))
 
 
 def scoring_config(config: Press, question: int = 0) -> Press:

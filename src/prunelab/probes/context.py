@@ -72,9 +72,9 @@ class ProbeContext:
         if not lazy:
             self.ensure_cached()
         self._ref_cache: dict[int, torch.Tensor] = {}
-        self._ref_seen: set[int] = set()
+        self._ref_uses: dict[int, int] = {}
         self._ref_bytes = 0
-        #: reference logits kept up to this many bytes, from a batch's second use on
+        #: reference logits kept up to this many bytes, from a batch's third use on
         self.ref_cache_budget = 2 * 2**30
 
     # ------------------------------------------------------------------ running
@@ -140,19 +140,18 @@ class ProbeContext:
         """Reference (dense) outputs of one batch: logits (or final hidden for encoders).
 
         Recomputed from the cached last boundary (one final norm and LM head) on a batch's
-        first use and kept from its second use on, within :attr:`ref_cache_budget`: a run
-        that measures one pruned model (depth pruning without recovery) never holds the
-        ``[N, T, vocab]`` logits (1.5 GiB for 32 x 256 tokens of a 49k vocabulary), a
-        search that measures hundreds pays one LM head pass more."""
+        first two uses and kept from its third use on, within :attr:`ref_cache_budget`: a
+        run that measures one or two models (depth pruning, before and after its recovery)
+        never holds the ``[N, T, vocab]`` logits (1.5 GiB for 32 x 256 tokens of a 49k
+        vocabulary), a search that measures hundreds pays two LM head passes more."""
         if batch in self._ref_cache:
             return self._ref_cache[batch]
         h = self.boundary(self.num_blocks)[batch].to(self.runner.device)
         final = self._final(h)
         out = final if self.encoder else self.adapter.logits(final)
         size = out.numel() * out.element_size()
-        if batch not in self._ref_seen:
-            self._ref_seen.add(batch)
-        elif self._ref_bytes + size <= self.ref_cache_budget:
+        self._ref_uses[batch] = self._ref_uses.get(batch, 0) + 1
+        if self._ref_uses[batch] >= 3 and self._ref_bytes + size <= self.ref_cache_budget:
             self._ref_cache[batch] = out.to("cpu")
             self._ref_bytes += size
         return out
