@@ -82,8 +82,9 @@ def section(ctx, proto, started, res: dict, sha: str, default: tuple[int, str]) 
            f"windows of {proto['prompt']:,} prompt + {proto['continuation']} continuation "
            f"tokens (token ids sha256 `{sha[:16]}`), the same scoring code and pass-key "
            "prompts. SnapKV's observation window (`--press-window`) and score pooling "
-           f"(`--press-pooling`), kernel 5. prunelab's default now: window {default[0]}, "
-           f"{default[1]} pooling; kvpress' (0.5.5): window 64, mean pooling.", ""]
+           "(`--press-pooling`), kernel 5. prunelab's default at this commit: window "
+           f"{default[0]}, {default[1]} pooling; kvpress' (0.5.5): window 64, mean "
+           "pooling.", ""]
     if "error" in res:
         return "\n".join(out + [f"Failed: `{res['error']}` (log `{res.get('log')}`)"])
     rows, by = [], {}
@@ -113,7 +114,7 @@ def section(ctx, proto, started, res: dict, sha: str, default: tuple[int, str]) 
                       if "dense_continuation_perplexity" in r), None)
     out.append(f"Dense continuation perplexity {fmt(dense_ppl, '.3f')}; dense pass-key hits "
                + (f"{sum(dense['needle_hits'])} / {len(dense['needle_hits'])}"
-                  if dense.get("needle_hits") else "-") + f" of {n_needles}.")
+                  if dense.get("needle_hits") else f"- (of {n_needles})") + ".")
     out.append("")
     out.append(markdown_table(["window", "pooling", "removed", "continuation ppl",
                                "continuation KL", "top-1", "pass-key hits"], rows))
