@@ -275,6 +275,24 @@ def test_propagate_modes_equal_hand_computed_wanda_masks(propagate):
         (propagate == "modified")
 
 
+def test_wanda_propagates_by_target_unless_told():
+    """Wanda's ``propagate="auto"``: dense outputs for a sparsity target, pruned outputs
+    for an N:M pattern (the better of the two on SmolLM2 for each); an explicit value
+    wins; the resolved value is what the config records and what the run does."""
+    assert Wanda().propagate == "dense" and Wanda(sparsity=0.6).propagate == "dense"
+    assert Wanda(pattern="2:4").propagate == "modified"
+    assert Wanda(pattern="2:4", propagate="dense").propagate == "dense"
+    assert Wanda(sparsity=0.5, propagate="modified").propagate == "modified"
+    assert to_dict(Wanda(pattern="2:4"))["propagate"] == "modified"
+    with pytest.raises(ConfigError, match="propagate must be"):
+        SparseGPT(propagate="auto")
+    auto = block_weights(run("llama", Wanda(pattern="2:4"))[0])
+    told = {p: block_weights(run("llama", Wanda(pattern="2:4", propagate=p))[0])
+            for p in ("modified", "dense")}
+    assert all(torch.equal(auto[k], told["modified"][k]) for k in auto)
+    assert not all(torch.equal(auto[k], told["dense"][k]) for k in auto)
+
+
 def test_config_validation_and_round_trip():
     with pytest.raises(ConfigError, match="sparsity"):
         Wanda(sparsity=1.5)

@@ -207,7 +207,8 @@ class SparsityConfig:
     targets: tuple = field(default=(), metadata=_help("glob patterns of linears to prune"))
     ignore: tuple = field(default=(), metadata=_help("glob patterns of linears to keep"))
     propagate: str = field(default="modified", metadata=_help(
-        "modified or dense block outputs passed on"))
+        "modified or dense block outputs passed on (wanda's auto: dense for a sparsity "
+        "target, modified for an N:M pattern)"))
     within_block: str = field(default="sequential", metadata=_help(
         "sequential (each sublayer group calibrated after the earlier ones were pruned) or "
         "dense (the whole block calibrated dense)"))
