@@ -200,3 +200,59 @@ def test_a_failing_press_is_a_row_not_the_end():
     assert rows[1]["error"] == "RuntimeError: mask of 204 against 208"
     assert rows[2]["continuation_kl"] == pytest.approx(0.0, abs=1e-6)  # no press: dense
     assert rows[2]["needle_tokens"] == rows[0]["needle_tokens"]
+
+
+def test_every_peer_module_has_a_section_slot():
+    import run
+
+    assert set(run.MODULES) == set(table.ORDER)
+
+
+def test_snapkv_settings_section_marks_the_lowest_kl_per_ratio():
+    import types
+
+    import peer_snapkv_settings as ps
+
+    proto = {"windows": 2, "prompt": 8, "continuation": 2, "ratios": (0.5,),
+             "needle_lengths": (16,), "needle_depths": (0.5,), "needle_ratios": (0.5,)}
+    kls = {(32, "max"): 0.006, (32, "mean"): 0.007, (64, "max"): 0.004, (64, "mean"): 0.005}
+    rows = [{"press": "dense", "ratio": 0.0, "needle_hits": [True],
+             "dense_continuation_perplexity": 10.0}]
+    rows += [{"press": ps.label(w, p), "ratio": 0.5, "continuation_perplexity": 11.0,
+              "continuation_kl": kl, "continuation_top1": 0.9, "needle_hits": [kl < 0.0055]}
+             for (w, p), kl in kls.items()]
+    ctx = types.SimpleNamespace(commit="abc", machine="m", command="c", model="tiny")
+    text = ps.section(ctx, proto, "now", {"rows": rows}, "f" * 64, (64, "max"))
+    lines = {ln.split(" | ")[0] + " " + ln.split(" | ")[1]: ln for ln in text.splitlines()
+             if ln.startswith("| 32") or ln.startswith("| 64")}
+    assert "(lowest)" in lines["| 64 max"] and "0.0040" in lines["| 64 max"]
+    assert sum("(lowest)" in ln for ln in lines.values()) == 1
+    assert lines["| 32 max"].endswith("0 / 1 |") and lines["| 64 mean"].endswith("1 / 1 |")
+    assert "window 64 max 0.0040; window 64 mean 0.0050; window 32 max 0.0060" in text
+    assert "dense pass-key hits 1 / 1." in text
+
+
+def test_group_l2_by_hand_keeps_the_largest_coupled_channels():
+    """The Torch-Pruning replica: per block, the channels of largest mean squared norm over
+    the gate row, up row and down column survive, in order, and the config follows."""
+    import worker_width
+
+    from prunelab.models.loading import wrap
+
+    from tiny_models import tiny_model
+
+    lm = wrap(tiny_model("llama"))
+    ad = lm.adapter
+    width = ad.ffn_width(0)
+    want = []
+    for i in range(ad.num_blocks):
+        p = ad.mlp_projections(i)
+        imp = (p["gate"].weight.pow(2).sum(1) + p["up"].weight.pow(2).sum(1)
+               + p["down"].weight.pow(2).sum(0)) / 3
+        keep = sorted(imp.argsort(descending=True)[:width // 2].tolist())
+        want.append((p["up"].weight[keep].clone(), p["down"].weight[:, keep].clone()))
+    worker_width.group_l2_by_hand(lm, width // 2)
+    for i, (up, down) in enumerate(want):
+        p = ad.mlp_projections(i)
+        assert torch.equal(p["up"].weight, up) and torch.equal(p["down"].weight, down)
+    assert lm.model.config.intermediate_size == width // 2
