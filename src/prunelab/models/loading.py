@@ -222,6 +222,15 @@ def _tied_keys(model: nn.Module) -> set[str]:
     return keys
 
 
+def check_model_path(spec: str) -> None:
+    """The one-line error :func:`resolve_source` gives for a path-like ``spec`` that names
+    nothing on disk, without resolving anything (for commands that check an optional
+    dependency before loading: the missing model is said first)."""
+    if spec not in EMBEDDED and _looks_like_path(spec) and \
+            not Path(spec).expanduser().exists():
+        raise ModelNotFoundError(f"model path {spec!r} does not exist")
+
+
 def resolve_source(spec: str) -> Path | str:
     """A local checkpoint directory for ``spec``, or the hub id unchanged."""
     if spec in EMBEDDED:

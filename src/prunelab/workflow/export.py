@@ -34,13 +34,15 @@ def export_gguf(model: str, out: str | Path, out_type: str = "f16",
     from prunelab.checkpoint.gguf_export import OUT_TYPES, QUANT_TYPES, write_gguf
     from prunelab.errors import ConfigError, UnsupportedOperationError
     from prunelab.models.gguf_llama import require_llama_cpp
+    from prunelab.models.loading import check_model_path
 
     if out_type not in OUT_TYPES and out_type not in QUANT_TYPES:
         raise ConfigError(f"--outtype must be one of {' | '.join([*OUT_TYPES, *QUANT_TYPES])}"
                           f", got {out_type!r}")
-    if out_type in QUANT_TYPES:
-        require_llama_cpp()  # before the model is loaded
     check_output_path(out, kind="file", overwrite=overwrite, inputs={"--model": model})
+    if out_type in QUANT_TYPES:  # a missing --model is said first, then a missing module
+        check_model_path(model)
+        require_llama_cpp()  # before the model is loaded
     if (Path(model) / "elastic.json").is_file():
         raise UnsupportedOperationError(
             "GGUF export: an elastic checkpoint holds every size: cut one first (prunelab "
