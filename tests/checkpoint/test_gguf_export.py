@@ -209,12 +209,19 @@ def test_quantized_type_without_llama_cpp_is_one_line_before_loading(tmp_path, c
     from prunelab.cli import cli_main
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    model = tmp_path / "ckpt"
+    model.mkdir()  # exists, but holds no checkpoint: loading it would fail otherwise
+    rc = cli_main(["--quiet", "export", "--model", str(model), "--format",
+                   "gguf", "--outtype", "q8_0", "--out", str(tmp_path / "q.gguf")])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    # refused before the model is loaded
+    assert rc == 2 and len(err) == 1 and "llama-cpp-python" in err[0], err
+    # a --model that names nothing is said first (the user's own mistake)
     rc = cli_main(["--quiet", "export", "--model", str(tmp_path / "nowhere"), "--format",
                    "gguf", "--outtype", "q8_0", "--out", str(tmp_path / "q.gguf")])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    # refused before the (missing) model is even looked for
-    assert rc == 2 and len(err) == 1 and "llama-cpp-python" in err[0], err
-    assert list(tmp_path.iterdir()) == []
+    assert rc == 2 and len(err) == 1 and "does not exist" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
 def test_gemma3_plan_names_norms_and_refusals():
