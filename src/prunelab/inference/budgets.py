@@ -50,13 +50,14 @@ from prunelab.registry import check_range, strict_kwargs
 SCORERS = ("snapkv", "h2o", "tova", "knorm", "expected-attention")
 
 
-def _scorer(name: str, ratio: float, items: tuple[str, ...]) -> Press:
+def _scorer(name: str, ratio: float, items: tuple[str, ...],
+            defaults: dict | None = None) -> Press:
     """The scoring press ``name`` at ``ratio`` with ``KEY=VALUE`` ``items`` (values read
-    as JSON when they parse, else strings)."""
+    as JSON when they parse, else strings) over the wrapper's own ``defaults``."""
     if name not in SCORERS:
         raise ConfigError(f"scorer must be one of {', '.join(SCORERS)}, got {name!r}")
     cls = PRESSES.get(name)
-    opts: dict = {}
+    opts: dict = dict(defaults or {})
     for item in items:
         key, sep, value = str(item).partition("=")
         key = key.strip().replace("-", "_")
@@ -95,7 +96,12 @@ class Budgeted(Press):
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "_base", _scorer(self.scorer, self.ratio,
-                                                  tuple(self.scorer_options)))
+                                                  tuple(self.scorer_options),
+                                                  self.scorer_defaults()))
+
+    def scorer_defaults(self) -> dict:
+        """The wrapper's defaults for its scorer's options (``scorer_options`` win)."""
+        return {}
 
     @property
     def base(self) -> Press:
@@ -139,19 +145,18 @@ class PyramidKV(Budgeted):
         "(kvpress' window_size); else every block keeps the uniform budget")})
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         check_range("beta", self.beta, 1.0, None)
-        check_range("floor", self.floor, 1, None, integer=True)
-        base = self.base
-        given = {str(o).partition("=")[0].strip().replace("-", "_")
-                 for o in self.scorer_options}
-        if isinstance(base, SnapKV) and "window" not in given:
-            # SnapKV's own window (64) would fill the smallest blocks (floor 64 entries):
-            # they would keep nothing but the window (continuation KL 0.0196 against 0.0080
-            # with 32 on SmolLM2-135M at 0.5, docs/inference.md); half the floor leaves
-            # them half their budget to choose
-            window = min(base.window, max(1, self.floor // 2))
-            object.__setattr__(self, "_base", dataclasses.replace(base, window=window))
+        check_range("floor", self.floor, 1, None, integer=True)  # before the scorer's
+        super().__post_init__()
+
+    def scorer_defaults(self) -> dict:
+        # SnapKV's own window (64) would fill the smallest blocks (floor 64 entries): they
+        # would keep nothing but the window (continuation KL 0.0196 against 0.0080 with 32
+        # on SmolLM2-135M at 0.5, docs/inference.md); half the floor leaves them half their
+        # budget to choose
+        if self.scorer != "snapkv":
+            return {}
+        return {"window": min(SnapKV.window, max(1, self.floor // 2))}
 
 
 def scoring_config(config: Press, question: int = 0) -> Press:

@@ -237,9 +237,8 @@ def resolve_source(spec: str) -> Path | str:
         kind, path = resolve_embedded(spec)
         return convert_gguf(path, name=spec) if kind == "gguf" else path
     if _looks_like_path(spec):
+        check_model_path(spec)
         path = Path(spec).expanduser()
-        if not path.exists():
-            raise ModelNotFoundError(f"model path {spec!r} does not exist")
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ModelNotFoundError(f"{spec!r} is a file but not a .gguf model")
