@@ -53,6 +53,16 @@ def protocol(quick: bool) -> dict:
             "needle_ratios": (0.5, 0.75)}
 
 
+def protocol_of(ctx) -> dict:
+    """:func:`protocol` with the command line's ``--ratios`` / ``--windows``."""
+    proto = protocol(ctx.quick)
+    if ctx.ratios:
+        proto["ratios"] = tuple(ctx.ratios)
+    if ctx.windows:
+        proto["windows"] = ctx.windows
+    return proto
+
+
 def needle_prompts(lm, lengths, depths) -> tuple[list, list[int]]:
     """Pass-key prompts (``[1, P]`` each) and their keys, ``benchmarks/inference_pruning``'s
     (its keys: ``10000 + 7919 (i + 1) mod 90000``, i over depths)."""
@@ -68,6 +78,30 @@ def needle_prompts(lm, lengths, depths) -> tuple[list, list[int]]:
     return prompts, keys
 
 
+def prepare(ctx, proto: dict, workdir: Path, jobs: list) -> tuple[dict, list[int], object]:
+    """The test windows and pass-key prompts of ``proto`` saved in ``workdir`` (hashed);
+    returns a worker spec running ``jobs`` on them, the keys and the tokenizer."""
+    import prunelab
+    from prunelab.data import make_batches
+
+    lm = prunelab.load(ctx.model, dtype="float32", device="cpu")
+    test = make_batches(lm.tokenizer, "wiki-vital:test",
+                        seqlen=proto["prompt"] + proto["continuation"],
+                        samples=proto["windows"])
+    prompts, keys = needle_prompts(lm, proto["needle_lengths"], proto["needle_depths"])
+    workdir.mkdir(parents=True, exist_ok=True)
+    sha = common.save_ids(workdir / "test.ids.npy", test.input_ids)
+    needle_sha, needle_lengths = common.save_ragged(workdir / "needles.ids.npy", prompts)
+    spec = {"model": ctx.model, "model_dir": str(lm.source),
+            "ids": str(workdir / "test.ids.npy"), "ids_sha256": sha,
+            "continuation": proto["continuation"], "jobs": jobs,
+            "attn_implementation": lm.model.config._attn_implementation,
+            "needles": str(workdir / "needles.ids.npy"), "needles_sha256": needle_sha,
+            "needle_lengths": needle_lengths, "new_tokens": 8,
+            "needle_ratios": list(proto["needle_ratios"])}
+    return spec, keys, lm.tokenizer
+
+
 def score_needles(tokenizer, res: dict, keys: list[int]) -> None:
     """Add ``needle_hits`` (one bool per prompt) to every row of a side's result."""
     for row in res.get("rows", []):
@@ -78,39 +112,18 @@ def score_needles(tokenizer, res: dict, keys: list[int]) -> None:
 
 def run(ctx) -> tuple[str, dict]:
     """Run both sides; returns the page section (markdown) and the raw results."""
-    import prunelab
-    from prunelab.data import make_batches
-
-    proto = protocol(ctx.quick)
-    if ctx.ratios:
-        proto["ratios"] = tuple(ctx.ratios)
-    if ctx.windows:
-        proto["windows"] = ctx.windows
+    proto = protocol_of(ctx)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     try:
         py, versions = common.ensure_venv("kvpress", [PIN, "psutil"],
                                           ["kvpress", "torch", "transformers", "psutil"])
     except RuntimeError as exc:
         return section(ctx, proto, started, None, None, error=str(exc)), {"error": str(exc)}
-    lm = prunelab.load(ctx.model, dtype="float32", device="cpu")
-    seqlen = proto["prompt"] + proto["continuation"]
-    test = make_batches(lm.tokenizer, "wiki-vital:test", seqlen=seqlen,
-                        samples=proto["windows"])
-    attn = lm.model.config._attn_implementation
-    prompts, keys = needle_prompts(lm, proto["needle_lengths"], proto["needle_depths"])
-    tokenizer = lm.tokenizer
-    model_dir = str(lm.source)
-    del lm
-    workdir = ctx.workdir / NAME
-    workdir.mkdir(parents=True, exist_ok=True)
-    sha = common.save_ids(workdir / "test.ids.npy", test.input_ids)
-    needle_sha, needle_lengths = common.save_ragged(workdir / "needles.ids.npy", prompts)
     jobs = [[p, r, OPTIONS.get(p, {})] for r in proto["ratios"] for p in PRESSES]
-    spec = {"model": ctx.model, "model_dir": model_dir, "ids": str(workdir / "test.ids.npy"),
-            "ids_sha256": sha, "continuation": proto["continuation"], "jobs": jobs,
-            "attn_implementation": attn, "needles": str(workdir / "needles.ids.npy"),
-            "needles_sha256": needle_sha, "needle_lengths": needle_lengths, "new_tokens": 8,
-            "needle_ratios": list(proto["needle_ratios"]), "stepwise": list(STEPWISE)}
+    workdir = ctx.workdir / NAME
+    spec, keys, tokenizer = prepare(ctx, proto, workdir, jobs)
+    spec["stepwise"] = list(STEPWISE)
+    sha, needle_sha = spec["ids_sha256"], spec["needles_sha256"]
     here = Path(__file__).resolve().parent
     print(f"kvpress: {len(jobs)} press settings x {proto['windows']} windows; ids sha256 "
           f"{sha[:12]}", flush=True)

@@ -30,35 +30,15 @@ def label(window: int, pooling: str) -> str:
 
 
 def run(ctx) -> tuple[str, dict]:
-    import prunelab
-    from prunelab.data import make_batches
     from prunelab.inference import SnapKV
 
-    proto = peer_kvpress.protocol(ctx.quick)
-    if ctx.ratios:
-        proto["ratios"] = tuple(ctx.ratios)
-    if ctx.windows:
-        proto["windows"] = ctx.windows
+    proto = peer_kvpress.protocol_of(ctx)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    lm = prunelab.load(ctx.model, dtype="float32", device="cpu")
-    test = make_batches(lm.tokenizer, "wiki-vital:test",
-                        seqlen=proto["prompt"] + proto["continuation"],
-                        samples=proto["windows"])
-    prompts, keys = peer_kvpress.needle_prompts(lm, proto["needle_lengths"],
-                                                proto["needle_depths"])
-    tokenizer = lm.tokenizer
-    del lm
     workdir = ctx.workdir / NAME
-    workdir.mkdir(parents=True, exist_ok=True)
-    sha = common.save_ids(workdir / "test.ids.npy", test.input_ids)
-    needle_sha, needle_lengths = common.save_ragged(workdir / "needles.ids.npy", prompts)
     jobs = [["snapkv", r, {"window": w, "pooling": p}, label(w, p)]
             for r in proto["ratios"] for w, p in SETTINGS]
-    spec = {"model": ctx.model, "ids": str(workdir / "test.ids.npy"), "ids_sha256": sha,
-            "continuation": proto["continuation"], "jobs": jobs,
-            "needles": str(workdir / "needles.ids.npy"), "needles_sha256": needle_sha,
-            "needle_lengths": needle_lengths, "new_tokens": 8,
-            "needle_ratios": list(proto["needle_ratios"])}
+    spec, keys, tokenizer = peer_kvpress.prepare(ctx, proto, workdir, jobs)
+    sha, needle_sha = spec["ids_sha256"], spec["needles_sha256"]
     print(f"{NAME}: {len(jobs)} settings x {proto['windows']} windows; ids sha256 "
           f"{sha[:12]}", flush=True)
     here = Path(__file__).resolve().parent
