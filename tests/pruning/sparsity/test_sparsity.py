@@ -286,6 +286,8 @@ def test_wanda_propagates_by_target_unless_told():
     assert to_dict(Wanda(pattern="2:4"))["propagate"] == "modified"
     with pytest.raises(ConfigError, match="propagate must be"):
         SparseGPT(propagate="auto")
+    with pytest.raises(ConfigError, match="propagate must be auto, modified or dense"):
+        Wanda(propagate="autoo")
     auto = block_weights(run("llama", Wanda(pattern="2:4"))[0])
     told = {p: block_weights(run("llama", Wanda(pattern="2:4", propagate=p))[0])
             for p in ("modified", "dense")}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from prunelab.calib.stats import SumSquares
+from prunelab.errors import ConfigError
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.sparsity.config import SparsityConfig, find
 from prunelab.pruning.sparsity.scores import wanda_scores
@@ -40,6 +41,9 @@ class Wanda(SparsityConfig):
     propagate: str = "auto"
 
     def __post_init__(self):
+        if self.propagate not in ("auto", "modified", "dense"):
+            raise ConfigError(f"propagate must be auto, modified or dense, got "
+                              f"{self.propagate!r}")
         if self.propagate == "auto":
             object.__setattr__(self, "propagate", "modified" if self.pattern else "dense")
         super().__post_init__()
