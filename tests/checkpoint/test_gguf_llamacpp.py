@@ -183,7 +183,8 @@ def test_cli_writes_q8_0_and_names_the_tensor_types(tmp_path, capsys):
                      "--out", str(out)]) == 0
     text = capsys.readouterr()
     assert "q8_0 (" in text.out and "Q8_0" in text.out, text.out
-    assert "fell back to F16" in text.err  # the 48-value rows of ffn_down
+    # the 48-value rows of ffn_down, named
+    assert "blk.*.ffn_down.weight x4 (48 columns) -> F16" in text.err, text.err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.gguf", "tiny"]
 
 

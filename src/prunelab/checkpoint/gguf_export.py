@@ -46,7 +46,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prunelab.errors import UnsupportedOperationError
+from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.models.families import original_model_type
 from prunelab.models.gguf_llama import (
     BLOCK_NAMES,
     GEMMA3_BLOCK_NAMES,
@@ -59,11 +60,52 @@ ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text":
 #: output type -> (GGML tensor type of 2-D weights, ``general.file_type``)
 OUT_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"),
              "bf16": ("BF16", "MOSTLY_BF16")}
-#: quantized output types -> llama.cpp's file type (quantized by llama.cpp itself)
-QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
-               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
-#: the GGML types llama.cpp's recipe for each quantized type uses (others: a fallback)
-QUANT_FAMILY = {"q8_0": {"Q8_0"}, "q6_k": {"Q6_K"}, "q4_k_m": {"Q4_K", "Q5_K", "Q6_K"}}
+@dataclass(frozen=True)
+class QuantType:
+    """A llama.cpp quantized file type: its ``LLAMA_FTYPE_*`` name, the values per
+    quantization block along a row (a weight whose input width is not a multiple falls
+    back to another type in llama.cpp's quantizer), and whether llama.cpp refuses it
+    without an importance matrix (the lowest-bit IQ types)."""
+
+    ftype: str
+    block: int
+    needs_imatrix: bool = False
+
+
+def _q(name: str, block: int, needs: bool = False) -> QuantType:
+    return QuantType(f"LLAMA_FTYPE_MOSTLY_{name.upper()}", block, needs)
+
+
+#: quantized output types (written by llama.cpp's own quantizer), bits roughly descending
+QUANT_TYPES: dict[str, QuantType] = {
+    "q8_0": _q("q8_0", 32), "q6_k": _q("q6_k", 256), "q5_k_m": _q("q5_k_m", 256),
+    "q5_k_s": _q("q5_k_s", 256), "q5_1": _q("q5_1", 32), "q5_0": _q("q5_0", 32),
+    "q4_k_m": _q("q4_k_m", 256), "q4_k_s": _q("q4_k_s", 256), "q4_1": _q("q4_1", 32),
+    "q4_0": _q("q4_0", 32), "iq4_nl": _q("iq4_nl", 32), "iq4_xs": _q("iq4_xs", 256),
+    "q3_k_l": _q("q3_k_l", 256), "q3_k_m": _q("q3_k_m", 256), "q3_k_s": _q("q3_k_s", 256),
+    "iq3_m": _q("iq3_m", 256), "iq3_s": _q("iq3_s", 256), "iq3_xs": _q("iq3_xs", 256),
+    "iq3_xxs": _q("iq3_xxs", 256, True), "q2_k": _q("q2_k", 256),
+    "q2_k_s": _q("q2_k_s", 256, True), "iq2_m": _q("iq2_m", 256, True),
+    "iq2_s": _q("iq2_s", 256, True), "iq2_xs": _q("iq2_xs", 256, True),
+    "iq2_xxs": _q("iq2_xxs", 256, True), "iq1_m": _q("iq1_m", 256, True),
+    "iq1_s": _q("iq1_s", 256, True),
+}
+
+
+def quant_block(out_type: str) -> int:
+    """Values per quantization block of ``out_type`` (1 for f32 / f16 / bf16)."""
+    if out_type in OUT_TYPES:
+        return 1
+    if out_type not in QUANT_TYPES:
+        raise _refuse(f"output type {out_type!r}: {' | '.join(all_types())}")
+    return QUANT_TYPES[out_type].block
+
+
+def all_types() -> list[str]:
+    """Every output type: the float ones, then the quantized ones."""
+    return [*OUT_TYPES, *QUANT_TYPES]
+
+
 @dataclass(frozen=True)
 class GGUFPlan:
     """What will be written: the architecture, per-block widths (query heads, KV heads and
@@ -78,6 +120,7 @@ class GGUFPlan:
     ffn: tuple[int, ...]
     head_dim: int
     tensors: tuple[tuple[str, str | None, int, tuple | None], ...]
+    products: tuple[str, ...] = ()
 
     @property
     def blocks(self) -> int:
@@ -119,35 +162,34 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
     also drops a block's attention output when the block's FFN width is 0, so a block that
     keeps its attention but lost its MLP is written with a 1-channel FFN of zero weights
     (output exactly 0, as the removed MLP's)."""
-    from prunelab.checkpoint.remote import has_bridges
-    from prunelab.models.custom import custom_modules
-
     cfg = model.config
-    arch = ARCHES.get(cfg.model_type)
+    model_type = original_model_type(cfg.model_type)  # prunelab's remote-code checkpoints
+    arch = ARCHES.get(model_type)
     if arch is None:
-        raise _refuse(f"{cfg.model_type} models are not written yet ({', '.join(ARCHES)})")
+        raise _refuse(f"{model_type} models are not written yet ({', '.join(ARCHES)})")
     if arch == "gemma3":
         _check_gemma3(cfg)
-    kinds = sorted({m.prunelab_kind for _, m in custom_modules(model)} - SKIPPED)
-    if kinds:
-        raise _refuse(f"prunelab modules ({', '.join(kinds)}) have no GGUF form: export the "
-                      "dense product (fold / merge the factors) or prune without them")
-    if has_bridges(model):
-        raise _refuse("linear bridges have no GGUF form: prune with --recovery foldable "
-                      "(folded into the weights) or none")
+    products = _refuse_inexpressible(model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     heads, kv, ffn = _block_widths(model, head_dim)
     uniform = len(set(zip(heads, kv, ffn, strict=True))) == 1 and min(heads) > 0 and min(ffn) > 0
     if not uniform:
         if arch != "llama":
-            raise _refuse(f"per-block widths or removed sublayers of a {cfg.model_type} model "
+            raise _refuse(f"per-block widths or removed sublayers of a {model_type} model "
                           "are not written yet (Llama family: deci); prune with --allocation "
                           "uniform")
         arch = "deci"
     params = dict(model.named_parameters())
     names = GEMMA3_BLOCK_NAMES if arch == "gemma3" else BLOCK_NAMES
     tensors: list[tuple[str, str | None, int, tuple | None]] = []
+    inside = tuple(p + "." for p in products) + tuple(p + "." for p in _dictionaries(model))
+    for path, module in products.items():  # factors multiplied out: one dense weight
+        parts = path.split(".")
+        for part in ("weight", "bias") if _has_bias(module) else ("weight",):
+            params[f"{path}.{part}"] = None
     for name in params:
+        if params[name] is not None and name.startswith(inside):
+            continue  # a factor or a dictionary atom: in the product
         parts = name.split(".")
         if name.startswith("model.layers."):
             i, inner = int(parts[2]), ".".join(parts[3:-1])
@@ -156,7 +198,9 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
             rope = 0
             if arch in ("llama", "deci") and inner in ("self_attn.q_proj", "self_attn.k_proj"):
                 rope = heads[i] if inner.endswith("q_proj") else kv[i]
-            tensors.append((f"blk.{i}.{names[inner]}.{parts[-1]}", name, rope, None))
+            fill = ("product", ".".join(parts[:-1]), parts[-1]) if params[name] is None \
+                else None
+            tensors.append((f"blk.{i}.{names[inner]}.{parts[-1]}", name, rope, fill))
         else:
             top = ".".join(parts[:-1])
             if top not in TOP_NAMES:
@@ -172,7 +216,78 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
                         (f"blk.{i}.ffn_gate.weight", None, 0, ("zeros", (1, d))),
                         (f"blk.{i}.ffn_up.weight", None, 0, ("zeros", (1, d))),
                         (f"blk.{i}.ffn_down.weight", None, 0, ("zeros", (d, 1)))]
-    return GGUFPlan(arch, d, tuple(heads), tuple(kv), tuple(ffn), head_dim, tuple(tensors))
+    return GGUFPlan(arch, d, tuple(heads), tuple(kv), tuple(ffn), head_dim, tuple(tensors),
+                    tuple(products))
+
+
+#: custom modules that compute ``W x + b`` through factors (low rank, a shared basis, sparse
+#: plus low rank): written as the dense product ``W`` (``dense_weight()``)
+PRODUCTS = {"low_rank_linear", "shared_basis_linear", "sparse_lowrank_linear"}
+#: why the other custom modules have no GGUF form, and what to do instead
+INEXPRESSIBLE = {
+    "residual_shortcut": "SliceGPT's per-layer rotations map the residual stream between "
+                         "blocks, which no llama.cpp graph can: slice with --rotation global "
+                         "(a plain model)",
+    "stream_shapes": "per-block slicing widths change the residual stream between blocks, "
+                     "which no llama.cpp graph can: slice with one width (--widths uniform, "
+                     "--rotation global)",
+    "prunepath_mlp": "PrunePath routes each token through some of the FFN's experts at run "
+                     "time, which llama.cpp cannot: prune FFN width instead (prune width "
+                     "--unit ffn) for a smaller file",
+    "token_pruner": "token pruning is a vision-encoder runtime, not a llama.cpp model",
+}
+
+
+def _kind(module) -> str | None:
+    """A prunelab custom module's kind (also a copy of the class from remote code)."""
+    kind = getattr(type(module), "prunelab_kind", None)
+    return kind if isinstance(kind, str) and kind != "base" else None
+
+
+def _refuse_inexpressible(model) -> dict:
+    """Refuse, in one line naming why and what to do, what llama.cpp cannot compute; return
+    ``{path: module}`` of the factorized linears written as their dense product."""
+    from prunelab.models.bridges import BRIDGE_ATTR
+    from prunelab.models.custom import custom_modules
+
+    if any(isinstance(getattr(m, BRIDGE_ATTR, None), torch.nn.Module)
+           for m in model.modules()):  # a bridge class from remote code counts too
+        raise _refuse("linear bridges (ghost / lra recovery) map the residual stream over a "
+                      "cut, which no llama.cpp graph can: prune with --recovery foldable "
+                      "(folded into the weights) or none")
+    products = {}
+    for path, module in custom_modules(model):
+        kind = _kind(module)
+        if kind in SKIPPED or kind == "shared_dictionary":
+            continue
+        if kind in PRODUCTS and callable(getattr(module, "dense_weight", None)):
+            products[path] = module
+            continue
+        why = INEXPRESSIBLE.get(kind, f"prunelab's {kind} modules have no llama.cpp form")
+        raise _refuse(why)
+    return products
+
+
+def _dictionaries(model) -> list[str]:
+    """Paths of shared dictionaries (their atoms are in the products' dense weights)."""
+    from prunelab.models.custom import custom_modules
+
+    return [p for p, m in custom_modules(model) if _kind(m) == "shared_dictionary"]
+
+
+def _has_bias(module) -> bool:
+    return any(n.rsplit(".", 1)[-1] == "bias" and p is not None
+               for n, p in module.named_parameters())
+
+
+@torch.no_grad()
+def _product(module, part: str) -> torch.Tensor:
+    """The dense weight ``[out, in]`` of a factorized linear, or its bias (its output for a
+    zero input)."""
+    if part == "weight":
+        return module.dense_weight()
+    w = module.dense_weight()
+    return module(torch.zeros(1, w.shape[1], dtype=w.dtype, device=w.device))[0]
 
 
 def _check_gemma3(cfg) -> None:
@@ -231,20 +346,17 @@ def _gemma3_keys(writer, model) -> None:
 def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[list, list, list]:
     """Per block: query heads, KV heads and FFN width, read off the weights (a pruned model
     in memory keeps its original configuration); 0 for a removed sublayer."""
-    from prunelab.models.custom import PrunelabModule
-
     heads, kv, ffn = [], [], []
     for i, block in enumerate(model.model.layers):
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
         for part, module, names in (("attention", attn, ("q_proj", "k_proj")),
                                     ("MLP", mlp, ("up_proj",))):
-            if not isinstance(module, PrunelabModule) and not all(
-                    hasattr(module, n) for n in names):
+            if _kind(module) not in SKIPPED and not all(hasattr(module, n) for n in names):
                 raise _refuse(f"block {i}'s {part} has no {'/'.join(names)}")
-        skipped_attn = isinstance(attn, PrunelabModule)
+        skipped_attn = _kind(attn) in SKIPPED
         heads.append(0 if skipped_attn else attn.q_proj.out_features // head_dim)
         kv.append(0 if skipped_attn else attn.k_proj.out_features // head_dim)
-        ffn.append(0 if isinstance(mlp, PrunelabModule) else mlp.up_proj.out_features)
+        ffn.append(0 if _kind(mlp) in SKIPPED else mlp.up_proj.out_features)
     return heads, kv, ffn
 
 
@@ -356,10 +468,11 @@ def _tensor_data(t: torch.Tensor, rope: int, qtype) -> tuple[np.ndarray, object]
 
 def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = False,
                name: str | None = None, operations: list | None = None,
-               extra: dict[str, str] | None = None) -> dict:
+               extra: dict[str, str] | None = None, imatrix=None) -> dict:
     """Write ``lm`` (a LoadedModel) to the GGUF file ``path`` (atomic: a failure leaves no
     file) with 2-D weights in ``out_type`` (f32 | f16 | bf16, or a :data:`QUANT_TYPES`
-    type through llama.cpp's quantizer); ``extra``: more string keys for the header.
+    type through llama.cpp's quantizer, weighted by ``imatrix`` when given: see
+    :func:`quantize_gguf`); ``extra``: more string keys for the header.
     Returns what was written: architecture, blocks, output type, tensors, bytes, tokenizer
     source and notes."""
     import gguf
@@ -368,9 +481,13 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
     from prunelab.io.files import atomic_file
 
     if out_type in QUANT_TYPES:
-        return _write_quantized(lm, path, out_type, overwrite, name, operations, extra)
+        return _write_quantized(lm, path, out_type, overwrite, name, operations, extra,
+                                imatrix)
     if out_type not in OUT_TYPES:
-        raise _refuse(f"output type {out_type!r}: {' | '.join([*OUT_TYPES, *QUANT_TYPES])}")
+        raise _refuse(f"output type {out_type!r}: {' | '.join(all_types())}")
+    if imatrix is not None:
+        raise ConfigError(f"an importance matrix is used by the quantized types only, not "
+                          f"{out_type}")
     model = lm.model
     plan = plan_gguf(model)
     cfg = model.config
@@ -403,6 +520,10 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
         writer.add_string("prunelab.operations", json.dumps(operations or [], default=str))
         for key, value in (extra or {}).items():
             writer.add_string(key, str(value))
+        if plan.products:
+            notes.append(f"{len(plan.products)} factorized linears were multiplied out: the "
+                         "file stores their dense weights (llama.cpp has no factorized "
+                         "linear), so it is no smaller nor faster than the dense model")
         src = source_gguf(str(lm.spec))
         copied = src is not None and _copy_tokenizer(writer, src, vocab)
         if not copied:
@@ -411,8 +532,12 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
             notes += _build_tokenizer(writer, lm.tokenizer, cfg.model_type, vocab)
         nbytes = 0
         for gguf_name, hf_name, rope, fill in plan.tensors:
-            t = params[hf_name] if fill is None else (
-                torch.ones if fill[0] == "ones" else torch.zeros)(fill[1])
+            if fill is None:
+                t = params[hf_name]
+            elif fill[0] == "product":
+                t = _product(model.get_submodule(fill[1]), fill[2])
+            else:
+                t = (torch.ones if fill[0] == "ones" else torch.zeros)(fill[1])
             if plan.arch == "gemma3" and gguf_name.endswith("norm.weight"):
                 t = t.detach().float() + 1  # Gemma multiplies by 1 + weight
             data, kind = _tensor_data(t, rope, qtype)
@@ -431,19 +556,44 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
 
 
 def quantize_gguf(src: str | Path, dst: str | Path, out_type: str,
-                  threads: int | None = None) -> None:
+                  threads: int | None = None, imatrix=None) -> None:
     """Quantize the GGUF file ``src`` into ``dst`` with llama.cpp's own quantizer
     (``llama_model_quantize`` through ``llama-cpp-python``): ``out_type`` is one of
     :data:`QUANT_TYPES`. llama.cpp keeps a tensor whose rows are not a multiple of the
-    type's block (32 values for q8_0, 256 for the k-quants) in a fallback type."""
-    import os
+    type's block (32 values for q8_0, 256 for the k-quants) in a fallback type
+    (:func:`fallbacks`). ``imatrix``: an :class:`~prunelab.checkpoint.imatrix.IMatrix` or
+    the path of an imatrix file; llama.cpp then weighs each column's rounding error by the
+    column's mean squared input (the IQ types of :data:`QUANT_TYPES` marked
+    ``needs_imatrix`` are refused without one)."""
+    import ctypes
 
+    from prunelab.checkpoint.imatrix import IMatrix, read_imatrix
     from prunelab.models.gguf_llama import require_llama_cpp
 
+    kind = QUANT_TYPES.get(out_type)
+    if kind is None:
+        raise ConfigError(f"quantized type {out_type!r}: {' | '.join(QUANT_TYPES)}")
+    if kind.needs_imatrix and imatrix is None:
+        raise ConfigError(f"{out_type} needs an importance matrix (llama.cpp refuses it "
+                          "without one): give an imatrix")
     llama_cpp = require_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, QUANT_TYPES[out_type])
+    params.ftype = getattr(llama_cpp, kind.ftype)
     params.nthread = threads or os.cpu_count() or 1
+    keep = []  # the ctypes buffers must outlive the call
+    if imatrix is not None:
+        im = imatrix if isinstance(imatrix, IMatrix) else read_imatrix(imatrix)
+        means = im.means()
+        entries = (llama_cpp.llama_model_imatrix_data * (len(means) + 1))()
+        for i, (name, values) in enumerate(sorted(means.items())):
+            buf = np.ascontiguousarray(values, dtype=np.float32)
+            keep.append(buf)
+            entries[i].name = name.encode()
+            entries[i].data = buf.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+            entries[i].size = buf.size
+        entries[len(means)].name = None  # the terminator llama.cpp looks for
+        keep.append(entries)
+        params.imatrix = entries
     with llama_cpp.suppress_stdout_stderr(disable=False):
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
     if rc != 0:
@@ -461,11 +611,45 @@ def tensor_types(path: str | Path) -> dict[str, int]:
                                     for t in gguf.GGUFReader(path).tensors))
 
 
+def fallbacks(path: str | Path, out_type: str) -> list[dict]:
+    """The weights of the quantized GGUF file ``path`` that llama.cpp could not store in
+    ``out_type``'s block type because their input width (columns) is not a multiple of its
+    block (:func:`quant_block`): name, columns and the type they got instead."""
+    import gguf
+
+    block = quant_block(out_type)
+    out = []
+    for t in gguf.GGUFReader(path).tensors:
+        cols = int(t.shape[0])  # GGUF's ne[0]: the input width
+        if len(t.shape) >= 2 and t.tensor_type.name != "F32" and cols % block:
+            out.append({"tensor": t.name, "columns": cols, "type": t.tensor_type.name})
+    return out
+
+
+def fallback_note(fell: list[dict], out_type: str) -> str | None:
+    """One line naming the tensors that fell back, grouped over blocks
+    (``blk.*.ffn_down.weight x24 (1232 columns) -> Q8_0``)."""
+    import collections
+    import re
+
+    if not fell:
+        return None
+    groups = collections.Counter(
+        (re.sub(r"^blk\.\d+\.", "blk.*.", f["tensor"]), f["columns"], f["type"]) for f in fell)
+    parts = [f"{name}{f' x{n}' if n > 1 else ''} ({cols} columns) -> {kind}"
+             for (name, cols, kind), n in sorted(groups.items())]
+    block = quant_block(out_type)
+    hint = (f" (prune FFN widths for the type: --gguf-type {out_type} rounds them to "
+            f"{block})" if any(".ffn_down." in f["tensor"] for f in fell) else "")
+    return (f"{len(fell)} weight tensors fell back from {out_type}: their input width is "
+            f"not a multiple of {block} values: {'; '.join(parts)}{hint}")
+
+
 def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations,
-                     extra) -> dict:
+                     extra, imatrix=None) -> dict:
     """Write an f16 (bf16 for a bfloat16 model) GGUF beside ``path``, quantize it into
     ``path`` with llama.cpp (atomic), remove the intermediate; report the tensor types,
-    with a note when some weights fell back (widths not a multiple of the block)."""
+    and name the weights that fell back (widths not a multiple of the block)."""
     import tempfile
 
     from prunelab.io.files import atomic_file, check_output_path
@@ -483,19 +667,16 @@ def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations,
         rep = write_gguf(lm, mid, half, overwrite=True, name=name or Path(str(lm.spec)).name,
                          operations=operations, extra=extra)
         with atomic_file(path, overwrite=overwrite) as tmp:
-            quantize_gguf(mid, tmp, out_type)
+            quantize_gguf(mid, tmp, out_type, imatrix=imatrix)
     finally:
         Path(mid).unlink(missing_ok=True)
-    types = tensor_types(path)
-    block = 32 if out_type == "q8_0" else 256
-    fell = {t: n for t, n in types.items() if t != "F32" and t not in QUANT_FAMILY[out_type]}
+    fell = fallbacks(path, out_type)
     notes = list(rep["notes"])
-    if fell:
-        notes.append(f"{sum(fell.values())} weight tensors fell back to "
-                     f"{', '.join(sorted(fell))}: their rows are not a multiple of {block} "
-                     f"values (prune with --round-to {block})")
+    if (note := fallback_note(fell, out_type)) is not None:
+        notes.append(note)
     rep.update(path=str(path), out_type=out_type, bytes=path.stat().st_size,
-               tensor_types=types, intermediate=half, notes=notes,
+               tensor_types=tensor_types(path), fallbacks=fell, intermediate=half,
+               notes=notes, imatrix=imatrix is not None,
                quantizer=f"llama.cpp (llama-cpp-python {require_llama_cpp().__version__})")
     rep.pop("tensor_bytes", None)
     return rep

@@ -16,6 +16,7 @@ from prunelab.cli import (  # noqa: F401  (register)
     conditional_cmds,
     elastic_cmds,
     factor_cmds,
+    front_cmds,
     heal_cmds,
     inspect_cmds,
     plugins,

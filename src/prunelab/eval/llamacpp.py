@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,12 +32,8 @@ def llamacpp_logprobs(path: str | Path, windows: torch.Tensor,
                       threads: int | None = None) -> np.ndarray:
     """``[N, T, V]`` float64 log-probabilities llama.cpp computes for each of the ``N``
     windows of ``T`` token ids (row ``t``: the distribution of token ``t + 1``)."""
-    llama_cpp = require_llama_cpp()
     n, t = windows.shape
-    with llama_cpp.suppress_stdout_stderr(disable=False):  # llama.cpp's load log
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(t, 8), n_batch=max(t, 8),
-                              logits_all=True, verbose=False, seed=0,
-                              n_threads=threads or max(1, (os.cpu_count() or 1)))
+    llm = _open(path, t, threads, logits_all=True)
     out = []
     try:
         for row in windows.tolist():
@@ -56,6 +53,44 @@ def prunelab_logprobs(lm, windows: torch.Tensor) -> np.ndarray:
         logits = lm.model(input_ids=row[None].to(lm.device), use_cache=False).logits[0]
         out.append(torch.log_softmax(logits.double(), -1).cpu().numpy())
     return np.stack(out)
+
+
+def _open(path: str | Path, n_ctx: int, threads: int | None, logits_all: bool):
+    """A ``llama_cpp.Llama`` on ``path`` (llama.cpp's load log silenced); a file llama.cpp
+    cannot load is one :class:`ConfigError` line."""
+    llama_cpp = require_llama_cpp()
+    try:
+        with llama_cpp.suppress_stdout_stderr(disable=False):
+            return llama_cpp.Llama(model_path=str(path), n_ctx=max(n_ctx, 8),
+                                   n_batch=max(n_ctx, 8), logits_all=logits_all,
+                                   verbose=False, seed=0,
+                                   n_threads=threads or max(1, (os.cpu_count() or 1)))
+    except (ValueError, RuntimeError, OSError) as e:
+        raise ConfigError(f"llama.cpp cannot load {Path(path).name}: {e}") from e
+
+
+def llamacpp_perplexity(path: str | Path, windows: torch.Tensor,
+                        threads: int | None = None) -> dict:
+    """Perplexity of the GGUF file ``path`` inside llama.cpp over ``windows`` (``[N, T]``
+    token ids, each scored on its own from an empty cache: every position predicts the
+    next token, ``N x (T - 1)`` predictions), one window's logits at a time (memory
+    ``T x vocab``, whatever ``N``). Returns the perplexity, the mean NLL and its standard
+    error over windows."""
+    llm = _open(path, windows.shape[1], threads, logits_all=True)
+    t = windows.shape[1]
+    per_window = []
+    try:
+        for row in windows.tolist():
+            llm.reset()
+            llm.eval(row)
+            lp = _log_softmax(np.asarray(llm.scores[:t], dtype=np.float32))
+            per_window.append(float(-lp[np.arange(t - 1), row[1:]].mean()))
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+    nll = np.array(per_window)
+    sem = float(nll.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else float("nan")
+    return {"perplexity": float(math.exp(nll.mean())), "nll": float(nll.mean()),
+            "nll_sem": sem, "windows": int(windows.shape[0]), "seqlen": int(t)}
 
 
 def _perplexity(logprobs: np.ndarray, windows: torch.Tensor) -> float:
@@ -95,14 +130,8 @@ def llamacpp_speed(path: str | Path, prompt: list[int], gen: int = 128,
     ``prompt`` (one batch) and generation of ``gen`` tokens one at a time after it (the
     token ids are fixed, not sampled, so every model does the same work); the best of
     ``repeats`` runs of each."""
-    import time
-
-    llama_cpp = require_llama_cpp()
     n = len(prompt)
-    with llama_cpp.suppress_stdout_stderr(disable=False):
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=n + gen + 8, n_batch=max(n, 8),
-                              verbose=False, seed=0,
-                              n_threads=threads or max(1, (os.cpu_count() or 1)))
+    llm = _open(path, n + gen + 8, threads, logits_all=False)
     best_pp = best_tg = 0.0
     try:
         for _ in range(repeats):

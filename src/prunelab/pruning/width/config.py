@@ -12,8 +12,10 @@ flat command-line options onto it. Each score cites its paper in its module.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from prunelab.checkpoint.gguf_export import QUANT_TYPES
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.options import piece_from_flat
@@ -58,6 +60,10 @@ class Width:
     ``bias_compensation``: FLAP's ``b += W[:, removed] mean(X_removed)`` where the consumer
     has a bias (always folded into the fit when ``compensate`` is on and a bias exists).
     ``round_to``: FFN widths kept are multiples of this (1 = no rounding).
+    ``gguf_type``: the llama.cpp quantized type the result is meant for; ``round_to``
+    becomes the least common multiple of itself and that type's block (llama.cpp quantizes
+    rows in blocks of 32 or 256 values and stores a weight whose input width is not a
+    multiple in a wider fallback type, see :func:`prunelab.checkpoint.gguf_export.fallbacks`).
     ``damp``: ridge of the refit, times the mean diagonal of ``X^T X``, shrinking towards
     plain slicing (default 1.0: on SmolLM2 with 8 x 256 calibration tokens it lowered the
     held-out ``down_proj`` error of blocks 0/5/15 from 0.036/0.114/0.066 (slicing) to
@@ -80,6 +86,9 @@ class Width:
     bias_compensation: bool = _help("FLAP bias compensation where the consumer has a bias",
                                     True)
     round_to: int = _help("FFN widths kept are multiples of this", 8)
+    gguf_type: str | None = _help("the llama.cpp type the result will be quantized to: FFN "
+                                  "widths are rounded to its block (32 for q8_0, 256 for "
+                                  "the k-quants) so no weight falls back to a wider type")
     damp: float = _help("refit ridge (times mean diag of X^T X), shrinking towards plain "
                         "slicing", 1.0)
 
@@ -110,6 +119,12 @@ class Width:
         if self.heads == "query" and self.unit == "joint":
             raise ConfigError("unit joint prunes whole KV groups: heads must be groups")
         check_range("round_to", self.round_to, 1, 4096, integer=True)
+        if self.gguf_type is not None:
+            if not isinstance(self.gguf_type, str) or self.gguf_type not in QUANT_TYPES:
+                raise ConfigError(f"gguf_type must be one of {', '.join(QUANT_TYPES)}, got "
+                                  f"{self.gguf_type!r}")
+            block = QUANT_TYPES[self.gguf_type].block
+            object.__setattr__(self, "round_to", math.lcm(self.round_to, block))
         check_range("damp", self.damp, 0.0, 1e4)
         self.score.validate(self)
 
