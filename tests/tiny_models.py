@@ -163,3 +163,18 @@ def cli(*args, cwd=None):
     env = dict(os.environ, PYTHONWARNINGS="ignore", COLUMNS="120")
     return subprocess.run([sys.executable, "-m", "prunelab", *args], capture_output=True,
                           text=True, env=env, cwd=cwd, timeout=300)
+
+
+def bpe_tokenizer():
+    """A BPE tokenizer over the tiny vocabulary: ids are code points, except 1 and 2 (control
+    characters), which are the merges "th" and "the" (llama.cpp wants merges)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(i): i for i in range(128)}
+    del vocab[chr(1)], vocab[chr(2)]
+    vocab.update({"th": 1, "the": 2, "<s>": 128, "[UNK]": 129, "<pad>": 130})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("t", "h"), ("th", "e")],
+                               unk_token="[UNK]"))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>",
+                                   unk_token="[UNK]", pad_token="<pad>")

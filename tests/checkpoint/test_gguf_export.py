@@ -20,26 +20,11 @@ from prunelab.errors import UnsupportedOperationError
 from prunelab.models.gguf_llama import interleave_rope_rows
 from prunelab.models.loading import wrap
 
-from tiny_models import VOCAB, save_tiny_checkpoint, tiny_model, tiny_tokens
+from tiny_models import VOCAB, bpe_tokenizer, save_tiny_checkpoint, tiny_model, tiny_tokens
 
 IDS = tiny_tokens(4, 12)
 CALIB = TokenBatches(input_ids=IDS, spec="tiny", seqlen=12, samples=4, seed=0, mode="calib",
                      total_windows=4, sha256="0")
-
-
-def bpe_tokenizer():
-    """A BPE tokenizer over the tiny vocabulary: ids are code points, except 1 and 2 (control
-    characters), which are the merges "th" and "the" (llama.cpp wants merges)."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {chr(i): i for i in range(128)}
-    del vocab[chr(1)], vocab[chr(2)]
-    vocab.update({"th": 1, "the": 2, "<s>": 128, "[UNK]": 129, "<pad>": 130})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("t", "h"), ("th", "e")],
-                               unk_token="[UNK]"))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<s>",
-                                   unk_token="[UNK]", pad_token="<pad>")
 
 
 def loaded(arch="llama"):

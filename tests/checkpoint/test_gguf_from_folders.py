@@ -44,7 +44,7 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from test_gguf_export import bpe_tokenizer
+    from tiny_models import bpe_tokenizer
 
     root = tmp_path_factory.mktemp("folders")
     ckpt = save_tiny_checkpoint("llama", root / "tiny")

@@ -25,7 +25,7 @@ CALIB = TokenBatches(input_ids=IDS, spec="tiny", seqlen=12, samples=4, seed=0, m
 
 
 def _tiny(arch="llama"):
-    from test_gguf_export import bpe_tokenizer
+    from tiny_models import bpe_tokenizer
 
     return wrap(tiny_model(arch), bpe_tokenizer(), spec=f"tiny-{arch}")
 
@@ -170,11 +170,9 @@ def test_quantized_types_come_from_llamacpps_quantizer(out_type, tmp_path):
 
 
 def test_cli_writes_q8_0_and_names_the_tensor_types(tmp_path, capsys):
-    from test_gguf_export import bpe_tokenizer
-
     from prunelab.cli import cli_main
 
-    from tiny_models import save_tiny_checkpoint
+    from tiny_models import bpe_tokenizer, save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint("llama", tmp_path / "tiny")
     bpe_tokenizer().save_pretrained(ckpt)

@@ -22,7 +22,7 @@ from prunelab.checkpoint.gguf_export import (
 )
 from prunelab.checkpoint.imatrix import IMatrix, write_imatrix
 from prunelab.data import TokenBatches
-from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.errors import ConfigError
 from prunelab.models.loading import wrap
 
 from tiny_models import VOCAB, tiny_tokens
@@ -37,7 +37,7 @@ CALIB = TokenBatches(input_ids=IDS, spec="tiny", seqlen=16, samples=4, seed=0, m
 def kquant_model(ffn: int = 512):
     """2 blocks, hidden 256, FFN ``ffn``, 4 heads of 64 (2 KV groups): every input width a
     multiple of 256."""
-    from test_gguf_export import bpe_tokenizer
+    from tiny_models import bpe_tokenizer
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=ffn,
@@ -96,7 +96,12 @@ def test_an_importance_matrix_reaches_the_quantizer(tmp_path):
         quantize_gguf(tmp_path / "f16.gguf", tmp_path / "iq.gguf", "iq2_xxs")
     quantize_gguf(tmp_path / "f16.gguf", tmp_path / "iq.gguf", "iq2_xxs", imatrix=im)
     assert (tmp_path / "iq.gguf").stat().st_size < len(a)
-    # a matrix whose widths do not fit the model: llama.cpp's refusal, one line
+    # a matrix made for another model: refused before llama.cpp, in one line
     bad = IMatrix(sums={k: np.ones(3) for k in im.sums}, counts=dict(im.counts))
-    with pytest.raises(UnsupportedOperationError, match="quantizer failed"):
+    with pytest.raises(ConfigError, match="has 3 values, the weight 256 columns"):
         quantize_gguf(tmp_path / "f16.gguf", tmp_path / "bad.gguf", "q3_k_m", imatrix=bad)
+    other = IMatrix(sums={"blk.9.attn_q.weight": np.ones(256)},
+                    counts={"blk.9.attn_q.weight": 1})
+    with pytest.raises(ConfigError, match="names none of"):
+        quantize_gguf(tmp_path / "f16.gguf", tmp_path / "bad.gguf", "q3_k_m", imatrix=other)
+    assert not (tmp_path / "bad.gguf").exists()

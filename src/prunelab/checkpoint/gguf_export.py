@@ -583,6 +583,7 @@ def quantize_gguf(src: str | Path, dst: str | Path, out_type: str,
     keep = []  # the ctypes buffers must outlive the call
     if imatrix is not None:
         im = imatrix if isinstance(imatrix, IMatrix) else read_imatrix(imatrix)
+        check_imatrix(src, im)
         means = im.means()
         entries = (llama_cpp.llama_model_imatrix_data * (len(means) + 1))()
         for i, (name, values) in enumerate(sorted(means.items())):
@@ -599,6 +600,27 @@ def quantize_gguf(src: str | Path, dst: str | Path, out_type: str,
     if rc != 0:
         raise _refuse(f"llama.cpp's quantizer failed on {Path(src).name} ({out_type}, code "
                       f"{rc})")
+
+
+def check_imatrix(path: str | Path, im) -> None:
+    """Refuse an importance matrix that does not fit the GGUF file ``path``: an entry whose
+    width is not its weight's input width, or one that names none of the file's block
+    weights (another model's matrix)."""
+    import gguf
+
+    cols = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(path).tensors
+            if len(t.shape) >= 2 and t.name.startswith("blk.")}
+    matched = 0
+    for name, s in im.sums.items():
+        if name in cols:
+            matched += 1
+            if s.shape[0] != cols[name]:
+                raise ConfigError(f"importance matrix entry {name} has {s.shape[0]} values, "
+                                  f"the weight {cols[name]} columns: it was made for another "
+                                  "model")
+    if cols and not matched:
+        raise ConfigError(f"the importance matrix names none of {Path(path).name}'s block "
+                          "weights: it was made for another model")
 
 
 def tensor_types(path: str | Path) -> dict[str, int]:

@@ -108,9 +108,13 @@ def export_cmd(
         round_to: Optional[int] = typer.Option(None, help="checkpoint: FFN widths kept are "
                                                "multiples of this (default 8)"),
         outtype: Optional[str] = typer.Option(None, help="gguf: f32 | f16 (the default) | "
-                                              "bf16 | q8_0 | q6_k | q4_k_m: the type of "
+                                              "bf16 | q8_0 | q6_k | q5_k_m | q4_k_m | "
+                                              "q3_k_m | q2_k | iq4_xs | ...: the type of "
                                               "the 2-D weights (quantized by llama.cpp's own "
                                               "quantizer: needs llama-cpp-python)"),
+        imatrix: Optional[Path] = typer.Option(
+            None, help="gguf, quantized types: an importance matrix file (llama.cpp's GGUF "
+            "or .dat form; prunelab imatrix writes one) weighing the quantizer's rounding"),
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt):
     """Cut a size from an elastic checkpoint (`prunelab prune elastic`), in seconds, with
@@ -126,10 +130,11 @@ def export_cmd(
             raise ConfigError(f"{given[0]} cuts an elastic checkpoint (--format checkpoint); "
                               "export that cut with --format gguf")
         _export_gguf(model, out_path, outtype or "f16", overwrite, dtype, device,
-                     trust_remote_code)
+                     trust_remote_code, imatrix)
         return
-    if outtype is not None:
-        raise ConfigError("--outtype is a GGUF option: add --format gguf")
+    if outtype is not None or imatrix is not None:
+        raise ConfigError(f"{'--outtype' if outtype is not None else '--imatrix'} is a GGUF "
+                          "option: add --format gguf")
     if budget is None:
         raise ConfigError("export of an elastic checkpoint takes --budget keep-units:F "
                           "(or --format gguf to write a GGUF file)")
@@ -138,7 +143,7 @@ def export_cmd(
 
 
 def _export_gguf(model: str, out_path: Path, outtype: str, overwrite: bool, dtype: str,
-                 device: str, trust_remote_code: bool) -> None:
+                 device: str, trust_remote_code: bool, imatrix: Path | None = None) -> None:
     from prunelab.workflow.export import export_gguf
 
     if out_path.suffix != ".gguf":
@@ -146,9 +151,10 @@ def _export_gguf(model: str, out_path: Path, outtype: str, overwrite: bool, dtyp
 
         raise ConfigError(f"--format gguf writes one file: --out must end in .gguf, got "
                           f"{out_path}")
-    with writing(out_path, "file", overwrite, inputs={"--model": model}):
+    inputs = {"--model": model, "--imatrix": str(imatrix) if imatrix else None}
+    with writing(out_path, "file", overwrite, inputs=inputs):
         rep = export_gguf(model, out_path, outtype, overwrite=overwrite, device=device,
-                          dtype=dtype, trust_remote_code=trust_remote_code)
+                          dtype=dtype, trust_remote_code=trust_remote_code, imatrix=imatrix)
     types = rep.get("tensor_types")
     kinds = f" ({', '.join(f'{n} {t}' for t, n in sorted(types.items()))})" if types else ""
     out.print(f"wrote {out_path}: {rep['arch']}, {rep['blocks']} blocks, {rep['out_type']}"

@@ -1,6 +1,7 @@
 """``prunelab front``: the served front of a model in llama.cpp (dense quantization ladder
 and pruned, healed, quantized files), and the best file for a size or speed
-(:mod:`prunelab.workflow.front`)."""
+(:mod:`prunelab.workflow.front`); ``prunelab imatrix``: an importance matrix for llama.cpp's
+quantizer from the model's own calibration (:mod:`prunelab.calib.imatrix`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import typer
 from rich.table import Table
 
 from prunelab.cli.apps import app
-from prunelab.cli.common import RemoteOpt, data_paths, out, parse_settings, writing
+from prunelab.cli.common import (
+    DtypeOpt,
+    ModelOpt,
+    RemoteOpt,
+    check_positive,
+    data_paths,
+    out,
+    parse_settings,
+    writing,
+)
 from prunelab.cli.generated import generated_command
 from prunelab.errors import ConfigError
 
@@ -125,3 +135,36 @@ def _show_answer(row: dict, target: str) -> None:
         "" if row.get("gen_x") is None else f" ({row['gen_x']:.2f}x the dense {row['type']})")
     out.print(f"best for {target}: {row['file']}: {row['mib']:.1f} MiB, perplexity "
               f"{row['ppl']:.3f}{speed}; made from {row['made']}")
+
+
+@app.command("imatrix", cls=generated_command())
+def imatrix_cmd(
+        model: str = ModelOpt,
+        out_path: Path = typer.Option(..., "--out", help="the importance matrix file to write "
+                                      "(llama.cpp's GGUF imatrix form)"),
+        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        samples: int = typer.Option(32, help="calibration windows"),
+        seqlen: int = typer.Option(256, help="window length in tokens"),
+        seed: int = typer.Option(0, help="window sampling seed"),
+        batch_size: int = typer.Option(4, help="windows per block call"),
+        overwrite: bool = typer.Option(False, help="replace an existing --out"),
+        dtype: str = DtypeOpt, trust_remote_code: bool = RemoteOpt):
+    """Write an importance matrix for llama.cpp's quantizer: per block weight, the sum of
+    its inputs' squares and the token count over the calibration windows (what
+    llama-imatrix gathers), in one pass. Use it with prunelab export --format gguf
+    --outtype TYPE --imatrix FILE, or llama-quantize --imatrix FILE."""
+    from prunelab import api
+    from prunelab.calib.imatrix import collect_imatrix
+    from prunelab.checkpoint.imatrix import write_imatrix
+
+    check_positive("--samples", samples)
+    check_positive("--seqlen", seqlen, 2)
+    check_positive("--batch-size", batch_size)
+    with writing(out_path, "file", overwrite,
+                 inputs={"--model": model, "--data": data_paths(data)}):
+        lm = api.load(model, dtype=dtype, trust_remote_code=trust_remote_code)
+        ids = api.tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed,
+                             mode="calib").input_ids
+        im = collect_imatrix(lm, ids, batch_size=batch_size, dataset=data)
+        write_imatrix(out_path, im, overwrite=overwrite)
+    out.print(f"wrote {out_path}: {len(im.sums)} weights, {ids.numel()} tokens of {data}")

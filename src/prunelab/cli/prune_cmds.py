@@ -228,6 +228,9 @@ def prune_width_cmd(
         no_bias_compensation: bool = typer.Option(False, "--no-bias-compensation",
                                                   help="no FLAP bias compensation"),
         round_to: int = typer.Option(8, help="FFN widths kept are multiples of this"),
+        gguf_type: Optional[str] = typer.Option(
+            None, help="the llama.cpp type the result will be quantized to (q8_0, q4_k_m, "
+            "...): FFN widths rounded to its block (32 / 256) so no weight falls back"),
         damp: float = typer.Option(1.0, help="refit ridge (times mean diag of X^T X), "
                                    "shrinking towards plain slicing"),
         samples: int = typer.Option(32, help="calibration windows"),
@@ -247,7 +250,7 @@ def prune_width_cmd(
     cfg = width_from_cli(**budget_fields(Width, budget, "prune width"), unit=unit, score=score,
                          allocation=allocation, heads=heads, compensate=compensate,
                          bias_compensation=not no_bias_compensation, round_to=round_to,
-                         damp=damp, **values(ctx).flat())
+                         gguf_type=gguf_type, damp=damp, **values(ctx).flat())
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack,
                     calib_dtype=calib_dtype)

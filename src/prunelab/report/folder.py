@@ -9,6 +9,8 @@ What is recognised (any mix; nothing else in the folder is read):
 - a comparison or a run: ``leaderboard.csv`` (the leaderboard), ``manifest.json`` (the
   model summary), the executor's ``points/<key>/result.json`` (a leaderboard when no CSV
   is there), ``recipe.yaml`` / ``recipe.yml``;
+- a served front (``prunelab front``): ``front.md`` (the table) and ``front_size.png`` /
+  ``front_speed.png`` (perplexity against size and against generation speed);
 - ``commands.txt`` (the commands that made the folder; :func:`record_command` appends
   them) and every other top-level ``*.png`` (plots).
 """
@@ -155,6 +157,13 @@ def report_inputs(folder: str | Path) -> dict[str, Any]:
     if (folder / "served.md").is_file():  # a run's export stages (llama.cpp figures)
         text = (folder / "served.md").read_text()
         kw["sections"]["Served in llama.cpp"] = text.split("\n", 1)[-1].lstrip("\n")
+    if (folder / "front.md").is_file():  # prunelab front: the served front's table
+        text = (folder / "front.md").read_text()
+        kw["sections"]["Served front (llama.cpp)"] = text.split("\n", 1)[-1].lstrip("\n")
+        for name, what in (("front_size.png", "size"), ("front_speed.png", "speed")):
+            if (folder / name).is_file():
+                used.add(name)
+                kw["plots"][f"served front: perplexity vs {what} ({name})"] = folder / name
     elif "leaderboard" not in kw and (rows := _points_rows(folder)):
         kw["leaderboard"] = rows
     for name in ("recipe.yaml", "recipe.yml"):

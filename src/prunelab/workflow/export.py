@@ -27,11 +27,14 @@ def export(model: str, keep: float, out: str | Path, allocation: str = "global",
 
 def export_gguf(model: str, out: str | Path, out_type: str = "f16",
                 overwrite: bool = False, device: str = "cpu", dtype: str = "float32",
-                trust_remote_code: bool = False) -> dict:
+                trust_remote_code: bool = False, imatrix: str | Path | None = None) -> dict:
     """``prunelab export --format gguf --model M --out FILE.gguf``: load ``model`` (a
     prunelab checkpoint, an embedded model, a hub id) and write it as one GGUF file; the
-    file's ``prunelab.operations`` key holds the checkpoint's operations."""
+    file's ``prunelab.operations`` key holds the checkpoint's operations. ``imatrix``: an
+    importance matrix file for llama.cpp's quantizer (quantized types only; read and
+    checked before the model is loaded)."""
     from prunelab.checkpoint.gguf_export import OUT_TYPES, QUANT_TYPES, write_gguf
+    from prunelab.checkpoint.imatrix import read_imatrix
     from prunelab.errors import ConfigError, UnsupportedOperationError
     from prunelab.models.gguf_llama import require_llama_cpp
     from prunelab.models.loading import check_model_path
@@ -39,6 +42,13 @@ def export_gguf(model: str, out: str | Path, out_type: str = "f16",
     if out_type not in OUT_TYPES and out_type not in QUANT_TYPES:
         raise ConfigError(f"--outtype must be one of {' | '.join([*OUT_TYPES, *QUANT_TYPES])}"
                           f", got {out_type!r}")
+    if imatrix is not None and out_type not in QUANT_TYPES:
+        raise ConfigError(f"--imatrix weighs llama.cpp's quantizer: it needs a quantized "
+                          f"--outtype, not {out_type}")
+    if imatrix is None and out_type in QUANT_TYPES and QUANT_TYPES[out_type].needs_imatrix:
+        raise ConfigError(f"--outtype {out_type} needs an importance matrix (llama.cpp "
+                          "refuses it without one): give --imatrix FILE (prunelab imatrix "
+                          "writes one)")
     check_output_path(out, kind="file", overwrite=overwrite, inputs={"--model": model})
     if out_type in QUANT_TYPES:  # a missing --model is said first, then a missing module
         check_model_path(model)
@@ -48,11 +58,12 @@ def export_gguf(model: str, out: str | Path, out_type: str = "f16",
             "GGUF export: an elastic checkpoint holds every size: cut one first (prunelab "
             "export --model DIR --budget keep-units:F --allocation uniform --out SMALL), "
             "then export SMALL")
+    im = read_imatrix(imatrix) if imatrix is not None else None
     lm = load(model, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     _from_manifest_history(lm)
     ops = [{k: v for k, v in op.items() if k in ("operation", "method", "config")}
            for op in lm.history]
-    return write_gguf(lm, out, out_type, overwrite=overwrite, operations=ops)
+    return write_gguf(lm, out, out_type, overwrite=overwrite, operations=ops, imatrix=im)
 
 
 def _from_manifest_history(lm) -> None:

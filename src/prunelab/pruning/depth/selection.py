@@ -44,11 +44,12 @@ def no_adjacent(values: list[float | None], n: int) -> list[int]:
     return sorted(chosen)
 
 
-def best_span(values: list[float | None], n: int) -> list[int]:
-    """Contiguous ``[l, l+n)`` with the lowest summed value (spans with gaps skipped)."""
+def best_span(values: list[float | None], n: int, first: int = 0) -> list[int]:
+    """Contiguous ``[l, l+n)`` with the lowest summed value (spans with gaps skipped;
+    ``l >= first``)."""
     _check(n, len(values))
     best, best_cost = None, float("inf")
-    for start in range(len(values) - n + 1):
+    for start in range(first, len(values) - n + 1):
         window = values[start:start + n]
         if any(v is None for v in window):
             continue
@@ -60,11 +61,11 @@ def best_span(values: list[float | None], n: int) -> list[int]:
     return list(range(best, best + n))
 
 
-def span_from_scores(scores: list[dict], n: int) -> list[int]:
+def span_from_scores(scores: list[dict], n: int, first: int = 0) -> list[int]:
     """The ``[start, end)`` entry of length ``n`` with the lowest value (span/interval
-    probes)."""
+    probes; ``start >= first``)."""
     cands = [s for s in scores if len(s["layers"]) == 2
-             and s["layers"][1] - s["layers"][0] == n]
+             and s["layers"][1] - s["layers"][0] == n and s["layers"][0] >= first]
     if not cands:
         raise ConfigError(f"the probe has no span of length {n}; run it with --span {n} "
                           f"(span-angular) or a larger --max-length (interval)")

@@ -12,9 +12,12 @@ from prunelab.pruning.depth.strategies.base import STRATEGIES, ScoredStrategy
 @STRATEGIES.register("span")
 @dataclass(frozen=True)
 class Span(ScoredStrategy):
-    """the best contiguous span of n blocks (default for span/interval probes)"""
+    """the best contiguous span of n blocks (default for span/interval probes); with a
+    recovery that cannot repair a cut at the embeddings (foldable), spans from block 1"""
 
     def pick(self, job, result, values, how):
+        rec = getattr(job.cfg, "recovery", None)
+        first = 1 if rec is not None and rec.fits and not rec.repairs_embeddings else 0
         if result.kind in ("span", "interval"):
-            return sel.span_from_scores(result.scores, job.n)
-        return sel.best_span(values, job.n)
+            return sel.span_from_scores(result.scores, job.n, first)
+        return sel.best_span(values, job.n, first)
