@@ -249,6 +249,27 @@ SMALL = {"--samples": "2", "--seqlen": "32", "--test-samples": "2", "--test-seql
 SIZED = ("probe", "prune", "sweep", "compare", "heal", "eval")
 #: commands that run one point per budget / probe: a run keeps two of each
 GRIDS = ("sweep", "compare")
+#: ``prunelab front`` with --model: one grid point with a two-step heal, two types, one
+#: speed round (a target is asked of what was built: the loosest one)
+FRONT_SMALL = {"--grid": "depth:1+heal", "--types": "f16,q8_0", "--grid-types": "q8_0",
+               "--samples": "2", "--seqlen": "32", "--windows": "2", "--test-seqlen": "32",
+               "--rounds": "1", "--prompt": "16", "--gen": "4", "--heal-set": "steps=2"}
+
+
+def _small_front(words: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(words):
+        if words[i] in FRONT_SMALL or words[i] == "--target":
+            i += 2
+            continue
+        out.append(words[i])
+        i += 1
+    if "--model" in out:
+        for flag, value in FRONT_SMALL.items():
+            out += [flag, value]
+    if "--target" in words:
+        out += ["--target", "ppl:1000000"]
+    return out
 
 
 def _fewer_blocks(value: str) -> str:
@@ -270,6 +291,8 @@ def _two_points(flag: str, value: str) -> str:
 
 
 def _small(words: list[str], where_dir: Path) -> list[str]:
+    if words and words[0] == "front":
+        return _small_front(words)
     out, i = [], 0
     while i < len(words):
         w = words[i]

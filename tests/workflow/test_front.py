@@ -184,11 +184,21 @@ def test_overwrite_removes_only_what_the_front_wrote(tiny):
     build_front(settings, out)
     (out / "notes.txt").write_text("mine")
     (out / "gguf" / "mine.bin").write_text("mine")
+    (out / "gguf" / "mine.gguf").write_text("mine")  # a GGUF the front did not record
     build_front(_settings(ckpt, text, grid="none", types="q8_0", rounds=0, windows=3), out,
                 overwrite=True)
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "gguf" / "mine.bin").read_text() == "mine"
+    assert (out / "gguf" / "mine.gguf").read_text() == "mine"
     assert json.loads((out / "front.json").read_text())["settings"]["windows"] == 3
+    # a folder holding a front's names but no front state: someone else's, never replaced
+    other = root / "other"
+    other.mkdir()
+    (other / "front.md").write_text("my notes")
+    for overwrite in (False, True):
+        with pytest.raises(ConfigError, match="holds front.md that no front wrote"):
+            build_front(settings, other, overwrite=overwrite)
+    assert (other / "front.md").read_text() == "my notes"
 
 
 def test_cli_builds_answers_and_refuses_in_one_line(tiny, capsys):

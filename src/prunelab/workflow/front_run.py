@@ -25,6 +25,7 @@ from prunelab.checkpoint.gguf_export import (
     write_gguf,
 )
 from prunelab.checkpoint.imatrix import read_imatrix, write_imatrix
+from prunelab.errors import PrunelabError
 from prunelab.eval.llamacpp import llamacpp_perplexity, llamacpp_speed
 from prunelab.io.files import write_text
 from prunelab.models.gguf_llama import require_llama_cpp
@@ -78,7 +79,7 @@ class FrontRun:
         for name, point in models:
             if not st.done_model(name):
                 steps.append((f"build {name}", self._model_cost(point),
-                              lambda n=name, p=point: self.build_model(n, p)))
+                              lambda n=name, p=point: self._build_named(n, p)))
             for kind in (s.types if point is None else s.grid_types):
                 key = f"{name}.{kind}"
                 if not st.done_file(key):
@@ -134,6 +135,15 @@ class FrontRun:
     def _load(self):
         return api.load(self.s.model, dtype=self.s.dtype, device="cpu",
                         trust_remote_code=self.s.trust_remote_code)
+
+    def _build_named(self, name: str, point: GridPoint | None) -> None:
+        """:meth:`build_model`, a user error naming the grid point it came from."""
+        try:
+            self.build_model(name, point)
+        except PrunelabError as e:
+            if point is None:
+                raise
+            raise type(e)(f"grid point {point.spec}: {e}") from e
 
     def build_model(self, name: str, point: GridPoint | None) -> None:
         """Prune (and heal) a fresh copy of the dense model, write it as f16 and its

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +73,8 @@ def make_settings(model: str, grid: str | None = None, types: str | None = None,
     if points and not pruned:
         raise ConfigError("--grid-types is empty: the pruned models need a type")
     heal = _heal_options(heal or {})
+    if options.get("dtype", "float32") not in ("float32", "bfloat16"):
+        raise ConfigError(f"--dtype must be float32 or bfloat16, got {options['dtype']!r}")
     for name, low in (("samples", 1), ("seqlen", 16), ("windows", 1), ("test_seqlen", 16),
                       ("rounds", 0), ("threads", 0), ("prompt", 8), ("gen", 1)):
         value = options.get(name)
@@ -112,8 +113,10 @@ class FrontState:
         self.path = out / STATE
         self.settings = settings
         old = _read_state(self.path)
-        if old is not None and overwrite:
-            discard_front(out)
+        if old is None:
+            _refuse_foreign(out)
+        elif overwrite:  # the folders stay when they hold what the front did not write
+            discard_front(out, old)
             old = None
         if old is not None and old.get("settings") != settings.to_dict():
             diff = sorted(k for k, v in settings.to_dict().items()
@@ -159,24 +162,38 @@ def _read_state(path: Path) -> dict | None:
     return data
 
 
-def discard_front(out: Path) -> list[str]:
-    """Remove what a front wrote in ``out`` (its own files and folders of GGUF and imatrix
-    files it recorded); nothing else is touched. Returns the removed paths."""
+def _refuse_foreign(out: Path) -> None:
+    """Without a front state, none of the names a front writes may exist in ``out`` (they
+    are someone else's: never replaced, with or without --overwrite)."""
+    taken = [n for n in (*OWN_FILES, *OWN_DIRS) if (out / n).exists() or (out / n).is_symlink()]
+    if taken:
+        raise ConfigError(f"{out} holds {', '.join(taken)} that no front wrote (no {STATE}): "
+                          "use another --out")
+
+
+def _written(out: Path, data: dict) -> list[Path]:
+    """Every file the front recorded in ``data`` (the models' f16 files and matrices, the
+    quantized files), inside ``out``."""
+    paths = [out / m[k] for m in data.get("models", {}).values() for k in ("f16", "imatrix")
+             if m.get(k)]
+    paths += [out / f["path"] for f in data.get("files", {}).values() if f.get("path")]
+    root = out.resolve()
+    return [p for p in paths if p.resolve().is_relative_to(root)]
+
+
+def discard_front(out: Path, data: dict) -> list[str]:
+    """Remove what the front recorded in ``data`` wrote in ``out`` (its own files, the GGUF
+    and imatrix files it recorded, its folders when left empty); nothing else is touched.
+    Returns the removed paths."""
     removed = []
-    for name in OWN_FILES:
-        p = out / name
-        if p.is_file():
+    for p in [*_written(out, data), *(out / n for n in OWN_FILES)]:
+        if p.is_file() and not p.is_symlink():
             p.unlink()
             removed.append(str(p))
     for name in OWN_DIRS:
         d = out / name
-        if d.is_dir() and not d.is_symlink():
-            for p in d.iterdir():
-                if p.is_file() and (p.suffix == ".gguf"):
-                    p.unlink()
-                    removed.append(str(p))
-            if not any(d.iterdir()):
-                shutil.rmtree(d)
+        if d.is_dir() and not d.is_symlink() and not any(d.iterdir()):
+            d.rmdir()
     return removed
 
 

@@ -1,0 +1,167 @@
+"""The served front of a model in llama.cpp (``prunelab front``), timed, with the issue's
+questions answered from its figures, written as one section of a results page.
+
+    python benchmarks/served_front.py --model smollm2-135m --out out/front-smol \\
+        --section smollm2 [--grid ...] [--types ...] [--grid-types ...] [--no-imatrix] \\
+        [--heal-set steps=32] [--rounds 3] [--results benchmarks/results/served-front.md]
+
+Runs (or resumes) the front exactly as the command does (same defaults), measures its
+wall time (a resumed run reports the time of this run and says so), then writes, between
+``<!-- section: NAME -->`` and ``<!-- end: NAME -->`` of the results page (created when
+missing; other sections kept): date, commit, machine, command, wall time, the answers
+(is a pruned file smaller than the dense q3_k_m with a lower perplexity? one at most the
+size of the dense q2_k with a lower one, and by how much? the generation speed of the
+pruned files on a front against the dense file of their type), the table, and the two
+plots copied beside the page (``served-front/NAME-size.png``, ``NAME-speed.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prunelab import log
+from prunelab.workflow.front import build_front
+from prunelab.workflow.front_state import make_settings
+from prunelab.workflow.front_table import front_rows, markdown
+
+
+def answers(rows: list[dict]) -> list[str]:
+    """The issue's questions, answered yes or no with the figures."""
+    dense = {r["type"]: r for r in rows if r["model"] == "dense"}
+    pruned = [r for r in rows if r["model"] != "dense"]
+    out = []
+    q3, q2 = dense.get("q3_k_m"), dense.get("q2_k")
+    if q3 is not None:
+        wins = sorted((r for r in pruned if r["mib"] < q3["mib"] and r["ppl"] < q3["ppl"]),
+                      key=lambda r: r["ppl"])
+        best = min((r for r in pruned if r["mib"] < q3["mib"]), key=lambda r: r["ppl"],
+                   default=None)
+        head = (f"- **Smaller than the dense q3_k_m ({q3['mib']:.1f} MiB, perplexity "
+                f"{q3['ppl']:.3f}) with a lower perplexity: ")
+        if wins:
+            w = wins[0]
+            out.append(head + f"yes**: {Path(w['file']).name}, {w['mib']:.1f} MiB, "
+                       f"{w['ppl']:.3f} ({len(wins)} such files).")
+        else:
+            near = "" if best is None else (f" (the best pruned file below its size: "
+                                            f"{Path(best['file']).name}, {best['mib']:.1f} "
+                                            f"MiB, {best['ppl']:.3f})")
+            out.append(head + f"no**{near}.")
+    if q2 is not None:
+        ok = sorted((r for r in pruned if r["mib"] <= q2["mib"]), key=lambda r: r["ppl"])
+        head = (f"- **At most the size of the dense q2_k ({q2['mib']:.1f} MiB, perplexity "
+                f"{q2['ppl']:.3f}), a lower perplexity: ")
+        if ok and ok[0]["ppl"] < q2["ppl"]:
+            w = ok[0]
+            out.append(head + f"yes**: {Path(w['file']).name}, {w['mib']:.1f} MiB, "
+                       f"{w['ppl']:.3f} ({100 * (1 - w['ppl'] / q2['ppl']):.1f} % lower).")
+        else:
+            near = "" if not ok else (f" (the best pruned file at most that size: "
+                                      f"{Path(ok[0]['file']).name}, {ok[0]['mib']:.1f} MiB, "
+                                      f"{ok[0]['ppl']:.3f})")
+            out.append(head + f"no**{near}.")
+    on_front = [r for r in pruned if (r["front_size"] or r["front_speed"])
+                and r.get("gen_x") is not None]
+    if on_front:
+        parts = [f"{Path(r['file']).name} {r['gen_x']:.2f}x [{r['gen_x_lo']:.2f}-"
+                 f"{r['gen_x_hi']:.2f}]" for r in sorted(on_front, key=lambda r: r["mib"])]
+        low = min(r["gen_x"] for r in on_front)
+        out.append(f"- **Generation of the pruned files on a front against the dense file of "
+                   f"their type** (median [range] of the rounds; goal 1.15x): "
+                   f"{'; '.join(parts)}; the lowest {low:.2f}x.")
+    size_front = [Path(r["file"]).name for r in sorted(rows, key=lambda r: r["mib"])
+                  if r["front_size"]]
+    out.append(f"- **On the size / perplexity front** (small to large): "
+               f"{', '.join(size_front)}.")
+    return out
+
+
+def write_section(page: Path, name: str, body: str) -> None:
+    start, end = f"<!-- section: {name} -->", f"<!-- end: {name} -->"
+    text = page.read_text() if page.is_file() else "# The served front\n\n"
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else \
+        text.rstrip() + "\n\n" + block + "\n"
+    page.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--section", required=True)
+    ap.add_argument("--results", type=Path, default=Path("benchmarks/results/served-front.md"))
+    ap.add_argument("--grid")
+    ap.add_argument("--types")
+    ap.add_argument("--grid-types")
+    ap.add_argument("--no-imatrix", action="store_true")
+    ap.add_argument("--heal-set", action="append", default=[])
+    for name, default in (("samples", 32), ("seqlen", 256), ("windows", 8),
+                          ("test-seqlen", 256), ("rounds", 3), ("threads", 0)):
+        ap.add_argument(f"--{name}", type=int, default=default)
+    opts = ap.parse_args()
+
+    heal = {}
+    for item in opts.heal_set:
+        key, _, value = item.partition("=")
+        heal[key] = float(value) if "." in value or "e" in value else int(value)
+    settings = make_settings(opts.model, grid=opts.grid, types=opts.types,
+                             grid_types=opts.grid_types, imatrix=not opts.no_imatrix,
+                             heal=heal or None, samples=opts.samples, seqlen=opts.seqlen,
+                             windows=opts.windows, test_seqlen=opts.test_seqlen,
+                             rounds=opts.rounds, threads=opts.threads)
+    resumed = (opts.out / "front.json").is_file()
+    start = time.perf_counter()
+    front = build_front(settings, opts.out)
+    wall = time.perf_counter() - start
+    rows = front_rows(front)
+    models = front["models"]
+    build = sum(m.get("seconds", 0) + m.get("prune", {}).get("seconds", 0)
+                + m.get("heal", {}).get("seconds", 0) for m in models.values())
+    heals = sum(m.get("heal", {}).get("seconds", 0) for m in models.values())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in
+                Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    import llama_cpp
+
+    figures = opts.results.parent / "served-front"
+    figures.mkdir(parents=True, exist_ok=True)
+    links = []
+    for kind in ("size", "speed"):
+        src = opts.out / f"front_{kind}.png"
+        if src.is_file():
+            dst = figures / f"{opts.section}-{kind}.png"
+            shutil.copyfile(src, dst)
+            links.append(f"![{opts.section}: perplexity vs {kind}](served-front/{dst.name})")
+    s = front["settings"]
+    pruned_files = sum(1 for r in rows if r["model"] != "dense")
+    body = [f"## {opts.model}: {len(rows)} files ({pruned_files} pruned), "
+            f"{'with' if s['imatrix'] else 'without'} importance matrices", "",
+            f"Measured {datetime.date.today()} at commit {commit} on {os.cpu_count()} cores "
+            f"({cpu}), llama-cpp-python {llama_cpp.__version__}, "
+            f"{s['threads'] or os.cpu_count()} llama.cpp threads.", "",
+            f"Command: `python {' '.join(sys.argv)}` (the same front as `prunelab front "
+            f"--model {opts.model} --out {opts.out}` with these options)", "",
+            f"Wall time {wall / 60:.1f} min" + (" (this run resumed an earlier one)"
+                                                if resumed else "")
+            + f"; building the models {build / 60:.1f} min of it, healing "
+              f"{heals / 60:.1f} min.", "",
+            *answers(rows), "", *links, "", markdown(front, rows)]
+    write_section(opts.results, opts.section, "\n".join(body))
+    log.info(f"wrote section {opts.section} of {opts.results}")
+
+
+if __name__ == "__main__":
+    main()
