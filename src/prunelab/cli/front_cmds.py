@@ -46,7 +46,8 @@ def front_cmd(
             "each model's own calibration (dense and pruned alike)"),
         heal_set: Optional[list[str]] = typer.Option(
             None, "--heal-set", help="KEY=VALUE of the heal of +heal points (HealConfig "
-            "fields; default loss=kd steps=32 lr=0.003: distillation from the dense model)"),
+            "fields; default loss=kd temperature=1 steps=32 lr=0.003: distillation from "
+            "the dense model)"),
         data: str = typer.Option("wiki-vital:calib", help="calibration data (pruning, "
                                  "healing, importance matrix)"),
         samples: int = typer.Option(32, help="calibration windows"),
