@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from prunelab.budget import check_given
 from prunelab.errors import ConfigError
 
 out = Console(highlight=False)
@@ -48,16 +49,25 @@ CpusOpt = typer.Option(1.0, "--cpus-per-point", help="with --ray: CPUs per point
 GpusOpt = typer.Option(0.0, "--gpus-per-point", help="with --ray: GPUs per point")
 
 
+def given_budget(value):
+    """Click callback of ``--budget``: an empty value (``--budget "$UNSET"``) is an error,
+    never the default."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        check_given(item)
+    return value
+
+
 def BudgetOpt(kinds: str, default: str | None = None):  # noqa: N802 - an option factory
     """The ``--budget KIND:VALUE`` option (:mod:`prunelab.budget`); ``kinds`` lists what
     the command takes, e.g. ``remove-blocks:N | keep-params:F``."""
     return typer.Option(default, "--budget", metavar="KIND:VALUE",
-                        help=f"how much to remove: {kinds}")
+                        help=f"how much to remove: {kinds}", callback=given_budget)
 
 
 def budget_fields(cls: type, text: str | list | None, label: str) -> dict:
-    """The config fields of ``cls`` a ``--budget`` sets (``{}`` when not given)."""
-    if not text:
+    """The config fields of ``cls`` a ``--budget`` sets (``{}`` when not given; an empty
+    one is an error)."""
+    if text is None or text == []:
         return {}
     from prunelab.budget import budget_options
 

@@ -94,8 +94,9 @@ class Gates:
 
     def __post_init__(self) -> None:
         check_range("budget", self.budget, 0.0, 1.0)
-        if self.budget >= 1.0:
-            raise ConfigError(f"budget must be in [0, 1), got {self.budget!r}")
+        if self.budget >= 1.0 or self.budget == 0:
+            raise ConfigError(f"budget must be in (0, 1), got {self.budget!r}"
+                              + (" (0 skips no sublayer)" if self.budget == 0 else ""))
         check_range("ema", self.ema, 0.0, 1.0)
         if self.ema >= 1.0:
             raise ConfigError(f"ema must be in [0, 1), got {self.ema!r}")

@@ -227,6 +227,9 @@ class SparsityConfig:
             if self.sparsity is None:
                 object.__setattr__(self, "sparsity", 0.5)
             check_range("sparsity", self.sparsity, 0.0, 0.99)
+            if self.sparsity == 0:
+                raise ConfigError("sparsity 0 removes no weight (an unpruned checkpoint); "
+                                  "give --budget remove-weights:F with F > 0")
         if isinstance(self.allocation, (str, dict)):
             object.__setattr__(self, "allocation", ALLOCATIONS.from_dict(self.allocation))
         if not isinstance(self.allocation, Allocation):
