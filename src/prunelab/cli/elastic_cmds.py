@@ -216,6 +216,7 @@ def generate_cmd(
     from prunelab.cli.common import check_positive, runtime_budgets
     from prunelab.cli.inspect_cmds import _press_context, _press_report
     from prunelab.errors import ConfigError
+    from prunelab.models.vocab import check_token_ids  # torch: not at the CLI's import
 
     check_positive("--max-new-tokens", max_new_tokens)
     press_ratio, _ = runtime_budgets([budget] if budget else None, "generate", mass=False)
@@ -225,6 +226,7 @@ def generate_cmd(
     if lm.is_encoder or lm.tokenizer is None:
         raise ConfigError(f"{model} cannot generate (an encoder, or no tokenizer)")
     ids = lm.tokenizer(text, return_tensors="pt")["input_ids"].to(lm.device)
+    check_token_ids(lm, ids, "--prompt")
     asked = _question_ids(lm, question, question_mode, press_name)
     check_positions(lm, ids.shape[1] + (0 if asked is None else asked.shape[1]),
                     max_new_tokens)
@@ -262,6 +264,7 @@ def _question_ids(lm, question, mode, press_name):
     without a question, or without a press to place it for, is an error."""
     from prunelab.errors import ConfigError
     from prunelab.inference.query import MODES
+    from prunelab.models.vocab import check_token_ids
 
     if mode is not None and mode not in MODES:
         raise ConfigError(f"--question-mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -276,6 +279,7 @@ def _question_ids(lm, question, mode, press_name):
                        return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
         raise ConfigError("--question has no tokens")
+    check_token_ids(lm, ids, "--question")
     return ids.to(lm.device)
 
 
