@@ -6,7 +6,7 @@ over the cached tokens, :class:`ScoreInputs`; :mod:`prunelab.inference.base`).""
 from prunelab.registry import import_submodules
 
 # registration order = the order of CLI lists and error messages
-import_submodules(__name__)
+import_submodules(__name__, first=("config", "decay", "expected", "budgets"))
 
 from prunelab.inference.base import CACHE_BUDGET, check_press
 from prunelab.inference.budgets import AdaKV, PyramidKV
