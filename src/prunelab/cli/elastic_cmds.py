@@ -13,8 +13,8 @@ from rich.table import Table
 from prunelab import log
 from prunelab.cli.apps import app, prune_app
 from prunelab.cli.common import (
-    BatchOpt,
     BudgetOpt,
+    Calibration,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -24,6 +24,7 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     budget_fields,
+    calibration_options,
     fmt_bytes,
     out,
     writing,
@@ -33,10 +34,11 @@ from prunelab.cli.prune_cmds import build_config, prune_and_save
 
 
 @prune_app.command("elastic", cls=generated_command("elastic"))
+@calibration_options(seed=(0, "window sampling and budget draws seed"))
 def prune_elastic_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="elastic checkpoint to write (dense "
                                      "weights + elastic.json)"),
         budget: str = BudgetOpt("remove-units:LOW..HIGH (the removal budgets trained, "
@@ -44,10 +46,6 @@ def prune_elastic_cmd(
                                 default="remove-units:0.1..0.6"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the elastic config (repeatable)"),
-        samples: int = typer.Option(32, help="calibration windows"),
-        seqlen: int = typer.Option(256, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling and budget draws seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -67,12 +65,11 @@ def prune_elastic_cmd(
         keys = {item.partition("=")[0].strip().replace("-", "_") for item in settings or ()}
         span = {k: v for k, v in span.items() if k not in keys}
     cfg = build_config(cls, "prune elastic",
-                       {"seed": ("--seed", seed if given["seed"] else None)}, settings,
+                       {"seed": ("--seed", calib.seed if given["seed"] else None)}, settings,
                        **span, **values(ctx).piece("elastic", "elastic", "prune elastic"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size, metrics=("units",),
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib, metrics=("units",),
                    show=lambda lm, rep: _show_elastic(rep, model, out_dir))
 
 
