@@ -225,8 +225,9 @@ class LazyLLM(Press):
 @PRESSES.register("entroprefill")
 @dataclass(frozen=True)
 class EntroPrefill(Press):
-    """Mid-prefill token pruning under an attention-mass bound (EntroPrefill, the seed
-    system of prunelab issue 18).
+    """Mid-prefill token pruning under an attention-mass bound (EntroPrefill: prunelab's own
+    rule, no published paper; LazyLLM's mid-prefill pruning, Fu et al. 2024, with the cut
+    proposed by a Renyi entropy and bounded by an exact per-head attention-mass envelope).
 
     At block ``layer`` the last ``window`` prompt tokens (observers) give each query head a
     distribution over the prompt (their mean attention). Heads are pooled per KV group and

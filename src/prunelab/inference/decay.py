@@ -1,6 +1,7 @@
-"""Learned decay-based KV eviction after Universal Attention (the seed system of prunelab
-issue 18): instead of a hand-made rule, each KV head ranks its cached tokens by a small
-decay function of key statistics, fitted on calibration data with the base model frozen.
+"""Learned decay-based KV eviction after Universal Attention (an unpublished proposal: a
+learned decay subtracted from the attention logits): instead of a hand-made rule, each KV
+head ranks its cached tokens by a small decay function of key statistics, fitted on
+calibration data with the base model frozen.
 
 Retention score of cached token ``j`` at a KV head (layer ``l``, head ``g``)::
 

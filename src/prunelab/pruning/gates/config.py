@@ -1,7 +1,8 @@
-"""Static sublayer gates from interventions (CausalGate, the seed named in issue 19: "an
-exponential-moving-average smoothing of the measured importances plus a differentiable
-pairwise ranking loss", distilling the intervention hierarchy into one scalar gate per
-sublayer so that a compute budget maps to a set of skipped sublayers).
+"""Static sublayer gates from interventions (CausalGate, an unpublished proposal, written up
+in prunelab's method notes: "an exponential-moving-average smoothing of the measured
+importances plus a differentiable pairwise ranking loss", distilling the intervention
+hierarchy into one scalar gate per sublayer so that a compute budget maps to a set of
+skipped sublayers).
 
 What is implemented (``prunelab.prune(lm, Gates(budget=0.2), data)``):
 
