@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from prunelab.budget import budget_fields
 from prunelab.errors import ConfigError
 from prunelab.inference.base import CACHE_BUDGET, PRESSES, Press
 from prunelab.inference.scores import (
@@ -291,11 +292,13 @@ class EntroPrefill(Press):
 
 def press_for(name: str, ratio: float | None = None, /, **options) -> Press:
     """The press ``name`` at compression ``ratio`` (the fraction of the prompt removed),
-    for a CLI's ``--press NAME --budget remove-cache:R``: EntroPrefill takes ``ratio`` as
-    its cap ``max_ratio`` (its cut is decided by the mass bound under that cap)."""
+    for a CLI's ``--press NAME --budget remove-cache:R``: the field whose metadata names
+    the ``remove-cache`` budget takes it (EntroPrefill: its cap ``max_ratio``, its cut is
+    decided by the mass bound under that cap), else ``ratio``."""
     cls = PRESSES.get(name)
     if ratio is not None:
-        key = "max_ratio" if cls is EntroPrefill else "ratio"
+        key = next((f for f, kind in budget_fields(cls).items() if kind == "remove-cache"),
+                   "ratio")
         if key in options:
             raise ConfigError(f"press {name!r}: give the ratio once (ratio or {key})")
         options[key] = ratio
