@@ -204,3 +204,44 @@ def test_reference_page_names_every_quantity_and_retired_flag():
         assert f"| `{q}` |" in page, q
     for flag in RETIRED:
         assert f"`{flag}" in page, flag
+
+
+def test_budgets_that_would_do_nothing_are_refused_in_one_line():
+    """keep-params:1 / a count beyond the model, remove-weights:0 or -0 and an empty
+    --budget (an unset shell variable) never write an unpruned checkpoint or mean the
+    default."""
+    from prunelab.cli.common import budget_fields
+    from prunelab.pruning import Depth
+    from prunelab.pruning.gates.config import Gates
+    from prunelab.pruning.sparsity.methods.wanda import Wanda
+
+    assert parse_budget("remove-weights:-0").value == 0.0
+    assert str(parse_budget("remove-weights:-0").value) == "0.0"  # never -0.0
+    for text in ("", "  "):
+        with pytest.raises(ConfigError, match=r"^--budget is empty \(an unset shell "):
+            parse_budget(text)
+        with pytest.raises(ConfigError, match="--budget is empty"):
+            budget_fields(Wanda, text, "prune sparsity")
+    for text in ("remove-weights:0", "remove-weights:-0", "keep-weights:1"):
+        with pytest.raises(ConfigError, match="^sparsity 0 removes no weight"):
+            Wanda(**budget_fields(Wanda, text, "prune sparsity"))
+    with pytest.raises(ConfigError, match=r"keep-params:1\) keeps every parameter"):
+        Depth(**budget_fields(Depth, "keep-params:1.0", "prune depth"))
+    with pytest.raises(ConfigError, match=r"0 skips no sublayer"):
+        Gates(**budget_fields(Gates, "remove-compute:0", "prune gates"))
+
+
+def test_depth_keep_params_beyond_the_model_is_refused():
+    from prunelab.models.loading import wrap
+    from prunelab.pruning import Depth
+    from prunelab.pruning.depth.config import blocks_to_remove
+
+    from tiny_models import tiny_model
+
+    lm = wrap(tiny_model("llama"))
+    total = sum(p.numel() for p in lm.model.parameters())
+    for target in (1e12, float(total)):
+        with pytest.raises(ConfigError, match=r"the model already has [\d,]+ parameters \(no "
+                           "block would be removed\\)"):
+            blocks_to_remove(lm, Depth(target_params=target))
+    assert blocks_to_remove(lm, Depth(target_params=0.99)) == 1

@@ -46,3 +46,17 @@ def test_layout_floors_follow_the_contract():
     want = [" / ".join(f"`{p.strip().removeprefix('prunelab.')}`"
                        for p in layer.replace(":", "|").split("|")) for layer in reversed(layers)]
     assert heads == want
+
+
+def test_sources_and_docs_cite_methods_not_issue_numbers():
+    """A module docstring or a doc page names a method's paper (or says it has none), never
+    an issue number of this project's tracker, which a reader cannot follow."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    cites = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
+    found = [f"{p.relative_to(root)}:{i}" for top in ("src", "docs")
+             for p in sorted((root / top).rglob("*")) if p.suffix in (".py", ".md")
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if cites.search(line)]
+    assert not found, found

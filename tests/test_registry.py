@@ -106,8 +106,8 @@ def test_unknown_name_error_lists_the_registered_names():
         reg.register("d")(type("D", (), {}))
 
 
-def test_function_registry_holds_plain_functions_and_can_refuse_a_taken_name():
-    reg = Registry("task metric", configs=False, replace=False)
+def test_function_registry_holds_plain_functions_and_refuses_a_taken_name():
+    reg = Registry("task metric", configs=False)
 
     @reg.register("double", description="twice")
     def double(x):
@@ -117,7 +117,8 @@ def test_function_registry_holds_plain_functions_and_can_refuse_a_taken_name():
     assert not hasattr(double, "registry_name")
     assert reg.meta("double") == {"description": "twice"} and list(reg) == ["double"]
     reg.register("double", description="twice")(double)  # the same object again: fine
-    with pytest.raises(ValueError, match=r"^task metric 'double' is already registered$"):
+    with pytest.raises(ConfigError, match=r"^task metric 'double' is already registered by "
+                       r"test_registry.*double; test_registry.*<lambda> cannot take it"):
         reg.register("double")(lambda x: x)
 
 

@@ -157,6 +157,7 @@ def _value(action: str, quantity: str, raw: str, text: str) -> float:
         raise ConfigError(f"--budget {text!r}: {raw!r} is not a number") from None
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"--budget {text!r}: the value must be a finite number >= 0")
+    value += 0.0  # -0 is 0 (never "-0.0" in a manifest)
     if unit == "count" or (unit == "fraction-or-count" and value > 1):
         if not value.is_integer():
             what = "a whole number" if unit == "count" else "a fraction <= 1 or a count"
@@ -169,9 +170,18 @@ def _value(action: str, quantity: str, raw: str, text: str) -> float:
     return value
 
 
+def check_given(text) -> None:
+    """An empty budget (``--budget ""``, an unset shell variable, ``budget: ""`` in a
+    recipe) is a one-line :class:`ConfigError`, never the default."""
+    if text is not None and not isinstance(text, Budget) and not str(text).strip():
+        raise ConfigError("--budget is empty (an unset shell variable?): give KIND:VALUE, "
+                          "e.g. remove-blocks:2 or keep-params:0.8")
+
+
 def parse_budget(text: str) -> Budget:
     """``KIND:VALUE`` as a :class:`Budget` (see the module docstring); anything else is a
     one-line :class:`ConfigError` naming the accepted form."""
+    check_given(text)
     kind, sep, raw = str(text).strip().partition(":")
     if not sep:
         raise ConfigError(f"--budget takes KIND:VALUE (e.g. remove-blocks:6, "
@@ -183,6 +193,7 @@ def parse_budget(text: str) -> Budget:
 def parse_budget_list(text: str) -> list[Budget]:
     """Several budgets of one kind: ``remove-blocks:2,4,6``, ``keep-params:0.9,0.8`` or an
     integer range of a count, ``remove-blocks:1..4``; in the order given, each once."""
+    check_given(text)
     kind, sep, values = str(text).strip().partition(":")
     if not sep:
         raise ConfigError(f"--budget takes KIND:VALUE or KIND:V1,V2,... (e.g. "
@@ -280,6 +291,7 @@ def budget_options(cls, budgets, label: str) -> dict:
     took = ", ".join(accepted_kinds(cls)) or "no budget"
     out: dict = {}
     for b in budgets:
+        check_given(b)
         if isinstance(b, str) and ":" not in b:
             first = accepted_kinds(cls)[0].partition(":")[0] if took != "no budget" else "KIND"
             raise ConfigError(f"{label} takes --budget {took}; got {b!r} (say what it counts, "

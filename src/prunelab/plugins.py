@@ -3,7 +3,9 @@ methods, probes, recoveries, scores or presses (``@METHODS.register(...)``, ...)
 
 Used by the CLI (``--plugin``, ``$PRUNELAB_PLUGINS``: :mod:`prunelab.cli.plugins`) and by
 recipes (their top-level ``plugins:``). Errors are one-line :class:`ConfigError` naming the
-plugin: a missing file or module, or whatever the plugin raised while importing.
+plugin: a missing file or module, whatever the plugin raised while importing, and an exit
+at import (``sys.exit(0)`` included: a plugin that ends the process would make the command
+succeed with nothing done). Only Ctrl-C (``KeyboardInterrupt``) goes through as it is.
 """
 
 from __future__ import annotations
@@ -43,7 +45,12 @@ def import_plugin(spec: str) -> None:
         if not is_file_spec(spec) and exc.name == spec.split(".")[0]:
             raise ConfigError(f"plugin {spec}: no such module") from exc
         raise ConfigError(f"cannot load plugin {spec}: {type(exc).__name__}: {exc}") from exc
-    except Exception as exc:  # anything the user's file raises at import
+    except SystemExit as exc:  # sys.exit() / exit() at import: never the command's exit
+        raise ConfigError(f"cannot load plugin {spec}: it exits at import "
+                          f"(SystemExit({exc.code!r}))") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # anything else the user's file raises at import
         raise ConfigError(f"cannot load plugin {spec}: {type(exc).__name__}: {exc}") from exc
     imported.add(spec)
 

@@ -21,6 +21,10 @@ Registration is open: a user registers a new piece from outside the package, e.g
     @SPARSITY_METHODS.register("my-method")
     @dataclass(frozen=True)
     class MyMethod(SparsityMethod): ...
+
+but never silently over another: a key already taken (a built-in's name, another plugin's)
+is a one-line :class:`ConfigError` naming both pieces and where they come from, unless the
+new piece asks with ``register(key, replace=True)``, which is then printed as a warning.
 """
 
 from __future__ import annotations
@@ -30,9 +34,12 @@ import importlib
 import math
 import pkgutil
 import re
+import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from prunelab import log
 from prunelab.errors import ConfigError
 
 
@@ -85,25 +92,25 @@ class Registry:
     types, looked up along the MRO by :meth:`for_config`; ``instantiate`` registers an
     instance of the decorated class (a handler with no state of its own); ``missing``
     makes the one-line message of a failed :meth:`for_config` from the config's class.
-    ``replace=False``: registering a taken key is a ``ValueError``.
+    A taken key is refused (see the module docstring).
     """
 
     def __init__(self, kind: str, *, configs: bool = True, by_type: bool = False,
-                 instantiate: bool = False, missing: Callable[[type], str] | None = None,
-                 replace: bool = True):
+                 instantiate: bool = False, missing: Callable[[type], str] | None = None):
         self.kind = kind
         self.configs = configs and not by_type
         self.by_type = by_type
         self.instantiate = instantiate
-        self.replace = replace
         self._missing = missing
         self._classes: dict[Any, Any] = {}
         self._meta: dict[Any, dict] = {}
 
-    def register(self, key: Any, **meta) -> Callable[[Any], Any]:
+    def register(self, key: Any, *, replace: bool = False, **meta) -> Callable[[Any], Any]:
         """Decorator: register the decorated piece under ``key`` (a name, or a config type
         for a ``by_type`` registry); ``meta`` is free per-kind data (read back with
-        :meth:`meta`). A config gets ``registry_name``; returns the piece unchanged."""
+        :meth:`meta`). A config gets ``registry_name``; returns the piece unchanged. A key
+        taken by another piece is a :class:`ConfigError` naming both, unless ``replace``
+        (printed as a warning; the key keeps its place in the listing order)."""
         if self.by_type and not isinstance(key, type):
             raise TypeError(f"a {self.kind} is registered for a config type, got {key!r}")
 
@@ -111,9 +118,16 @@ class Registry:
             if self.configs and not dataclasses.is_dataclass(obj):
                 raise TypeError(f"{obj.__name__}: a registered {self.kind} must be a "
                                 "dataclass")
-            if not self.replace and key in self._classes \
-                    and self._classes[key] is not obj:
-                raise ValueError(f"{self.kind} {key!r} is already registered")
+            old = self._classes.get(key)
+            if old is not None and not _same_piece(old, obj):
+                label = key.__name__ if isinstance(key, type) else repr(key)
+                if not replace:
+                    raise ConfigError(
+                        f"{self.kind} {label} is already registered by {source_of(old)}; "
+                        f"{source_of(obj)} cannot take it (give it another name, or "
+                        f"register({label}, replace=True) to replace it on purpose)")
+                log.warn(f"{self.kind} {label} of {source_of(old)} is replaced by "
+                         f"{source_of(obj)} (register(..., replace=True))")
             if self.configs:
                 obj.registry_name = key
             self._classes[key] = obj() if self.instantiate else obj
@@ -193,6 +207,35 @@ class Registry:
         cls = self.get(name)
         strict_kwargs(cls, d, f"{self.kind} {name!r}")
         return cls(**{k: _decode(v, cls, k) for k, v in d.items()})
+
+
+def _piece_type(obj: Any) -> Any:
+    """A class or function as it is; an instance (``instantiate``) by its class."""
+    return obj if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) \
+        else type(obj)
+
+
+def _same_piece(old: Any, new: Any) -> bool:
+    """The same object, or the same class or function defined again by the same module
+    (a module reloaded): not a collision."""
+    a, b = _piece_type(old), _piece_type(new)
+    if a is b or old is new:
+        return True
+    return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == \
+        (getattr(b, "__module__", None), getattr(b, "__qualname__", None))
+
+
+def source_of(obj: Any) -> str:
+    """Where a registered piece comes from: ``module.Name`` for an importable module
+    (prunelab's own pieces), ``FILE (Name)`` for a plugin file."""
+    piece = _piece_type(obj)
+    module = getattr(piece, "__module__", None) or "?"
+    name = getattr(piece, "__qualname__", None) or type(piece).__name__
+    if module.startswith("prunelab_plugin_"):  # a --plugin file: its path says more
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path:
+            return f"{path} ({name})"
+    return f"{module}.{name}"
 
 
 def _decode(value: Any, cls: type, field_name: str) -> Any:

@@ -78,3 +78,37 @@ def test_bad_values_are_one_line_errors(mine, tmp_path, monkeypatch, capsys, arg
     lines = [ln for ln in text.splitlines() if ln.strip()]
     assert code == 2 and cfg is None, text
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], text
+
+
+def test_calibration_options_come_from_one_place():
+    """--data --samples --seqlen --seed --batch-size of every command that prunes with
+    calibration data are generated from prunelab.cli.common.Calibration (a command may
+    change a default or a help line), never spelled again by hand."""
+    import dataclasses
+    import inspect as _inspect
+    from pathlib import Path
+
+    import typer
+
+    from prunelab.cli import conditional_cmds, elastic_cmds, factor_cmds, prune_cmds
+    from prunelab.cli.apps import prune_app, sweep_app
+    from prunelab.cli.common import Calibration
+
+    fields = {f.name: f for f in dataclasses.fields(Calibration)}
+    group = typer.main.get_group(prune_app)
+    defaults = {"depth": (32, 256), "sparsity": (64, 512), "width": (32, 256),
+                "gates": (32, 256), "moe": (64, 512), "factor": (64, 512),
+                "elastic": (32, 256)}
+    for name, (samples, seqlen) in defaults.items():
+        params = {p.name: p for p in group.commands[name].params}
+        for f in fields.values():
+            p = params[f.name]
+            assert p.opts == ["--" + f.name.replace("_", "-")]
+            assert p.help == f.metadata["help"] or f.name == "seed", (name, f.name)
+        assert (params["samples"].default, params["seqlen"].default) == (samples, seqlen)
+        assert params["data"].default == "wiki-vital:calib" and params["batch_size"].default == 8
+    sweep = {p.name: p for p in typer.main.get_group(sweep_app).commands["depth"].params}
+    assert sweep["seqlen"].help == "calibration window length" and sweep["samples"].default == 32
+    for mod in (prune_cmds, conditional_cmds, factor_cmds, elastic_cmds):
+        src = Path(_inspect.getsourcefile(mod)).read_text()
+        assert 'help="calibration windows"' not in src and "BatchOpt" not in src, mod.__name__

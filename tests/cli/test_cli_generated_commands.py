@@ -71,12 +71,12 @@ def _reregister(name, cls):
     """Replace ``name``'s class in place (registering a taken name keeps its position, so
     the listing order other tests check is unchanged)."""
     old = METHODS.get(name)
-    METHODS.register(name)(cls)
+    METHODS.register(name, replace=True)(cls)
     return old
 
 
 def _restore(name, old):
-    METHODS.register(name)(old)
+    METHODS.register(name, replace=True)(old)
 
 
 # ----------------------------------------------------------------- prune gates / moe / elastic

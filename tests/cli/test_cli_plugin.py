@@ -107,3 +107,103 @@ def test_missing_or_broken_plugin_is_a_one_line_error(tmp_path, monkeypatch, cap
     res = cli_here(capsys, "info", "--model", "x")
     assert res.returncode == 2
     assert res.stderr.strip() == "error: plugin no_such_module_xyz: no such module"
+
+
+# ------------------------------------------------- a plugin never replaces a piece silently
+TAKES_WANDA = """\
+from dataclasses import dataclass
+from prunelab.pruning import METHODS
+from prunelab.pruning.sparsity.methods.wanda import Wanda
+
+@METHODS.register("wanda"{replace})
+@dataclass(frozen=True)
+class MyWanda(Wanda):
+    '''a plugin's wanda'''
+"""
+TAKES_SNAPKV = """\
+from dataclasses import dataclass
+from prunelab.inference import PRESSES, SnapKV
+
+@PRESSES.register("snapkv")
+@dataclass(frozen=True)
+class MySnap(SnapKV):
+    '''a plugin's snapkv'''
+"""
+
+
+def _one_error(res) -> str:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+def test_a_plugin_taking_a_builtin_name_is_refused_naming_both(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("PRUNELAB_PLUGINS", raising=False)
+    wanda = tmp_path / "wanda_plugin.py"
+    wanda.write_text(TAKES_WANDA.format(replace=""))
+    snap = tmp_path / "snap_plugin.py"
+    snap.write_text(TAKES_SNAPKV)
+    builtin = METHODS.get("wanda")
+    try:
+        line = _one_error(cli_here(capsys, "--plugin", str(wanda), "prune", "sparsity",
+                                   "--model", "m", "--out", str(tmp_path / "o")))
+        assert line == (f"error: pruning method 'wanda' is already registered by "
+                        f"prunelab.pruning.sparsity.methods.wanda.Wanda; {wanda} (MyWanda) "
+                        "cannot take it (give it another name, or register('wanda', "
+                        "replace=True) to replace it on purpose)")
+        assert METHODS.get("wanda") is builtin
+        line = _one_error(cli_here(capsys, "--plugin", str(snap), "eval", "--model", "m",
+                                   "--press", "snapkv"))
+        assert line.startswith("error: press 'snapkv' is already registered by "
+                               "prunelab.inference.config.SnapKV; ") and f"{snap} (MySnap)" in line
+    finally:
+        plugins._loaded.clear()
+        plugins.set_cli(None)
+    assert not (tmp_path / "o").exists()
+    line = _one_error(cli("--plugin", str(wanda), "prune", "sparsity", "--help",
+                          env={"PRUNELAB_CACHE": str(tmp_path / "cache")}))
+    assert "pruning method 'wanda' is already registered by" in line and "MyWanda" in line
+
+
+def test_a_plugin_replacing_a_builtin_on_purpose_is_printed(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("PRUNELAB_PLUGINS", raising=False)
+    plugin = tmp_path / "wanda_plugin.py"
+    plugin.write_text(TAKES_WANDA.format(replace=", replace=True"))
+    save_tiny_checkpoint("llama", tmp_path / "model")
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
+    builtin = METHODS.get("wanda")
+    try:
+        res = cli_here(capsys, "--plugin", str(plugin), "prune", "sparsity", "--model",
+                       str(tmp_path / "model"), "--data", f"text:{tmp_path / 'text.txt'}",
+                       "--samples", "2", "--seqlen", "16", "--batch-size", "2",
+                       "--out", str(tmp_path / "o"))
+        assert res.returncode == 0, res.stderr
+        assert METHODS.get("wanda").__name__ == "MyWanda"
+    finally:
+        METHODS.register("wanda", replace=True)(builtin)
+        plugins._loaded.clear()
+        plugins.set_cli(None)
+    assert (f"prunelab: warning: pruning method 'wanda' of "
+            f"prunelab.pruning.sparsity.methods.wanda.Wanda is replaced by {plugin} (MyWanda)"
+            in " ".join(res.stderr.split()))
+
+
+@pytest.mark.parametrize("code", ["0", "3", "'bye'"])
+def test_a_plugin_that_exits_at_import_is_a_one_line_error(tmp_path, monkeypatch, capsys,
+                                                           code):
+    monkeypatch.delenv("PRUNELAB_PLUGINS", raising=False)
+    plugin = tmp_path / "exits.py"
+    plugin.write_text(f"import sys\nsys.exit({code})\n")
+    want = f"error: cannot load plugin {plugin}: it exits at import (SystemExit({code}))"
+    try:
+        res = cli_here(capsys, "--plugin", str(plugin), "prune", "sparsity", "--model", "m",
+                       "--out", str(tmp_path / "o"))
+    finally:
+        plugins._loaded.clear()
+        plugins.set_cli(None)
+    assert _one_error(res) == want
+    if code == "0":  # --help builds the catalog in a child first
+        res = cli("--plugin", str(plugin), "prune", "sparsity", "--help",
+                  env={"PRUNELAB_CACHE": str(tmp_path / "cache")})
+        assert _one_error(res) == want

@@ -7,7 +7,16 @@ import torch
 from transformers import DynamicCache
 
 from prunelab.errors import ConfigError
-from prunelab.inference import PRESSES, TOVA, AdaKV, KNorm, PyramidKV, SnapKV, press
+from prunelab.inference import (
+    PRESSES,
+    TOVA,
+    AdaKV,
+    KNorm,
+    PyramidKV,
+    SnapKV,
+    StreamingLLM,
+    press,
+)
 from prunelab.inference.budgets import adakv_keep, layer_mask, pyramid_budgets
 
 from tiny_models import tiny_model, tiny_tokens
@@ -27,7 +36,13 @@ def test_registered_with_their_defaults_and_scorer_options():
     cfg = AdaKV(ratio=0.3, scorer_options=("window=16", "kernel=7", "pooling=mean"))
     assert cfg.base == SnapKV(ratio=0.3, window=16, kernel=7, pooling="mean")
     assert PyramidKV(scorer="knorm", ratio=0.25).base == KNorm(ratio=0.25)
-    for bad, msg in ((dict(scorer="streaming-llm"), "scorer must be one of"),
+    # any KV press that scores can be the scorer; a prefill press or a wrapper cannot
+    assert AdaKV(scorer="streaming-llm", scorer_options=("sinks=2",)).base == \
+        StreamingLLM(ratio=0.5, sinks=2)
+    for bad, msg in ((dict(scorer="lazyllm"), "scorer must be one of"),
+                     (dict(scorer="adakv"), "scorer must be one of"),
+                     (dict(scorer="nope"), "streaming-llm, h2o, snapkv, tova, knorm, decay, "
+                                             "expected-attention \\(a KV press"),
                      (dict(scorer_options=("windw=3",)), "windw"),
                      (dict(scorer_options=("ratio=0.2",)), "the ratio is the wrapper"),
                      (dict(scorer="tova", scorer_options=("every=1",)), "every must be 0"),

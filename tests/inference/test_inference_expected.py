@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.inference import PRESSES, kv, press
+from prunelab.inference import PRESSES, press
 from prunelab.inference.expected import ExpectedAttention, expected_scores
 from prunelab.models.loading import wrap
 
@@ -110,8 +110,8 @@ def test_the_press_scores_and_keeps_as_an_independent_computation(monkeypatch):
     cfg = ExpectedAttention(ratio=0.5, sinks=2, horizon=16)
     want = _independent_scores(lm, ids, cfg)
     seen = []
-    real = kv.expected_attention_scores
-    monkeypatch.setattr(kv, "expected_attention_scores",
+    real = ExpectedAttention.score
+    monkeypatch.setattr(ExpectedAttention, "score",
                         lambda *a: seen.append(real(*a)) or seen[-1])
     with press(lm, cfg) as s:
         lm.model(ids, use_cache=True)

@@ -16,6 +16,7 @@ from prunelab.inference import (
     ExpectedAttention,
     KNorm,
     LazyLLM,
+    ScoreInputs,
     SnapKV,
     StreamingLLM,
     cache_bytes,
@@ -201,8 +202,13 @@ def test_snapkv_keeps_window_and_top_pooled_scores():
 
 def test_keep_indices_hand_cases():
     sc = torch.tensor([[[5.0, 1.0, 4.0, 0.0, 3.0, 2.0]]])
-    assert keep_indices(StreamingLLM(sinks=1), 6, 3, None, 1, 1, "cpu").tolist() == \
+    keys = torch.zeros(1, 1, 6, 2)
+    streaming = StreamingLLM(sinks=1).score(ScoreInputs(keys, keys, keys, 1.0))
+    assert streaming.tolist() == [[[6.0, 1.0, 2.0, 3.0, 4.0, 5.0]]]  # sinks, then recency
+    assert keep_indices(StreamingLLM(sinks=1), 6, 3, streaming, 1, 1, "cpu").tolist() == \
         [[[0, 4, 5]]]
+    assert keep_indices(StreamingLLM(sinks=4), 6, 3, StreamingLLM(sinks=4).score(
+        ScoreInputs(keys, keys, keys, 1.0)), 1, 1, "cpu").tolist() == [[[0, 1, 2]]]
     assert keep_indices(SnapKV(window=2, kernel=1), 6, 3, sc, 1, 1, "cpu").tolist() == \
         [[[0, 4, 5]]]
     assert keep_indices(H2O(recent=0.0), 6, 3, sc, 1, 1, "cpu").tolist() == [[[0, 2, 4]]]

@@ -7,7 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from prunelab.inference import PRESSES, TOVA, KNorm, press
-from prunelab.inference.kv import keep_indices, key_norm_scores, last_query_scores
+from prunelab.inference.kv import keep_indices
+from prunelab.inference.scores import key_norm_scores, last_query_scores
 from prunelab.models.loading import wrap
 
 from tiny_models import tiny_model, tiny_tokens

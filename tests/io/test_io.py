@@ -36,20 +36,26 @@ def test_save_reload_identical_logits_and_manifest(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no temporary leftovers
 
 
-def test_save_refuses_existing_and_overwrites_on_request(tmp_path):
+def test_save_refuses_existing_and_overwrites_only_its_own_checkpoint(tmp_path):
     lm = wrap(tiny_model("gpt2"), char_tokenizer())
     target = tmp_path / "out"
     target.mkdir()
-    (target / "config.json").write_text("{}")  # an earlier checkpoint (overwrite replaces
-    (target / "keep.txt").write_text("mine")   # only a checkpoint with a checkpoint)
+    (target / "config.json").write_text("{}")  # a user's folder that looks like a checkpoint
+    (target / "keep.txt").write_text("mine")
     with pytest.raises(OutputExistsError, match="--overwrite"):
         prunelab.save(lm, target)
-    assert (target / "keep.txt").read_text() == "mine"
-    prunelab.save(lm, target, overwrite=True)
-    assert (target / "config.json").is_file() and not (target / "keep.txt").exists()
+    with pytest.raises(OutputExistsError, match=r"is not a checkpoint prunelab wrote \(no "
+                       r"prunelab manifest.json\): --overwrite would lose config.json, "
+                       r"keep.txt; it replaces only"):
+        prunelab.save(lm, target, overwrite=True)
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "keep.txt"]
+    (target / "keep.txt").unlink()
+    (target / "config.json").unlink()
+    prunelab.save(lm, target, overwrite=True)  # an empty folder
+    listed = json.loads((target / "manifest.json").read_text())["files"]
+    assert sorted(listed) == sorted(p.name for p in target.iterdir())
+    prunelab.save(lm, target, overwrite=True)  # its own checkpoint: replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-
-
 def test_save_refuses_shapes_a_plain_config_cannot_hold(tmp_path):
     lm = wrap(tiny_model("llama"))
     lm.adapter.slice_ffn(1, range(8))

@@ -27,9 +27,13 @@ def tiny(tmp_path_factory):
 
 
 def _recipe(tiny, stages: str, extra: str = "") -> str:
-    return (f"model: {tiny / 'model'}\ndata: text:{tiny / 'text.txt'}\n"
-            f"test: text:{tiny / 'text.txt'}\nsamples: 4\nseqlen: 16\nbatch_size: 2\n"
-            f"{extra}stages:\n{stages}")
+    """A recipe on the tiny model; ``extra`` top-level lines replace the defaults (a key
+    given twice is an error)."""
+    given = {line.partition(":")[0] for line in extra.splitlines()}
+    base = [f"model: {tiny / 'model'}", f"data: text:{tiny / 'text.txt'}",
+            f"test: text:{tiny / 'text.txt'}", "samples: 4", "seqlen: 16", "batch_size: 2"]
+    top = "".join(line + "\n" for line in base if line.partition(":")[0] not in given)
+    return f"{top}{extra}stages:\n{stages}"
 
 
 EVAL = "  - evaluate: {seqlen: 16, samples: 4}\n"

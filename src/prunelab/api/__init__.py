@@ -22,6 +22,7 @@ from prunelab.models.linear import in_out_features
 from prunelab.models.loading import LoadedModel, wrap
 from prunelab.models.loading import load as _load
 from prunelab.models.size import model_size
+from prunelab.models.vocab import check_token_ids
 
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
@@ -134,8 +135,10 @@ def info(model) -> dict[str, Any]:
 
 def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = None,
                seed: int = 0, mode: str | None = None) -> TokenBatches:
-    """Token windows for ``data`` (a spec string or :class:`TokenBatches`)."""
+    """Token windows for ``data`` (a spec string or :class:`TokenBatches`); ids the model
+    cannot embed are a one-line :class:`ConfigError` (:func:`check_token_ids`)."""
     if isinstance(data, TokenBatches):
+        check_token_ids(lm, data.input_ids, "the token batches")
         return data
     if lm.adapter.is_vision:  # pixel batches: images:calib|test, lfw:calib|test
         from prunelab.data.images import ImageBatches, images_for
@@ -153,8 +156,10 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
     limit = getattr(lm.model.config, "max_position_embeddings", None)
     if isinstance(seqlen, int) and isinstance(limit, int) and 0 < limit < seqlen:
         raise ConfigError(f"--seqlen {seqlen} is beyond the {limit} positions of {lm.spec}")
-    return make_batches(lm.tokenizer, data, seqlen=seqlen, samples=samples, seed=seed,
-                        mode=mode)
+    batches = make_batches(lm.tokenizer, data, seqlen=seqlen, samples=samples, seed=seed,
+                           mode=mode)
+    check_token_ids(lm, batches.input_ids, f"--data {data}")
+    return batches
 
 
 def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | None = None,

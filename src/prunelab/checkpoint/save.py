@@ -15,10 +15,12 @@ from typing import Any
 
 from prunelab.errors import PrunelabError
 from prunelab.io.files import (
+    MANIFEST_FORMAT,
     _check_target,
     _install,
     _os_errors,
     check_not_input,
+    checkpoint_files,
     usual_mode,
     usual_modes,
     write_json,
@@ -124,7 +126,7 @@ def build_manifest(lm, *, operation: str | None = None, config: dict | None = No
     if operation:
         history.append({"operation": operation, "config": config or {}})
     manifest = {
-        "format": "prunelab-manifest/1",
+        "format": MANIFEST_FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source_model": {"spec": lm.spec, "source": lm.source,
                          "model_type": lm.model.config.model_type,
@@ -204,6 +206,7 @@ def finish_checkpoint(lm, tmp: Path, out: Path, manifest: dict | None, remote: b
         man["remote_code"] = write_remote_code(lm.model, tmp)
     man["loads_with"] = (load_hint(lm.model) if remote
                          else "plain transformers (no remote code)")
+    man["files"] = sorted([*checkpoint_files(tmp), "manifest.json"])  # what --overwrite replaces
     write_json(tmp / "manifest.json", man)
     usual_modes(tmp)  # save_pretrained / mkdtemp leave 0600 / 0700
     fsync_tree(tmp)

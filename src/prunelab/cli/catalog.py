@@ -230,6 +230,9 @@ def _build_in_child() -> dict | None:
             return None
         if res.returncode != 0 or not out.is_file():
             return None
+        for line in res.stderr.decode(errors="replace").splitlines():
+            if line.startswith("prunelab: warning: "):  # e.g. a plugin replacing a piece
+                print(line, file=sys.stderr)
         return json.loads(out.read_text())
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import json
 import typing
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from prunelab.budget import check_given
 from prunelab.errors import ConfigError
 
 out = Console(highlight=False)
@@ -48,16 +51,86 @@ CpusOpt = typer.Option(1.0, "--cpus-per-point", help="with --ray: CPUs per point
 GpusOpt = typer.Option(0.0, "--gpus-per-point", help="with --ray: GPUs per point")
 
 
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The calibration windows of a command that prunes with data: the one place their
+    options (``--data``, ``--samples``, ``--seqlen``, ``--seed``, ``--batch-size``) are
+    written; :func:`calibration_options` generates them from these fields (a command
+    changes a default or a help line, never spells an option again)."""
+
+    data: str = dataclasses.field(default="wiki-vital:calib",
+                                  metadata={"help": "calibration data spec"})
+    samples: int = dataclasses.field(default=32, metadata={"help": "calibration windows"})
+    seqlen: int = dataclasses.field(default=256, metadata={"help": "window length in tokens"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "window sampling seed"})
+    batch_size: int = dataclasses.field(default=8, metadata={"help": "windows per block call"})
+
+
+def calibration_options(**overrides):
+    """Decorator of a command function that takes ``calib: Calibration``: the command gets
+    one option per field of :class:`Calibration` (flag ``--field-name``), in place of the
+    ``calib`` parameter, and receives their values as one :class:`Calibration`.
+    ``overrides``: ``FIELD=default`` or ``FIELD=(default, help)`` for this command."""
+    fields = {f.name: f for f in dataclasses.fields(Calibration)}
+    types = typing.get_type_hints(Calibration)
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise TypeError(f"calibration_options: no calibration field {unknown[0]!r}")
+
+    def option(name: str):
+        f = fields[name]
+        default, text = f.default, f.metadata["help"]
+        given = overrides.get(name, default)
+        default, text = given if isinstance(given, tuple) else (given, text)
+        return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                 annotation=types[name],
+                                 default=typer.Option(default, "--" + name.replace("_", "-"),
+                                                      help=text))
+
+    def wrap(fn):
+        sig = inspect.signature(fn, eval_str=True)
+        if "calib" not in sig.parameters:
+            raise TypeError(f"{fn.__name__} takes no calib: Calibration parameter")
+        params = []
+        for p in sig.parameters.values():
+            if p.name == "calib":
+                params += [option(n) for n in fields]
+            else:
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                              if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else p)
+
+        @functools.wraps(fn)
+        def command(*args, **kwargs):
+            calib = Calibration(**{n: kwargs.pop(n) for n in fields})
+            return fn(*args, calib=calib, **kwargs)
+
+        command.__signature__ = sig.replace(parameters=params)
+        command.__annotations__ = {p.name: p.annotation for p in params
+                                   if p.annotation is not inspect.Parameter.empty}
+        del command.__wrapped__  # typer reads the signature above, not the function's
+        return command
+    return wrap
+
+
+def given_budget(value):
+    """Click callback of ``--budget``: an empty value (``--budget "$UNSET"``) is an error,
+    never the default."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        check_given(item)
+    return value
+
+
 def BudgetOpt(kinds: str, default: str | None = None):  # noqa: N802 - an option factory
     """The ``--budget KIND:VALUE`` option (:mod:`prunelab.budget`); ``kinds`` lists what
     the command takes, e.g. ``remove-blocks:N | keep-params:F``."""
     return typer.Option(default, "--budget", metavar="KIND:VALUE",
-                        help=f"how much to remove: {kinds}")
+                        help=f"how much to remove: {kinds}", callback=given_budget)
 
 
 def budget_fields(cls: type, text: str | list | None, label: str) -> dict:
-    """The config fields of ``cls`` a ``--budget`` sets (``{}`` when not given)."""
-    if not text:
+    """The config fields of ``cls`` a ``--budget`` sets (``{}`` when not given; an empty
+    one is an error)."""
+    if text is None or text == []:
         return {}
     from prunelab.budget import budget_options
 

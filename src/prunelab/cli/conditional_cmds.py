@@ -12,8 +12,8 @@ from rich.table import Table
 
 from prunelab.cli.apps import prune_app
 from prunelab.cli.common import (
-    BatchOpt,
     BudgetOpt,
+    Calibration,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -23,6 +23,7 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     budget_fields,
+    calibration_options,
     out,
 )
 from prunelab.cli.generated import generated_command, values
@@ -30,10 +31,11 @@ from prunelab.cli.prune_cmds import build_config, prune_and_save
 
 
 @prune_app.command("gates", cls=generated_command("gates"))
+@calibration_options()
 def prune_gates_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         budget: Optional[str] = BudgetOpt(
             "remove-compute:F (of the sublayer compute, FLOPs per token of the attention "
@@ -41,10 +43,6 @@ def prune_gates_cmd(
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the gates config (repeatable; "
             "e.g. seed, the bootstrap seed)"),
-        samples: int = typer.Option(32, help="calibration windows"),
-        seqlen: int = typer.Option(256, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -60,8 +58,7 @@ def prune_gates_cmd(
                        **values(ctx).piece("gates", "gates", "prune gates"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size,
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib,
                    metrics=("achieved", "params_after", "flops_per_token_after"),
                    show=lambda lm, rep: _show_gates(lm, rep, model, out_dir))
 
@@ -89,10 +86,11 @@ def _show_gates(lm, rep, model: str, out_dir: Path) -> None:
 
 
 @prune_app.command("moe", cls=generated_command("moe"))
+@calibration_options(samples=64, seqlen=512)
 def prune_moe_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         budget: Optional[str] = BudgetOpt(
             "keep-mass:F (routing mass each token's experts must reach; default 0.9; a "
@@ -100,10 +98,6 @@ def prune_moe_cmd(
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the prunepath config (repeatable; "
             "e.g. seed, of the clustering and the router fit)"),
-        samples: int = typer.Option(64, help="calibration windows"),
-        seqlen: int = typer.Option(512, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -120,8 +114,7 @@ def prune_moe_cmd(
                        **values(ctx).piece("moe", "prunepath", "prune moe"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size,
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib,
                    metrics=("calib_experts_per_token", "calib_ffn_flops_ratio",
                             "params_after"),
                    show=lambda lm, rep: _show_moe(lm, rep, model, out_dir, cfg))

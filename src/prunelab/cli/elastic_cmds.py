@@ -13,8 +13,8 @@ from rich.table import Table
 from prunelab import log
 from prunelab.cli.apps import app, prune_app
 from prunelab.cli.common import (
-    BatchOpt,
     BudgetOpt,
+    Calibration,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -24,6 +24,7 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     budget_fields,
+    calibration_options,
     fmt_bytes,
     out,
     writing,
@@ -33,10 +34,11 @@ from prunelab.cli.prune_cmds import build_config, prune_and_save
 
 
 @prune_app.command("elastic", cls=generated_command("elastic"))
+@calibration_options(seed=(0, "window sampling and budget draws seed"))
 def prune_elastic_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="elastic checkpoint to write (dense "
                                      "weights + elastic.json)"),
         budget: str = BudgetOpt("remove-units:LOW..HIGH (the removal budgets trained, "
@@ -44,10 +46,6 @@ def prune_elastic_cmd(
                                 default="remove-units:0.1..0.6"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the elastic config (repeatable)"),
-        samples: int = typer.Option(32, help="calibration windows"),
-        seqlen: int = typer.Option(256, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling and budget draws seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -67,12 +65,11 @@ def prune_elastic_cmd(
         keys = {item.partition("=")[0].strip().replace("-", "_") for item in settings or ()}
         span = {k: v for k, v in span.items() if k not in keys}
     cfg = build_config(cls, "prune elastic",
-                       {"seed": ("--seed", seed if given["seed"] else None)}, settings,
+                       {"seed": ("--seed", calib.seed if given["seed"] else None)}, settings,
                        **span, **values(ctx).piece("elastic", "elastic", "prune elastic"))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size, metrics=("units",),
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib, metrics=("units",),
                    show=lambda lm, rep: _show_elastic(rep, model, out_dir))
 
 
@@ -222,6 +219,7 @@ def generate_cmd(
     from prunelab.cli.common import check_positive, runtime_budgets
     from prunelab.cli.inspect_cmds import _press_context, _press_report
     from prunelab.errors import ConfigError
+    from prunelab.models.vocab import check_token_ids  # torch: not at the CLI's import
 
     check_positive("--max-new-tokens", max_new_tokens)
     press_ratio, _ = runtime_budgets([budget] if budget else None, "generate", mass=False)
@@ -231,6 +229,7 @@ def generate_cmd(
     if lm.is_encoder or lm.tokenizer is None:
         raise ConfigError(f"{model} cannot generate (an encoder, or no tokenizer)")
     ids = lm.tokenizer(text, return_tensors="pt")["input_ids"].to(lm.device)
+    check_token_ids(lm, ids, "--prompt")
     asked = _question_ids(lm, question, question_mode, press_name)
     check_positions(lm, ids.shape[1] + (0 if asked is None else asked.shape[1]),
                     max_new_tokens)
@@ -268,6 +267,7 @@ def _question_ids(lm, question, mode, press_name):
     without a question, or without a press to place it for, is an error."""
     from prunelab.errors import ConfigError
     from prunelab.inference.query import MODES
+    from prunelab.models.vocab import check_token_ids
 
     if mode is not None and mode not in MODES:
         raise ConfigError(f"--question-mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -282,6 +282,7 @@ def _question_ids(lm, question, mode, press_name):
                        return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
         raise ConfigError("--question has no tokens")
+    check_token_ids(lm, ids, "--question")
     return ids.to(lm.device)
 
 

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from prunelab.cli.apps import prune_app
 from prunelab.cli.common import (
-    BatchOpt,
     BudgetOpt,
+    Calibration,
     DeviceOpt,
     DtypeOpt,
     LoadArgs,
@@ -22,6 +22,7 @@ from prunelab.cli.common import (
     PickleOpt,
     RemoteOpt,
     budget_fields,
+    calibration_options,
     out,
 )
 from prunelab.cli.generated import generated_command, values
@@ -30,10 +31,11 @@ from prunelab.errors import ConfigError
 
 
 @prune_app.command("factor", cls=generated_command("factor_methods"))
+@calibration_options(samples=64, seqlen=512)
 def prune_factor_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         method: str = typer.Option("slicegpt", help="{factor_methods}"),
         budget: Optional[str] = BudgetOpt(
@@ -42,10 +44,6 @@ def prune_factor_cmd(
             "shared-dict: of the targeted linears' parameters)"),
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the method's config (repeatable)"),
-        samples: int = typer.Option(64, help="calibration windows"),
-        seqlen: int = typer.Option(512, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -65,8 +63,7 @@ def prune_factor_cmd(
     cfg = build_config(methods[method], label, {}, settings, **own)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size,
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib,
                    metrics=("kept_params", "params_after", "flops_per_token_after"),
                    show=lambda lm, rep: _show_factor(lm, rep, model, out_dir, method))
 

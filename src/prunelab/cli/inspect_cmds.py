@@ -27,6 +27,7 @@ from prunelab.cli.common import (
     check_positive,
     data_paths,
     fmt_bytes,
+    given_budget,
     out,
     parse_list,
     parse_pairs,
@@ -144,7 +145,7 @@ def eval_cmd(ctx: typer.Context,
                  "repeatable: remove-cache:F (with --press: fraction of the prompt removed; "
                  "entroprefill: the cap) | keep-mass:F (PrunePath checkpoints: routing mass "
                  "in (0, 1] to evaluate at; reports the experts per token and FFN FLOPs "
-                 "used)"),
+                 "used)", callback=given_budget),
              press_options: Optional[list[str]] = typer.Option(
                  None, "--press-option", help="KEY=VALUE: any option of the press "
                  "(repeatable); decay: fit=ls|kl (kl: fitted by the continuation KL), "

@@ -11,9 +11,9 @@ import typer
 from prunelab import log
 from prunelab.cli.apps import prune_app, sweep_app
 from prunelab.cli.common import (
-    BatchOpt,
     BudgetOpt,
     CalibDtypeOpt,
+    Calibration,
     CpusOpt,
     DeviceOpt,
     DtypeOpt,
@@ -28,6 +28,7 @@ from prunelab.cli.common import (
     StackOpt,
     StreamOpt,
     budget_fields,
+    calibration_options,
     check_positive,
     data_paths,
     parse_blocks,
@@ -58,24 +59,24 @@ def build_config(cls: type, label: str, flat: dict, settings: list[str] | None =
     return cls(**settings_over(opts, settings, cls))
 
 
-def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data: str,
-                   seqlen: int, samples: int, seed: int, batch_size: int,
-                   metrics: tuple[str, ...], show=None):
-    """Guard ``out_dir``, load, prune with ``cfg``, save the checkpoint with its manifest
-    (the report, and ``metrics`` of it as the manifest's metrics), then ``show(lm,
-    report)`` prints the family's table; returns ``(lm, report)``."""
+def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *,
+                   calib: Calibration, metrics: tuple[str, ...], show=None):
+    """Guard ``out_dir``, load, prune with ``cfg`` on the ``calib`` windows, save the
+    checkpoint with its manifest (the report, and ``metrics`` of it as the manifest's
+    metrics), then ``show(lm, report)`` prints the family's table; returns ``(lm,
+    report)``."""
     from prunelab import api
 
-    check_positive("--batch-size", batch_size)
-    check_positive("--samples", samples)
+    check_positive("--batch-size", calib.batch_size)
+    check_positive("--samples", calib.samples)
     with writing(out_dir, "checkpoint", overwrite,
-                 inputs={"--model": load.model, "--data": data_paths(data)}):
+                 inputs={"--model": load.model, "--data": data_paths(calib.data)}):
         lm = load.load()
         if getattr(lm, "streamer", None) is not None:  # --stream: stage beside the output
             lm.streamer.work_dir = out_dir.parent
             lm.streamer.consume_staging = True  # staged blocks move into --out as it is saved
-        rep = api.prune(lm, cfg, data=data, seqlen=seqlen, samples=samples, seed=seed,
-                        batch_size=batch_size)
+        rep = api.prune(lm, cfg, data=calib.data, seqlen=calib.seqlen, samples=calib.samples,
+                        seed=calib.seed, batch_size=calib.batch_size)
         api.save(lm, out_dir, overwrite=overwrite, data=rep["data"],
                  before=rep["size_before"], metrics={k: rep[k] for k in metrics},
                  extra={"report": rep.to_dict()})
@@ -87,10 +88,11 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *, data:
 
 
 @prune_app.command("depth", cls=generated_command("strategies", "recoveries"))
+@calibration_options(seed=(0, "window sampling / random strategy seed"))
 def prune_depth_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         budget: Optional[str] = BudgetOpt("remove-blocks:N (blocks removed) | keep-params:F "
                                           "(parameters kept: a fraction <= 1 or a count)"),
@@ -125,10 +127,6 @@ def prune_depth_cmd(
         max_instability: Optional[float] = typer.Option(
             None, help="warn when more than this share of the resamples gives another "
             "removal set (default 0.5)"),
-        samples: int = typer.Option(32, help="calibration windows"),
-        seqlen: int = typer.Option(256, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling / random strategy seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -152,12 +150,11 @@ def prune_depth_cmd(
                          recovery_in_loop=recovery_in_loop or None,
                          recovery_holdout=recovery_holdout, bootstrap=bootstrap,
                          search_windows=search_windows, max_instability=max_instability,
-                         seed=seed, **flat)
+                         seed=calib.seed, **flat)
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack,
                     calib_dtype=calib_dtype)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size,
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib,
                    metrics=("calib_kl_before_recovery",
                             "calib_kl_after_recovery"),
                    show=lambda lm, rep: show_depth(lm, rep, model, out_dir, recovery))
@@ -165,10 +162,11 @@ def prune_depth_cmd(
 
 @prune_app.command("sparsity",
                    cls=generated_command("sparsity_methods", "sparsity_allocations"))
+@calibration_options(samples=64, seqlen=512)
 def prune_sparsity_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         method: str = typer.Option("wanda", help="{sparsity_methods}"),
         budget: Optional[str] = BudgetOpt("remove-weights:F (of the blocks' linear weights; "
@@ -177,10 +175,6 @@ def prune_sparsity_cmd(
         settings: Optional[list[str]] = typer.Option(
             None, "--set", help="KEY=VALUE: any option of the method's config (repeatable; "
             "e.g. --set percdamp=0.02, or the options of a method you registered)"),
-        samples: int = typer.Option(64, help="calibration windows"),
-        seqlen: int = typer.Option(512, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -203,17 +197,16 @@ def prune_sparsity_cmd(
     cfg = methods[method](**settings_over(opts, settings, methods[method]))
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, calib_dtype=calib_dtype)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size,
-                   metrics=("achieved_sparsity",),
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib, metrics=("achieved_sparsity",),
                    show=lambda lm, rep: show_sparsity(lm, rep, model, out_dir, method))
 
 
 @prune_app.command("width", cls=generated_command("width_scores", "width_allocations"))
+@calibration_options()
 def prune_width_cmd(
         ctx: typer.Context,
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         out_dir: Path = typer.Option(..., "--out", help="checkpoint directory to write"),
         unit: str = typer.Option("ffn", help="heads | ffn | joint"),
         score: str = typer.Option("wanda-sp", help="{width_scores}"),
@@ -233,10 +226,6 @@ def prune_width_cmd(
             "...): FFN widths rounded to its block (32 / 256) so no weight falls back"),
         damp: float = typer.Option(1.0, help="refit ridge (times mean diag of X^T X), "
                                    "shrinking towards plain slicing"),
-        samples: int = typer.Option(32, help="calibration windows"),
-        seqlen: int = typer.Option(256, help="window length in tokens"),
-        seed: int = typer.Option(0, help="window sampling seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace an existing --out"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
         allow_pickle: bool = PickleOpt, allow_missing_weights: bool = MissingOpt,
@@ -254,9 +243,7 @@ def prune_width_cmd(
     load = LoadArgs(model, dtype, device, trust_remote_code, allow_pickle,
                     allow_missing_weights, offload, stream, stack=stack,
                     calib_dtype=calib_dtype)
-    prune_and_save(load, cfg, out_dir, overwrite, data=data, seqlen=seqlen,
-                   samples=samples, seed=seed, batch_size=batch_size,
-                   metrics=("removed_params",),
+    prune_and_save(load, cfg, out_dir, overwrite, calib=calib, metrics=("removed_params",),
                    show=lambda lm, rep: show_width(lm, rep, model, out_dir, unit, score,
                                                     allocation))
 
@@ -270,9 +257,11 @@ def ray_load_args(args: LoadArgs) -> dict:
 
 
 @sweep_app.command("depth", cls=generated_command())
+@calibration_options(seqlen=(256, "calibration window length"),
+                     seed=(0, "window sampling / random baseline seed"))
 def sweep_depth_cmd(
         model: str = ModelOpt,
-        data: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
+        calib: Calibration = None,
         test: str = typer.Option("wiki-vital:test", help="test data spec"),
         probes: str = typer.Option("block-influence", help="comma-separated probes; "
                                    "last-n and random are baselines"),
@@ -282,12 +271,8 @@ def sweep_depth_cmd(
         out_dir: Path = typer.Option(..., "--out", help="output directory (resumable)"),
         strategy: Optional[str] = typer.Option(None, help="override the per-probe default"),
         window: int = typer.Option(1, help="pair probes: |i - j| <= W"),
-        samples: int = typer.Option(32, help="calibration windows"),
-        seqlen: int = typer.Option(256, help="calibration window length"),
         test_samples: int = typer.Option(16, help="test windows"),
         test_seqlen: int = typer.Option(512, help="test window length"),
-        seed: int = typer.Option(0, help="window sampling / random baseline seed"),
-        batch_size: int = BatchOpt,
         overwrite: bool = typer.Option(False, help="replace a sweep made with other settings, "
                                        "or files prunelab did not write"),
         dtype: str = DtypeOpt, device: str = DeviceOpt, trust_remote_code: bool = RemoteOpt,
@@ -299,6 +284,8 @@ def sweep_depth_cmd(
     from prunelab.report.folder import record_command
     from prunelab.workflow.sweep import parse_range, sweep_depth
 
+    data, samples, seqlen, seed, batch_size = (calib.data, calib.samples, calib.seqlen,
+                                               calib.seed, calib.batch_size)
     removes = parse_range(budget)
     if ray is None and (cpus_per_point != 1.0 or gpus_per_point != 0.0):
         raise ConfigError("--cpus-per-point and --gpus-per-point need --ray")

@@ -18,6 +18,7 @@ from prunelab.cli.common import (
     RayOpt,
     check_positive,
     data_paths,
+    given_budget,
     out,
     parse_list,
     writing,
@@ -98,9 +99,11 @@ def compare_cmd(
         model: str = typer.Option("smollm2-135m", "--model", "-m", help="model spec"),
         methods: str = typer.Option(..., help="comma-separated method names (wanda, depth, "
                                     "width, svd-llm, ...) or recipe files"),
-        budget: str = typer.Option(..., help="params:F (kept) | sparsity:F | blocks:N, or "
-                                   "several of one kind (blocks:2,4,6; params:0.9,0.8): "
-                                   "every method at every budget, plus budget_curves.png"),
+        budget: str = typer.Option(
+            ..., "--budget", metavar="KIND:VALUE", callback=given_budget,
+            help="keep-params:F (parameters kept) | remove-weights:F (of the blocks' linear "
+            "weights) | remove-blocks:N, or several of one kind (remove-blocks:2,4,6; "
+            "keep-params:0.9,0.8): every method at every budget, plus budget_curves.png"),
         out_dir: Path = typer.Option(..., "--out", help="comparison folder (resumable)"),
         calib: str = typer.Option("wiki-vital:calib", help="calibration data spec"),
         test: str = typer.Option("wiki-vital:test", help="held-out data spec"),

@@ -40,7 +40,7 @@ class TaskMetric:
 
 #: name -> ``factory(lm, **options) -> TaskMetric``, registered with
 #: ``@TASK_METRICS.register(name, description="one line")`` (meta ``description``).
-TASK_METRICS = Registry("task metric", configs=False, replace=False)
+TASK_METRICS = Registry("task metric", configs=False)
 
 
 def _load_builtin() -> None:

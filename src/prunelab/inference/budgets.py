@@ -32,30 +32,35 @@ describe, so its blocks get their own causal mask too (``None`` holes).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from prunelab.errors import ConfigError
 from prunelab.inference import kv
+from prunelab.inference.base import check_press
 from prunelab.inference.config import CACHE_BUDGET, PRESSES, Press, SnapKV
 from prunelab.registry import check_range, strict_kwargs
 
-#: the presses a budget wrapper can redistribute (they score every prompt token)
-SCORERS = ("snapkv", "h2o", "tova", "knorm", "expected-attention")
+
+def scorers() -> list[str]:
+    """The registered presses a budget wrapper can redistribute: every KV press that
+    defines its own ``score`` (a plugin's too), not a wrapper."""
+    return [n for n in PRESSES.names() if getattr(PRESSES.get(n), "kind", None) == "kv"
+            and PRESSES.get(n).score is not Press.score
+            and not issubclass(PRESSES.get(n), Budgeted)]
 
 
 def _scorer(name: str, ratio: float, items: tuple[str, ...],
             defaults: dict | None = None) -> Press:
     """The scoring press ``name`` at ``ratio`` with ``KEY=VALUE`` ``items`` (values read
     as JSON when they parse, else strings) over the wrapper's own ``defaults``."""
-    if name not in SCORERS:
-        raise ConfigError(f"scorer must be one of {', '.join(SCORERS)}, got {name!r}")
+    if name not in scorers():
+        raise ConfigError(f"scorer must be one of {', '.join(scorers())} (a KV press that "
+                          f"scores), got {name!r}")
     cls = PRESSES.get(name)
     opts: dict = dict(defaults or {})
     for item in items:
@@ -74,6 +79,7 @@ def _scorer(name: str, ratio: float, items: tuple[str, ...],
             opts[key] = float(opts[key])
     strict_kwargs(cls, opts, f"scorer {name!r}")
     scorer = cls(ratio=ratio, **opts)
+    check_press(scorer)
     if getattr(scorer, "every", 0):
         raise ConfigError(f"scorer {name!r}: every must be 0 (decode-time eviction keeps one "
                           "budget for every head and block)")
@@ -85,10 +91,10 @@ class Budgeted(Press):
     """Base of the budget wrappers: ``scorer`` scores, the wrapper allocates."""
 
     ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
-    scorer: Literal["snapkv", "h2o", "tova", "knorm", "expected-attention"] = field(
-        default="snapkv", metadata={"help": (
-            "adakv / pyramidkv: the press that scores the tokens (its budgets are "
-            "redistributed)")})
+    scorer: str = field(default="snapkv", metadata={"help": (
+        "adakv / pyramidkv: the press that scores the tokens, any KV press with a score "
+        "(snapkv, h2o, tova, knorm, expected-attention, decay, streaming-llm or one you "
+        "register); its budgets are redistributed")})
     scorer_options: tuple[str, ...] = field(default=(), metadata={"help": (
         "adakv / pyramidkv: KEY=VALUE options of the scorer, comma-separated (e.g. "
         "window=16,kernel=7)")})
@@ -108,6 +114,25 @@ class Budgeted(Press):
         """The scoring press (at the wrapper's ratio)."""
         return self._base
 
+    @property
+    def scoring(self) -> Press:
+        return self._base
+
+    def evict(self, cache, keep: int, scores: dict[int, torch.Tensor],
+              protect: int = 0) -> dict:
+        return evict(self, cache, keep, scores, protect)
+
+    def layer_budgets(self, length: int, keep: int, layers: int) -> list[int]:
+        """Tokens kept per head in each of ``layers`` evictable blocks of a ``length``-token
+        prompt, ``keep`` each on average (default: ``keep`` in every block)."""
+        return [keep] * layers
+
+    def head_select(self, scores: torch.Tensor, keep: int, fixed: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A block's kept indices and holes ``[B, G, P]`` when its heads keep different
+        counts (AdaKV); ``None``: every head keeps ``keep`` (its top scores)."""
+        return None
+
 
 @PRESSES.register("adakv")
 @dataclass(frozen=True)
@@ -126,6 +151,10 @@ class AdaKV(Budgeted):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_range("alpha_safeguard", self.alpha_safeguard, 0.0, 1.0)
+
+    def head_select(self, scores: torch.Tensor, keep: int, fixed: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return adakv_keep(scores, keep, fixed, self.alpha_safeguard)
 
 
 @PRESSES.register("pyramidkv")
@@ -158,15 +187,8 @@ class PyramidKV(Budgeted):
             return {}
         return {"window": min(SnapKV.window, max(1, self.floor // 2))}
 
-
-def scoring_config(config: Press, question: int = 0) -> Press:
-    """The press that scores the prompt: a wrapper's scorer, else ``config``; with a
-    ``question`` of that many tokens ending the prompt (query-aware mode), SnapKV's
-    observation window is the question."""
-    scorer = config.base if isinstance(config, Budgeted) else config
-    if question and isinstance(scorer, SnapKV) and scorer.window != question:
-        scorer = dataclasses.replace(scorer, window=question)
-    return scorer
+    def layer_budgets(self, length: int, keep: int, layers: int) -> list[int]:
+        return pyramid_budgets(length, keep, layers, self.beta, self.floor)
 
 
 def adakv_keep(scores: torch.Tensor, keep: int, fixed: torch.Tensor | None, alpha: float
@@ -228,12 +250,8 @@ def evict(config: Budgeted, cache, keep: int, scores: dict[int, torch.Tensor],
     if not layers:
         return {}
     length = cache.layers[layers[0]].keys.shape[2]
-    if isinstance(config, PyramidKV):
-        budgets = pyramid_budgets(length - protect, keep - protect, len(layers), config.beta,
-                                  config.floor)
-        budgets = [k + protect for k in budgets]
-    else:
-        budgets = [keep] * len(layers)
+    budgets = [k + protect for k in config.layer_budgets(length - protect, keep - protect,
+                                                          len(layers))]
     kept, heads = {}, {}
     for i, k in zip(layers, budgets, strict=True):
         layer = cache.layers[i]
@@ -241,14 +259,17 @@ def evict(config: Budgeted, cache, keep: int, scores: dict[int, torch.Tensor],
         if n <= k:
             heads[i] = None
             continue
-        holes = None
-        if isinstance(config, AdaKV) and i in scores:
+        chosen = None
+        if i in scores:
             fixed = kv.fixed_positions(scorer, n, k, layer.keys.device, protect)
-            idx, holes = adakv_keep(scores[i], k, fixed, config.alpha_safeguard)
+            chosen = config.head_select(scores[i], k, fixed)
+        if chosen is None:
+            idx, holes = kv.keep_indices(scorer, n, k, scores.get(i), b, g, layer.keys.device,
+                                         protect), None
+        else:
+            idx, holes = chosen
             if not bool(holes.any()):
                 holes = None
-        else:
-            idx = kv.keep_indices(scorer, n, k, scores.get(i), b, g, layer.keys.device, protect)
         kv.shrink_layer(layer, idx)
         heads[i], kept[i] = holes, idx
     if kept:

@@ -1,4 +1,6 @@
-"""Typed configs of the inference-time presses, registered in :data:`PRESSES`.
+"""Typed configs of the inference-time presses, registered in :data:`PRESSES`; each
+defines its hooks (:class:`~prunelab.inference.base.Press`): a KV press its ``score``, a
+prefill press its ``select``.
 
 A press changes how a loaded model runs on one input, never its weights (see
 :func:`prunelab.inference.press`). Two kinds:
@@ -15,34 +17,27 @@ A press changes how a loaded model runs on one input, never its weights (see
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from prunelab.errors import ConfigError
-from prunelab.registry import Registry, check_range
+import torch
+import torch.nn.functional as F
 
-PRESSES = Registry("press")
+from prunelab.budget import budget_fields
+from prunelab.errors import ConfigError
+from prunelab.inference.base import CACHE_BUDGET, PRESSES, Press
+from prunelab.inference.scores import (
+    ScoreInputs,
+    group_heads,
+    key_norm_scores,
+    last_query_scores,
+    smooth,
+)
+from prunelab.inference.select import entroprefill_keep, lazyllm_keep
+from prunelab.registry import check_range
 
 POOLINGS = ("max", "mean")
-#: the ``ratio`` of a press is what ``--budget remove-cache:F`` sets
-CACHE_BUDGET = {"help": "fraction of the prompt's tokens removed from the cache",
-                "budget": "remove-cache"}
-
-
-@dataclass(frozen=True)
-class Press:
-    """Base of every press config."""
-
-    kind: ClassVar[str] = "kv"
-
-    def __post_init__(self) -> None:
-        ratio = getattr(self, "ratio", None)
-        if ratio is not None:
-            check_range("ratio", ratio, 0.0, 0.99)
-
-    @property
-    def is_noop(self) -> bool:
-        return getattr(self, "ratio", 1.0) == 0.0
 
 
 @PRESSES.register("streaming-llm")
@@ -65,6 +60,13 @@ class StreamingLLM(Press):
         check_range("sinks", self.sinks, 0, None, integer=True)
         check_range("every", self.every, 0, None, integer=True)
 
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """The position (recency); the ``sinks`` first tokens above every other."""
+        b, g, length = inputs.key.shape[:3]
+        s = torch.arange(length, dtype=torch.float32, device=inputs.key.device)
+        s[:min(self.sinks, length)] = float(length)
+        return s.expand(b, g, length)
+
 
 @PRESSES.register("h2o")
 @dataclass(frozen=True)
@@ -86,6 +88,24 @@ class H2O(Press):
         super().__post_init__()
         check_range("recent", self.recent, 0.0, 1.0)
         check_range("every", self.every, 0, None, integer=True)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """The attention each token received from every query of this call, summed over
+        the queries, averaged over each KV group's query heads."""
+        probs = inputs.attention(inputs.query.shape[2])
+        return group_heads(probs.sum(2), inputs.groups)
+
+    def protected(self, length: int, keep: int) -> tuple[int, int]:
+        return 0, min(int(keep * self.recent), keep)
+
+    def rescore(self, inputs: ScoreInputs, previous: torch.Tensor | None
+                ) -> torch.Tensor | None:
+        """The accumulation goes on: the step's attention added to what was kept."""
+        if previous is None:
+            return None
+        new = self.score(inputs)
+        pad = new.shape[-1] - previous.shape[-1]
+        return previous if pad < 0 else F.pad(previous, (0, pad)) + new
 
 
 @PRESSES.register("snapkv")
@@ -120,6 +140,22 @@ class SnapKV(Press):
             raise ConfigError(f"pooling must be one of {', '.join(POOLINGS)}, "
                               f"got {self.pooling!r}")
 
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """The attention of the last ``window`` queries, summed, pooled over ``kernel``
+        neighbours, averaged over each KV group's query heads."""
+        probs = inputs.attention(self.window)
+        return group_heads(smooth(probs.sum(2), self.kernel, self.pooling), inputs.groups)
+
+    def protected(self, length: int, keep: int) -> tuple[int, int]:
+        return 0, self.window
+
+    def for_question(self, question: int) -> Press:
+        """The question is the observation window (a window set by hand is refused)."""
+        if self.window not in (SnapKV.window, question):
+            raise ConfigError(f"query-aware compression: the question is SnapKV's "
+                              f"observation window; do not set window ({self.window})")
+        return self if self.window == question else dataclasses.replace(self, window=question)
+
 
 @PRESSES.register("tova")
 @dataclass(frozen=True)
@@ -141,6 +177,13 @@ class TOVA(Press):
         super().__post_init__()
         check_range("every", self.every, 0, None, integer=True)
 
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """The last query's attention, averaged over all query heads."""
+        return last_query_scores(inputs.query, inputs.key, inputs.scaling, inputs.softcap)
+
+    def protected(self, length: int, keep: int) -> tuple[int, int]:
+        return 0, 1  # the last token, whose query scored the others
+
 
 @PRESSES.register("knorm")
 @dataclass(frozen=True)
@@ -152,6 +195,10 @@ class KNorm(Press):
     Effective L2 Norm-Based Strategy for KV Cache Compression" (EMNLP 2024)."""
 
     ratio: float = field(default=0.5, metadata=CACHE_BUDGET)
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """Minus the L2 norm of each cached key, per KV head."""
+        return key_norm_scores(inputs.key)
 
 
 @PRESSES.register("lazyllm")
@@ -172,12 +219,16 @@ class LazyLLM(Press):
         super().__post_init__()
         check_range("layer", self.layer, 0, None, integer=True)
 
+    def select(self, probs: torch.Tensor, groups: int) -> tuple[torch.Tensor, dict]:
+        return lazyllm_keep(self, probs)
+
 
 @PRESSES.register("entroprefill")
 @dataclass(frozen=True)
 class EntroPrefill(Press):
-    """Mid-prefill token pruning under an attention-mass bound (EntroPrefill, the seed
-    system of prunelab issue 18).
+    """Mid-prefill token pruning under an attention-mass bound (EntroPrefill: prunelab's own
+    rule, no published paper; LazyLLM's mid-prefill pruning, Fu et al. 2024, with the cut
+    proposed by a Renyi entropy and bounded by an exact per-head attention-mass envelope).
 
     At block ``layer`` the last ``window`` prompt tokens (observers) give each query head a
     distribution over the prompt (their mean attention). Heads are pooled per KV group and
@@ -228,17 +279,26 @@ class EntroPrefill(Press):
         check_range("max_ratio", self.max_ratio, 0.0, 0.99)
 
     @property
+    def observers(self) -> int:
+        return self.window
+
+    def select(self, probs: torch.Tensor, groups: int) -> tuple[torch.Tensor, dict]:
+        return entroprefill_keep(self, probs, groups)
+
+    @property
     def is_noop(self) -> bool:
         return self.max_ratio == 0.0
 
 
 def press_for(name: str, ratio: float | None = None, /, **options) -> Press:
     """The press ``name`` at compression ``ratio`` (the fraction of the prompt removed),
-    for a CLI's ``--press NAME --budget remove-cache:R``: EntroPrefill takes ``ratio`` as
-    its cap ``max_ratio`` (its cut is decided by the mass bound under that cap)."""
+    for a CLI's ``--press NAME --budget remove-cache:R``: the field whose metadata names
+    the ``remove-cache`` budget takes it (EntroPrefill: its cap ``max_ratio``, its cut is
+    decided by the mass bound under that cap), else ``ratio``."""
     cls = PRESSES.get(name)
     if ratio is not None:
-        key = "max_ratio" if cls is EntroPrefill else "ratio"
+        key = next((f for f, kind in budget_fields(cls).items() if kind == "remove-cache"),
+                   "ratio")
         if key in options:
             raise ConfigError(f"press {name!r}: give the ratio once (ratio or {key})")
         options[key] = ratio

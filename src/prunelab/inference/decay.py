@@ -1,6 +1,7 @@
-"""Learned decay-based KV eviction after Universal Attention (the seed system of prunelab
-issue 18): instead of a hand-made rule, each KV head ranks its cached tokens by a small
-decay function of key statistics, fitted on calibration data with the base model frozen.
+"""Learned decay-based KV eviction after Universal Attention (an unpublished proposal: a
+learned decay subtracted from the attention logits): instead of a hand-made rule, each KV
+head ranks its cached tokens by a small decay function of key statistics, fitted on
+calibration data with the base model frozen.
 
 Retention score of cached token ``j`` at a KV head (layer ``l``, head ``g``)::
 
@@ -54,8 +55,14 @@ from dataclasses import dataclass, field
 import torch
 
 from prunelab.errors import ConfigError
-from prunelab.inference.config import CACHE_BUDGET, PRESSES, Press
-from prunelab.inference.scores import attention_rows, group_heads, n_removed, smooth
+from prunelab.inference.base import CACHE_BUDGET, PRESSES, Press
+from prunelab.inference.scores import (
+    ScoreInputs,
+    attention_rows,
+    group_heads,
+    n_removed,
+    smooth,
+)
 from prunelab.registry import check_range
 
 FEATURES = 5
@@ -120,6 +127,25 @@ class DecayEviction(Press):
             for w in self.weights:
                 check_range("weights", w)
 
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """The retention score of the block's cached tokens (the module docstring), with
+        the observation-window attention of this call when ``observe > 0``."""
+        g, observed = inputs.groups, None
+        if self.observe and self.blend is not None and self.mix:  # SnapKV's and H2O's
+            probs = inputs.attention(inputs.query.shape[2])
+            observed = torch.stack([snap_scores(probs[:, :, -self.observe:], g, self.kernel),
+                                    group_heads(probs.sum(2), g)], -1)
+        elif self.observe:
+            probs = inputs.attention(self.observe)
+            observed = snap_scores(probs, g, self.kernel) if self.blend is not None \
+                else observation_scores(probs, g, self.kernel)
+        if self.blend is not None:
+            return blend_layer(self, inputs.layer, inputs.key, inputs.value, observed)
+        return decay_layer(self, inputs.layer, inputs.key, inputs.value, observed)
+
+    def protected(self, length: int, keep: int) -> tuple[int, int]:
+        return (1 if self.blend is None else 0), self.window  # the sink, unless blended
+
     @property
     def features(self) -> int:
         """Features per KV head: 5, or 6 with the observation-window attention as a
@@ -152,29 +178,34 @@ def with_observed(x: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, torch.log(observed.float() + 1e-6)[..., None]], -1)
 
 
+def decay_layer(config: DecayEviction, layer: int, keys: torch.Tensor,
+                values: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor:
+    """Retention scores ``[B, G, T]`` of block ``layer``'s cached keys and values
+    ``[B, G, T, D]`` (``observed``: its observation-window attention ``[B, G, T]``, needed
+    when ``config.observe > 0`` and the weights are fitted): the fitted decay function, or
+    the recency prior ``-log(1 + age)`` without weights (or past their layers)."""
+    x = key_features(keys, values)
+    if config.weights is None:
+        return -x[..., 4]
+    weights = torch.tensor(config.weights).view(-1, keys.shape[1], config.features)
+    if layer >= weights.shape[0]:
+        return -x[..., 4]
+    if config.observe:
+        if observed is None:
+            raise ConfigError(f"decay: no observation-window attention for layer {layer}")
+        x = with_observed(x, observed)
+    return (x * weights[layer].to(x.device)[None, :, None, :]).sum(-1)
+
+
 def decay_scores(config: DecayEviction, cache, layers: list[int],
                  observed: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """Retention scores ``{layer: [B, G, T]}`` of the cached tokens (``observed``: the
     observation-window attention per layer, needed when ``config.observe > 0``)."""
     if config.blend is not None:
         return blend_scores(config, cache, layers, observed)
-    out = {}
-    weights = None
-    if config.weights is not None:
-        groups = cache.layers[layers[0]].keys.shape[1] if layers else 1
-        weights = torch.tensor(config.weights).view(-1, groups, config.features)
-    for i in layers:
-        layer = cache.layers[i]
-        x = key_features(layer.keys, layer.values)
-        if config.observe and weights is not None and i < weights.shape[0]:
-            if observed is None or i not in observed:
-                raise ConfigError(f"decay: no observation-window attention for layer {i}")
-            x = with_observed(x, observed[i])
-        if weights is None or i >= weights.shape[0]:
-            out[i] = -x[..., 4]
-        else:
-            out[i] = (x * weights[i].to(x.device)[None, :, None, :]).sum(-1)
-    return out
+    observed = observed or {}
+    return {i: decay_layer(config, i, cache.layers[i].keys, cache.layers[i].values,
+                           observed.get(i)) for i in layers}
 
 
 def snap_scores(rows: torch.Tensor, groups: int, kernel: int) -> torch.Tensor:
@@ -184,32 +215,38 @@ def snap_scores(rows: torch.Tensor, groups: int, kernel: int) -> torch.Tensor:
     return group_heads(smooth(rows.sum(2), kernel, "max"), groups)
 
 
+def blend_layer(config: DecayEviction, layer: int, keys: torch.Tensor,
+                values: torch.Tensor, observed: torch.Tensor | None) -> torch.Tensor:
+    """Blended scores ``[B, G, T]`` (float64) of block ``layer`` (the module docstring);
+    ``observed``: SnapKV's score ``[B, G, T]`` of the block, or ``[B, G, T, 2]`` with H2O's
+    accumulated attention (``mix > 0``). Layers past the end of ``blend`` use ``lam = rho
+    = 0`` (SnapKV)."""
+    if observed is None:
+        raise ConfigError(f"decay: no observation-window attention for layer {layer}")
+    blend = torch.tensor(config.blend, dtype=torch.float64).view(-1, 2)
+    o = observed.double()
+    snap = o[..., 0] if o.dim() == 4 else o
+    s = torch.log(snap + 1e-8)
+    if config.mix:  # H2O's accumulated attention, [..., 1]
+        s = (1.0 - config.mix) * s + config.mix * torch.log(o[..., 1] + 1e-8)
+    lam, rho = blend[layer].tolist() if layer < blend.shape[0] else (0.0, 0.0)
+    if lam or rho:
+        x = key_features(keys, values).double()
+        if lam and config.weights is not None:
+            w = torch.tensor(config.weights, dtype=torch.float64)
+            w = w.view(-1, keys.shape[1], FEATURES)
+            if layer < w.shape[0]:
+                s = s + lam * (x * w[layer].to(x.device)[None, :, None, :]).sum(-1)
+        s = s - rho * x[..., 4]
+    return _reserve(s, snap, config)
+
+
 def blend_scores(config: DecayEviction, cache, layers: list[int],
                  observed: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor]:
-    """Blended scores ``{layer: [B, G, T]}`` (float64) of the module docstring; layers
-    past the end of ``blend`` use ``lam = rho = 0`` (SnapKV)."""
-    blend = torch.tensor(config.blend, dtype=torch.float64).view(-1, 2)
-    out = {}
-    for i in layers:
-        if observed is None or i not in observed:
-            raise ConfigError(f"decay: no observation-window attention for layer {i}")
-        layer = cache.layers[i]
-        o = observed[i].double()
-        snap = o[..., 0] if o.dim() == 4 else o
-        s = torch.log(snap + 1e-8)
-        if config.mix:  # H2O's accumulated attention, [..., 1]
-            s = (1.0 - config.mix) * s + config.mix * torch.log(o[..., 1] + 1e-8)
-        lam, rho = blend[i].tolist() if i < blend.shape[0] else (0.0, 0.0)
-        if lam or rho:
-            x = key_features(layer.keys, layer.values).double()
-            if lam and config.weights is not None:
-                w = torch.tensor(config.weights, dtype=torch.float64)
-                w = w.view(-1, layer.keys.shape[1], FEATURES)
-                if i < w.shape[0]:
-                    s = s + lam * (x * w[i].to(x.device)[None, :, None, :]).sum(-1)
-            s = s - rho * x[..., 4]
-        out[i] = _reserve(s, snap, config)
-    return out
+    """:func:`blend_layer` of each of ``layers`` of ``cache`` (``observed``: per layer)."""
+    observed = observed or {}
+    return {i: blend_layer(config, i, cache.layers[i].keys, cache.layers[i].values,
+                           observed.get(i)) for i in layers}
 
 
 def _reserve(s: torch.Tensor, snap: torch.Tensor, config: DecayEviction) -> torch.Tensor:

@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.inference.config import CACHE_BUDGET, PRESSES, Press
+from prunelab.inference.base import CACHE_BUDGET, PRESSES, Press
+from prunelab.inference.scores import ScoreInputs
 from prunelab.registry import check_range
 
 
@@ -74,6 +75,24 @@ class ExpectedAttention(Press):
         for name in ("covariance", "vnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def score(self, inputs: ScoreInputs) -> torch.Tensor:
+        """:func:`expected_scores` of the block's prefill, with the rotary ``(cos, sin)``
+        it received and its family's ``apply_rotary_pos_emb``."""
+        rope = inputs.rope
+        if not isinstance(rope, tuple) or len(rope) != 2:
+            raise UnsupportedOperationError(
+                f"press expected-attention needs the rotary (cos, sin) of every attention "
+                f"block; {type(inputs.module).__name__} receives none")
+        cos, sin = rope
+        return expected_scores(self, inputs.query, inputs.key, inputs.value, inputs.scaling,
+                               cos[0], sin[0], rope_function(inputs.module))
+
+    def protected(self, length: int, keep: int) -> tuple[int, int]:
+        return self.sinks, 0
+
+    def check(self, lm) -> None:
+        rope_function(lm.adapter.attention(0))  # no RoPE: one line, before any forward
 
 
 def rope_function(module):

@@ -1,5 +1,6 @@
-"""KV-cache eviction: scores from the captured attention, selection per KV group and the
-real shrinking of the cache tensors.
+"""KV-cache eviction: selection per KV group from a press' token scores (its ``score``
+hook, :class:`~prunelab.inference.config.Press`) and the real shrinking of the cache
+tensors. Nothing here knows a press by its class.
 
 The cache stores one key/value per KV head, so selection is per KV group: each KV head
 keeps its own ``keep`` tokens (the same count for every KV head, so the cache stays a dense
@@ -10,107 +11,28 @@ original positions; new tokens continue from the original length (see ``press.py
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from prunelab.errors import UnsupportedOperationError
-from prunelab.inference.config import H2O, TOVA, KNorm, Press, SnapKV, StreamingLLM
-from prunelab.inference.decay import DecayEviction
-from prunelab.inference.expected import ExpectedAttention, expected_scores, rope_function
-from prunelab.inference.scores import (
-    attention_rows,
-    group_heads,
-    keep_top,
-    n_removed,
-    smooth,
-)
+from prunelab.inference.scores import keep_top, n_removed
 
-
-def prefill_scores(config: Press, query: torch.Tensor, key: torch.Tensor, scaling: float,
-                   softcap: float | None) -> torch.Tensor | None:
-    """Token scores ``[B, G, L]`` for eviction after the prefill, from one block's
-    queries ``[B, H, L, D]`` and keys ``[B, G, L, D]`` (``None`` when the press needs
-    none)."""
-    groups = key.shape[1]
-    if isinstance(config, SnapKV):
-        probs = attention_rows(query, key, scaling, config.window, softcap)
-        s = smooth(probs.sum(2), config.kernel, config.pooling)
-        return group_heads(s, groups)
-    if isinstance(config, H2O):
-        probs = attention_rows(query, key, scaling, query.shape[2], softcap)
-        return group_heads(probs.sum(2), groups)
-    if isinstance(config, TOVA):
-        return last_query_scores(query, key, scaling, softcap)
-    if isinstance(config, KNorm):
-        return key_norm_scores(key)
-    if isinstance(config, DecayEviction) and config.observe:  # observation-window feature
-        from prunelab.inference.decay import observation_scores, snap_scores
-
-        if config.blend is not None and config.mix:  # SnapKV's and H2O's scores
-            probs = attention_rows(query, key, scaling, query.shape[2], softcap)
-            snap = snap_scores(probs[:, :, -config.observe:], groups, config.kernel)
-            return torch.stack([snap, group_heads(probs.sum(2), groups)], -1)
-        probs = attention_rows(query, key, scaling, config.observe, softcap)
-        if config.blend is not None:
-            return snap_scores(probs, groups, config.kernel)
-        return observation_scores(probs, groups, config.kernel)
-    return None
-
-
-def expected_attention_scores(config: ExpectedAttention, module, query: torch.Tensor,
-                              key: torch.Tensor, value: torch.Tensor, scaling: float,
-                              rope: tuple | None) -> torch.Tensor:
-    """ExpectedAttention's scores ``[B, G, L]`` of one block's prefill; ``rope``: the
-    ``(cos, sin)`` ``[B, L, r]`` the block received (:mod:`prunelab.inference.expected`)."""
-    if not isinstance(rope, tuple) or len(rope) != 2:
-        raise UnsupportedOperationError(
-            f"press expected-attention needs the rotary (cos, sin) of every attention block; "
-            f"{type(module).__name__} receives none")
-    cos, sin = rope
-    return expected_scores(config, query, key, value, scaling, cos[0], sin[0],
-                           rope_function(module))
-
-
-def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
-                      softcap: float | None) -> torch.Tensor:
-    """TOVA's score ``[B, G, L]``: the attention of the last query of ``query``
-    ``[B, H, Q, D]`` over ``key`` ``[B, G, L, D]``, averaged over all ``H`` query heads (the
-    same row for every KV head)."""
-    probs = attention_rows(query, key, scaling, 1, softcap)  # [B, H, 1, L]
-    return probs[:, :, 0].mean(1, keepdim=True).expand(-1, key.shape[1], -1).contiguous()
-
-
-def key_norm_scores(key: torch.Tensor) -> torch.Tensor:
-    """KNorm's score ``[B, G, L]``: minus the L2 norm of each key ``[B, G, L, D]``."""
-    return -key.float().norm(dim=-1)
-
-
-def decode_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
-                  softcap: float | None) -> torch.Tensor:
-    """Attention ``[B, G, T]`` of the decode queries ``[B, H, q, D]`` (summed) over the
-    cached keys ``[B, G, T, D]`` (H2O's running accumulation)."""
-    probs = attention_rows(query, key, scaling, query.shape[2], softcap)
-    return group_heads(probs.sum(2), key.shape[1])
+if TYPE_CHECKING:  # the configs call this module (their default eviction)
+    from prunelab.inference.config import Press
 
 
 def fixed_positions(config: Press, length: int, keep: int, device, protect: int = 0
                     ) -> torch.Tensor:
     """Bool ``[length]``: the tokens a scoring press always keeps (they count in ``keep``):
-    SnapKV's window, H2O's recent share, TOVA's last token, the sinks, and the last
+    the first and last tokens its :meth:`~prunelab.inference.config.Press.protected` names
+    (SnapKV's window, H2O's recent share, TOVA's last token, the sinks) and the last
     ``protect`` tokens (a question in query-aware mode). When they exceed ``keep``, the
     ``keep`` most recent instead."""
+    first, last = config.protected(length, keep)
     fixed = torch.zeros(length, dtype=torch.bool, device=device)
-    if isinstance(config, (SnapKV, DecayEviction)):
-        fixed[max(length - config.window, 0):] = True
-        if isinstance(config, DecayEviction) and config.blend is None:
-            fixed[0] = True
-    elif isinstance(config, H2O):
-        recent = min(int(keep * config.recent), keep)
-        if recent:
-            fixed[length - recent:] = True
-    elif isinstance(config, TOVA):
-        fixed[length - 1] = True  # the last token, whose query scored the others
-    elif isinstance(config, ExpectedAttention):
-        fixed[:min(config.sinks, length)] = True
+    fixed[:max(min(int(first), length), 0)] = True
+    if last:
+        fixed[max(length - int(last), 0):] = True
     if protect:
         fixed[max(length - protect, 0):] = True
     if int(fixed.sum()) > keep:  # the window alone exceeds the budget: the most recent
@@ -121,12 +43,12 @@ def fixed_positions(config: Press, length: int, keep: int, device, protect: int 
 
 def keep_indices(config: Press, length: int, keep: int, scores: torch.Tensor | None,
                  batch: int, groups: int, device, protect: int = 0) -> torch.Tensor:
-    """Sorted token indices ``[B, G, keep]`` each KV head keeps out of ``length``
-    (``protect``: the last tokens always kept, see :func:`fixed_positions`)."""
-    if isinstance(config, StreamingLLM) or scores is None:
-        sinks = min(config.sinks if isinstance(config, StreamingLLM) else 0, keep)
-        idx = torch.cat([torch.arange(sinks, device=device),
-                         torch.arange(length - (keep - sinks), length, device=device)])
+    """Sorted token indices ``[B, G, keep]`` each KV head keeps out of ``length``: the
+    ``keep`` highest ``scores`` ``[B, G, length]`` (the press' own, from its score hook),
+    its fixed tokens first (see :func:`fixed_positions`). ``scores`` ``None`` (a block the
+    press saw no attention call of): the ``keep`` most recent."""
+    if scores is None:
+        idx = torch.arange(length - keep, length, device=device)
         return idx.expand(batch, groups, keep).contiguous()
     return keep_top(scores, keep, fixed_positions(config, length, keep, device, protect))
 

@@ -4,85 +4,18 @@ original RoPE position embeddings, position ids and attention-mask rows and colu
 the prefill, the cache entries of the dropped tokens are removed from blocks ``0..layer``
 too, so every cache layer holds the kept tokens.
 
-Methods: LazyLLM (Fu et al. 2024; last-token attention, fixed layer) and EntroPrefill (the
-seed of prunelab issue 18; observer-window attention, entropy-proposed cut, exact deletion
-envelope under a per-head attention-mass bound).
+Which tokens go is the press' own choice (its ``select`` hook, from the attention of its
+``observers`` last prompt tokens at the block: LazyLLM and EntroPrefill in
+:mod:`prunelab.inference.select`); this module only shortens the run.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prunelab.inference.config import EntroPrefill, LazyLLM, Press
-from prunelab.inference.scores import (
-    deletion_envelope,
-    discarded_mass,
-    group_heads,
-    keep_top,
-    n_removed,
-    proposed_keep,
-    renyi_entropy,
-)
-
-
-def lazyllm_keep(config: LazyLLM, probs: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Kept token indices ``[B, K]`` from the last token's attention ``probs``
-    ``[B, H, 1, L]`` (mean over heads); the last token is always kept."""
-    b, _, _, length = probs.shape
-    score = probs[:, :, -1].mean(1)
-    remove = min(n_removed(length, config.ratio), length - 1)
-    fixed = torch.zeros(length, dtype=torch.bool, device=probs.device)
-    fixed[-1] = True
-    keep = keep_top(score, length - remove, fixed)
-    mass = discarded_mass(probs[:, :, -1], _complement(keep, length))
-    return keep, {"removed": remove, "discarded_mass": mass}
-
-
-def entroprefill_keep(config: EntroPrefill, probs: torch.Tensor, groups: int
-                      ) -> tuple[torch.Tensor, dict]:
-    """Kept token indices ``[B, K]`` from the observers' attention ``probs``
-    ``[B, H, w, L]`` (see :class:`EntroPrefill`). The removal is the smaller of the
-    entropy proposal (capped at ``max_ratio``) and the deletion envelope, minimised over
-    the batch so that one length fits every row; the bound then holds on every head of
-    every row. Info: per-row proposal, envelope, entropy and per-head discarded mass."""
-    b, h, w, length = probs.shape
-    head_mass = probs.mean(2)  # [B, H, L]: each head's distribution over the prompt
-    n_cand = max(length - w - 1, 0)
-    if n_cand == 0:
-        keep = torch.arange(length, device=probs.device).expand(b, length)
-        return keep, {"removed": 0, "discarded_mass": head_mass.new_zeros(b, h).double()}
-    per_group = group_heads(head_mass, groups, config.mix)  # [B, G, L]
-    token = (1 - config.mix) * per_group.mean(1) + config.mix * per_group.amax(1)
-    cand = token[:, 1:1 + n_cand]  # the sink (0) and the observers are isolated
-    order = torch.sort(cand, dim=-1, stable=True).indices + 1  # least attended first
-    proposal = n_cand - proposed_keep(cand, config.alpha, config.keep_scale)
-    proposal = proposal.clamp(max=min(n_removed(length, config.max_ratio), n_cand))
-    envelope = deletion_envelope(head_mass, order, config.mass_bound)
-    remove = int(torch.minimum(proposal, envelope).min())
-    removed = order[:, :remove]
-    keep = _complement(removed, length)
-    info = {"removed": remove, "proposal": proposal.tolist(), "envelope": envelope.tolist(),
-            "entropy": renyi_entropy(cand, config.alpha).tolist(),
-            "discarded_mass": discarded_mass(head_mass, removed)}
-    return keep, info
-
-
-def _complement(idx: torch.Tensor, length: int) -> torch.Tensor:
-    """Sorted indices ``[B, length - n]`` of ``0..length-1`` not in ``idx`` ``[B, n]``."""
-    mask = torch.ones(idx.shape[0], length, dtype=torch.bool, device=idx.device)
-    mask.scatter_(1, idx, False)
-    return mask.nonzero()[:, 1].view(idx.shape[0], length - idx.shape[1])
-
-
-def _jaccard_removed(a: torch.Tensor, b: torch.Tensor, length: int) -> float:
-    """Jaccard overlap of the removed sets (complements of kept ``[B, K]`` indices),
-    over the batch; 1 when both remove nothing."""
-    ra = torch.ones(a.shape[0], length, dtype=torch.bool, device=a.device)
-    rb = torch.ones_like(ra)
-    ra.scatter_(1, a, False)
-    rb.scatter_(1, b, False)
-    union = int((ra | rb).sum())
-    return 1.0 if union == 0 else int((ra & rb).sum()) / union
+from prunelab.inference.base import Press, check_kept
+from prunelab.inference.kv import shrink_layer
+from prunelab.inference.select import jaccard_removed
 
 
 def _gather_seq(t: torch.Tensor, keep: torch.Tensor, dim: int) -> torch.Tensor:
@@ -121,7 +54,7 @@ class TokenPruner:
 
     @property
     def rows(self) -> int:
-        return self.config.window if isinstance(self.config, EntroPrefill) else 1
+        return self.config.observers
 
     def wants(self, layer: int) -> bool:
         """Whether the attention of block ``layer`` is needed now."""
@@ -146,20 +79,20 @@ class TokenPruner:
     def _decide(self, index: int) -> tuple[torch.Tensor, dict] | None:
         """Kept indices at block ``index``, or ``None`` to wait for a later block."""
         if self.adaptive and index - 1 in self.probs and self.previous is None:
-            prev, _ = entroprefill_keep(self.config, self.probs.pop(index - 1),
-                                        self.session.groups)
+            prev, _ = self._select(self.probs.pop(index - 1))
             self.previous = prev
         probs = self.probs.pop(index)
-        if isinstance(self.config, EntroPrefill):
-            keep, info = entroprefill_keep(self.config, probs, self.session.groups)
-        else:
-            keep, info = lazyllm_keep(self.config, probs)
+        keep, info = self._select(probs)
         if self.adaptive and index < self.max_layer:
-            overlap = _jaccard_removed(self.previous, keep, probs.shape[-1])
+            overlap = jaccard_removed(self.previous, keep, probs.shape[-1])
             self.previous = keep
             if overlap < self.config.stability:
                 return None
         return keep, info
+
+    def _select(self, probs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        keep, info = self.config.select(probs, self.session.groups)
+        return check_kept(self.config, keep, probs.shape[0], probs.shape[-1]), dict(info)
 
     def _after_layer(self, index: int, output):
         if self.session.phase != "prefill" or self.decided or index not in self.probs:
@@ -205,7 +138,6 @@ class TokenPruner:
         """Remove the dropped tokens' entries from the cache layers ``0..layer``."""
         if self.keep is None:
             return
-        from prunelab.inference.kv import shrink_layer
         for i in range(self.layer + 1):
             layer = cache.layers[i]
             if getattr(layer, "keys", None) is None or layer.keys.shape[2] == self.keep.shape[1]:

@@ -38,9 +38,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.inference import budgets, kv
-from prunelab.inference.config import H2O, PRESSES, TOVA, Press, StreamingLLM
-from prunelab.inference.decay import DecayEviction, decay_scores
-from prunelab.inference.expected import ExpectedAttention, rope_function
+from prunelab.inference.base import PRESSES, Press, check_press, check_scores
 from prunelab.inference.guard import (
     _STEPPING,
     PressedDynamicCache,  # noqa: F401 (re-exported)
@@ -48,7 +46,7 @@ from prunelab.inference.guard import (
     _PressedCache,
 )
 from prunelab.inference.prefill import TokenPruner
-from prunelab.inference.scores import attention_rows
+from prunelab.inference.scores import ScoreInputs, attention_rows
 from prunelab.models.loading import LoadedModel, wrap
 from prunelab.registry import check_range
 
@@ -111,6 +109,7 @@ class Session:
     # ----------------------------------------------------------------- install
     def install(self) -> None:
         lm, cfg = self.lm, self.config
+        check_press(cfg)
         if lm.adapter.is_encoder:
             raise UnsupportedOperationError("press: encoder models have no KV cache")
         if getattr(lm.model.config, "model_type", "") in _BYPASS_BASE:
@@ -130,6 +129,7 @@ class Session:
             if any(t != "full_attention" for t in (lm.adapter.layer_types() or [])):
                 raise UnsupportedOperationError(
                     "press: prefill token pruning needs full-attention blocks only")
+        cfg.scoring.check(lm)
         if any(id(lm.adapter.attention(i)) in _SESSIONS for i in range(nblocks)):
             raise UnsupportedOperationError("press: a press is already active on this model")
         configs = {id(c): c for c in [lm.model.config] + [
@@ -159,12 +159,10 @@ class Session:
             if cfg.kind == "prefill":  # also at ratio 0: the hooks run and keep everything
                 self.pruner = TokenPruner(self, cfg)
                 self._undo.append(self.pruner.remove)
-            if isinstance(self.scorer, ExpectedAttention):  # the rotary (cos, sin) of each block
-                rope_function(lm.adapter.attention(0))  # no RoPE: one line, up front
-                for i in range(nblocks):
-                    hook = lm.adapter.attention(i).register_forward_pre_hook(
-                        lambda mod, args, kw, i=i: self._keep_rope(i, kw), with_kwargs=True)
-                    self._undo.append(hook.remove)
+            for i in range(nblocks):  # the rotary (cos, sin) of each block, for the scores
+                hook = lm.adapter.attention(i).register_forward_pre_hook(
+                    lambda mod, args, kw, i=i: self._keep_rope(i, kw), with_kwargs=True)
+                self._undo.append(hook.remove)
         except BaseException:
             self.uninstall()
             raise
@@ -178,12 +176,13 @@ class Session:
 
     @property
     def scorer(self) -> Press:
-        """The press scoring the prompt (a budget wrapper's scorer; query-aware: SnapKV's
-        window is the question)."""
-        return budgets.scoring_config(self.config, self.question)
+        """The press scoring the prompt (a budget wrapper's scorer; query-aware: the press
+        for the question, e.g. SnapKV's window is the question)."""
+        scorer = self.config.scoring
+        return scorer.for_question(self.question) if self.question else scorer
 
     def _keep_rope(self, layer: int, kwargs: dict) -> None:
-        if self.phase == "prefill":
+        if self.phase is not None:
             self.rope[layer] = kwargs.get("position_embeddings")
 
     # ----------------------------------------------------------------- attention
@@ -195,26 +194,23 @@ class Session:
             return
         scaling = kwargs.get("scaling") or module.scaling
         softcap = kwargs.get("softcap")
-        sc = self.scorer
-        if self.phase == "prefill" and isinstance(sc, ExpectedAttention):
-            self.scores[layer] = kv.expected_attention_scores(
-                sc, module, query, key, kwargs["value"], scaling, self.rope.pop(layer, None))
-        elif self.phase == "prefill" and cfg.kind == "kv":
-            s = kv.prefill_scores(sc, query, key, scaling, softcap)
-            if s is not None:
-                self.scores[layer] = s
-        elif self.phase == "prefill" and self.pruner is not None and self.pruner.wants(layer):
-            self.pruner.probs[layer] = attention_rows(query, key, scaling, self.pruner.rows,
-                                                      softcap)
-        elif self.phase == "decode" and isinstance(cfg, H2O) and cfg.every \
-                and layer in self.scores:
-            acc = self.scores[layer]
-            new = kv.decode_scores(query, key, scaling, softcap)
-            pad = new.shape[-1] - acc.shape[-1]
-            if pad >= 0:
-                self.scores[layer] = torch.nn.functional.pad(acc, (0, pad)) + new
-        elif self.phase == "decode" and isinstance(cfg, TOVA) and cfg.every:
-            self.scores[layer] = kv.last_query_scores(query, key, scaling, softcap)
+        if self.phase == "prefill" and self.pruner is not None:
+            if self.pruner.wants(layer):
+                self.pruner.probs[layer] = attention_rows(query, key, scaling,
+                                                          self.pruner.rows, softcap)
+            return
+        if cfg.kind != "kv" or cfg.is_noop or \
+                (self.phase == "decode" and not getattr(cfg, "every", 0)):
+            return
+        inputs = ScoreInputs(query, key, kwargs["value"], scaling, softcap, layer, module,
+                             self.rope.pop(layer, None))
+        if self.phase == "prefill":
+            sc = self.scorer
+            self.scores[layer] = check_scores(sc, sc.score(inputs), inputs)
+        else:  # decode-time eviction: the press' scores of the cached tokens, kept up
+            new = cfg.rescore(inputs, self.scores.get(layer))
+            if new is not None:
+                self.scores[layer] = check_scores(cfg, new, inputs)
 
     # ----------------------------------------------------------------- forward
     def _forward(self, *args, **kw):
@@ -292,19 +288,12 @@ class Session:
         if cfg.kind == "kv":
             q = self.question
             self.budget = kv.budget(cfg, length - q) + q
-            if isinstance(cfg, DecayEviction):
-                self.scores = decay_scores(cfg, cache, kv.evictable_layers(cache),
-                                           observed=self.scores)
-            if isinstance(cfg, budgets.Budgeted):
-                kept = budgets.evict(cfg, cache, self.budget, self.scores, q)
-            else:
-                kept = kv.evict(self.scorer, cache, self.budget, self.scores, q)
-            if not (isinstance(cfg, H2O) and cfg.every):
+            evictor = cfg.for_question(q) if q else cfg
+            kept = evictor.evict(cache, self.budget, self.scores, q)
+            if not getattr(cfg, "every", 0):  # decode-time eviction goes on from them
                 self.scores = {}
             self.report = {"prompt": length, "kept": min(self.budget, length),
-                           "keep": kept}
-            if isinstance(cfg, budgets.Budgeted):
-                self.report["entries"] = budgets.kept_entries(cache)
+                           "keep": kept, "entries": budgets.kept_entries(cache)}
             if kept:
                 _mark_pressed(cache, self.seen)
         elif self.pruner is not None:
@@ -324,8 +313,7 @@ class Session:
         every = getattr(cfg, "every", 0)
         if cfg.is_noop or not every or self.steps % every or self.budget is None:
             return  # budget None: a cache this session did not prefill (nothing to keep to)
-        if isinstance(cfg, (StreamingLLM, H2O, TOVA)) and kv.evict(cfg, cache, self.budget,
-                                                                  self.scores):
+        if cfg.kind == "kv" and cfg.evict(cache, self.budget, self.scores):
             _mark_pressed(cache, self.seen)  # a prompt too short to shrink may shrink now
 
     def _evaluate(self, kw: dict):
@@ -370,6 +358,7 @@ def press(lm, config: Press | str, context: float | None = None,
     if not isinstance(lm, LoadedModel):
         lm = wrap(lm)
     config = PRESSES.make(config, **options)
+    check_press(config)
     if context is not None and continuation is not None:
         raise ConfigError("give the press' context or its continuation, not both")
     if continuation is not None:

@@ -29,8 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.inference.budgets import Budgeted
-from prunelab.inference.config import PRESSES, Press, SnapKV
+from prunelab.inference.base import PRESSES, Press
 from prunelab.inference.needles import needle_windows
 from prunelab.inference.press import active_session, press
 from prunelab.models.loading import LoadedModel, wrap
@@ -48,10 +47,7 @@ def check_mode(config: Press | None, mode: str) -> None:
         raise UnsupportedOperationError(
             f"query-aware compression needs a KV-cache press; {config.registry_name} prunes "
             "inside the prefill (use question mode prompt or after)")
-    scorer = config.base if isinstance(config, Budgeted) else config
-    if isinstance(scorer, SnapKV) and scorer.window != SnapKV.window:
-        raise ConfigError(f"query-aware compression: the question is SnapKV's observation "
-                          f"window; do not set window ({scorer.window})")
+    config.scoring.for_question(1)  # a press that cannot take a question says so here
 
 
 def answer(lm, context: torch.Tensor, question: torch.Tensor, max_new_tokens: int,

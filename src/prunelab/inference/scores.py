@@ -1,5 +1,6 @@
 """Pure maths of the presses: attention rows from captured queries and keys, pooling of
 head scores, Renyi entropy and the deletion envelope. Tensors in, tensors out (float32).
+Also :class:`ScoreInputs`, what a press' scoring hook sees of one attention call.
 
 Shapes: ``B`` batch, ``H`` query heads, ``G`` KV heads (groups), ``L`` keys, ``Q`` queries.
 """
@@ -7,9 +8,45 @@ Shapes: ``B`` batch, ``H`` query heads, ``G`` KV heads (groups), ``L`` keys, ``Q
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class ScoreInputs:
+    """One attention block's call, as a press' :meth:`~prunelab.inference.config.Press.score`
+    sees it (kvpress gives its ``ScorerPress.score`` the same: the module, the keys and values
+    of the cache, the queries through the hidden states).
+
+    ``query`` ``[B, H, Q, D]``: the queries of the tokens of this forward (the whole prompt
+    at the prefill, the new tokens at a decode step), after RoPE; ``key`` / ``value``
+    ``[B, G, L, D]``: every cached entry of the block, these tokens included (keys after
+    RoPE); ``scaling``: the block's attention scaling; ``softcap``: its logit softcap
+    (``None`` without); ``layer``: the 0-based block; ``module``: the attention module;
+    ``rope``: the rotary ``(cos, sin)`` ``[B, Q, r]`` the block received (``None`` when the
+    family passes none)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    scaling: float
+    softcap: float | None = None
+    layer: int = 0
+    module: Any = None
+    rope: tuple | None = None
+
+    @property
+    def groups(self) -> int:
+        """``G``, the KV heads."""
+        return self.key.shape[1]
+
+    def attention(self, rows: int) -> torch.Tensor:
+        """Softmax attention ``[B, H, rows, L]`` of the last ``rows`` queries over the cached
+        keys (causal, float32; :func:`attention_rows`)."""
+        return attention_rows(self.query, self.key, self.scaling, rows, self.softcap)
 
 
 def attention_rows(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: int,
@@ -110,3 +147,17 @@ def proposed_keep(pooled: torch.Tensor, alpha: float, scale: float) -> torch.Ten
 def n_removed(length: int, ratio: float) -> int:
     """Tokens removed from ``length`` at ``ratio`` (floor: ratio 0 removes none)."""
     return int(math.floor(length * ratio + 1e-9))
+
+
+def last_query_scores(query: torch.Tensor, key: torch.Tensor, scaling: float,
+                      softcap: float | None) -> torch.Tensor:
+    """TOVA's score ``[B, G, L]``: the attention of the last query of ``query``
+    ``[B, H, Q, D]`` over ``key`` ``[B, G, L, D]``, averaged over all ``H`` query heads (the
+    same row for every KV head)."""
+    probs = attention_rows(query, key, scaling, 1, softcap)  # [B, H, 1, L]
+    return probs[:, :, 0].mean(1, keepdim=True).expand(-1, key.shape[1], -1).contiguous()
+
+
+def key_norm_scores(key: torch.Tensor) -> torch.Tensor:
+    """KNorm's score ``[B, G, L]``: minus the L2 norm of each key ``[B, G, L, D]``."""
+    return -key.float().norm(dim=-1)

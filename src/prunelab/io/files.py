@@ -2,8 +2,10 @@
 temporary sibling, make it durable and rename it into place under the output lock
 (:mod:`prunelab.io.lock`), so a crash never leaves a half-written output and two writers
 never both succeed; an existing target is replaced only with ``overwrite=True``, and even
-then only a file replaces a file and a checkpoint a checkpoint (the old one is removed only
-after the new one is in place). :func:`check_output_path` refuses unusable output paths
+then only a file replaces a file and a checkpoint a checkpoint prunelab wrote, every file
+of it listed by its ``manifest.json`` (a user's file in it, or a checkpoint prunelab did
+not write, is refused naming the files it would lose; the old one is removed only after
+the new one is in place). :func:`check_output_path` refuses unusable output paths
 before any work is done, and an output that is, lies inside or holds one of the command's
 inputs (resolved paths, symlinks followed) -- with or without ``overwrite``. Written files
 get the usual modes (``0666`` / ``0777`` less the umask), never ``mkstemp``'s ``0600``; a
@@ -13,6 +15,7 @@ full disk is one line ("no space left on device") and leaves nothing half-writte
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import os
 import sys
@@ -33,6 +36,58 @@ from prunelab.io.lock import (
 )
 
 _CHECKPOINT_MARKERS = ("config.json", "manifest.json")
+#: the ``format`` of the manifest prunelab writes beside every checkpoint
+MANIFEST_FORMAT = "prunelab-manifest/1"
+#: what a checkpoint prunelab wrote before its manifest listed its files may hold
+_LEGACY_FILES = ("config.json", "generation_config.json", "manifest.json", "*.safetensors",
+                 "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json",
+                 "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+                 "normalizer.json", "*.model", "chat_template.json", "chat_template.jinja",
+                 "*preprocessor_config.json", "*processor_config.json",
+                 "feature_extractor_config.json", "modeling_prunelab.py", "elastic.json")
+
+
+def checkpoint_files(folder: Path) -> list[str]:
+    """The files (and empty folders) under ``folder``, as sorted relative POSIX paths."""
+    out = []
+    for root, dirs, files in os.walk(folder):
+        base = Path(root)
+        out += [(base / f).relative_to(folder).as_posix() for f in files]
+        out += [(base / d).relative_to(folder).as_posix() + "/" for d in dirs
+                if (base / d).is_symlink() or not any((base / d).iterdir())]
+    return sorted(out)
+
+
+def prunelab_manifest(folder: Path) -> dict | None:
+    """The ``manifest.json`` prunelab wrote in ``folder`` (format :data:`MANIFEST_FORMAT`),
+    or ``None``."""
+    try:
+        man = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return man if isinstance(man, dict) and man.get("format") == MANIFEST_FORMAT else None
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """The files of checkpoint ``folder`` that prunelab did not write: those its
+    ``manifest.json`` (format :data:`MANIFEST_FORMAT`) does not list (a manifest from before
+    the list: those a checkpoint holds, :data:`_LEGACY_FILES`); every file when the folder
+    has no prunelab manifest."""
+    present = checkpoint_files(folder)
+    man = prunelab_manifest(folder)
+    if man is None:
+        return present
+    listed = man.get("files")
+    if isinstance(listed, list):
+        own = {str(f) for f in listed} | {"manifest.json"}
+        return [f for f in present if f not in own]
+    return [f for f in present
+            if "/" in f or not any(fnmatch.fnmatch(f, pat) for pat in _LEGACY_FILES)]
+
+
+def _listing(files: list[str], shown: int = 4) -> str:
+    more = len(files) - shown
+    return ", ".join(files[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
 def _kind(path: Path) -> str:
@@ -68,6 +123,15 @@ def _check_target(path: Path, overwrite: bool, kind: str) -> None:
         raise OutputExistsError(f"{path} is a {_NAMES[found]}, not a checkpoint (no config.json "
                                 "or manifest.json); --overwrite replaces only a checkpoint: "
                                 "remove it yourself or choose another path")
+    if kind == "checkpoint" and found == "checkpoint":
+        foreign = foreign_files(path)
+        if foreign:
+            what = ("holds files prunelab did not write" if prunelab_manifest(path)
+                    else "is not a checkpoint prunelab wrote (no prunelab manifest.json)")
+            raise OutputExistsError(
+                f"{path} {what}: --overwrite would lose {_listing(foreign)}; it replaces "
+                "only the files a prunelab manifest lists: move them away or choose "
+                "another path")
 
 
 _NAMES = {"file": "file", "checkpoint": "checkpoint", "empty-dir": "folder",

@@ -4,12 +4,13 @@ In the residual-stream picture of Elhage et al. 2021 ("A Mathematical Framework 
 Transformer Circuits") head ``h`` of a block acts through two ``d x d`` matrices (row-vector
 convention ``x W``): the QK circuit ``W_QK = W_Q,h W_K,h^T`` (attention logits
 ``x_i W_QK x_j^T``) and the OV circuit ``W_OV = W_V,h W_O,h`` (what an attended token
-writes). The seed of issue 19 proposes their stable rank ``||M||_F^2 / ||M||_2^2`` (a
+writes). An unpublished proposal takes their stable rank ``||M||_F^2 / ||M||_2^2``
+(Rudelson and Vershynin 2007, "Sampling from large matrices"; a
 smooth rank in ``[1, head_dim]``; 0 for a zero matrix) as an intrinsic, data-free head
 criterion. Here a head whose circuits have a *low* stable rank (a nearly rank-one pattern,
 a head that writes into few directions) is read as the more removable one: every score of
 :func:`head_stable_ranks` and of the ``stable-rank`` probe is "lower = more removable".
-That direction is a hypothesis of the seed; the probe summary's head correlations test it
+That direction is a hypothesis of the proposal; the probe summary's head correlations test it
 against the ablation KL.
 
 Grouped KV heads (GQA/MQA): query head ``h`` reads KV head ``g = h // G`` with

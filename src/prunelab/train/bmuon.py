@@ -9,9 +9,9 @@ plus decoupled weight decay. :func:`orthogonalise` uses PyTorch's own iteration
 (``torch.optim._muon._zeropower_via_newtonschulz``, present in torch 2.13) and falls back
 to the same iteration written here when a torch lacks it.
 
-BMuon (seed: Budget Muon, issue 17). The MLP hidden channels of all blocks form one pool;
-channel ``c`` owns its rows ``W_c`` of the producers (gate / up) and its column of the
-consumer (down). A budget ``K`` of channels is allocated at every step.
+BMuon (Budget Muon, an unpublished proposal built on Muon). The MLP hidden channels of all
+blocks form one pool; channel ``c`` owns its rows ``W_c`` of the producers (gate / up) and
+its column of the consumer (down). A budget ``K`` of channels is allocated at every step.
 
 Derivation implemented. The exact allocation problem is ``min_{|S| <= K} L(W_S)``, with
 ``W_S`` the weights with the channels outside ``S`` removed (``Delta = -W_c`` for those).

@@ -129,6 +129,9 @@ class HealConfig:
                                   f"give prune {mode} (--prune {mode}) or drop it")
         if self.ratio is not None:
             check_range("ratio", self.ratio, 0.0, 0.95)
+            if self.ratio == 0:
+                raise ConfigError("ratio 0 (--budget remove-units:0) removes no unit while "
+                                  "tuning; drop --prune rep-lie to tune only")
         check_range("prune_every", self.prune_every, 1, 10**9, integer=True)
         check_range("prune_fraction", self.prune_fraction, 1e-6, 0.95)
         check_range("stability", self.stability, 0.0, 1.0)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab.errors import ConfigError, PrunelabError
+from prunelab.workflow.stages import MODEL_STAGES
 
 _TEXT_KINDS = ("text", "jsonl", "wiki-vital", "wikitext2", "c4")
 _OTHER_KINDS = ("images", "lfw", "speech")  # vision and speech models' own specs
@@ -58,6 +59,7 @@ def check_recipe(recipe, out: Path | None = None) -> None:
     counter = _WindowCounter(recipe, config)
     for name in ("data", "test"):
         _check_spec(getattr(recipe, name), name)
+    _check_blocks(recipe, _blocks(config))
     for i, st in enumerate(recipe.stages):
         label = stage_label(i, st)
         try:
@@ -224,6 +226,60 @@ def _positions(config: dict | None) -> int | None:
             if isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 return v
     return None
+
+
+def _blocks(config: dict | None) -> int | None:
+    """The model's block count from its ``config.json`` (``None`` when not at hand)."""
+    for cfg in (config or {}, (config or {}).get("text_config") or {}):
+        if not isinstance(cfg, dict):
+            continue
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            v = cfg.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def _removes(st) -> tuple[int | None, list[int]]:
+    """``(blocks a stage removes, the 0-based blocks it names)``; ``(None, [])`` when it
+    cannot be told before it runs (a parameter target, a method that may drop blocks)."""
+    if st.kind == "heal":
+        cfg = st.options.config
+        if getattr(cfg, "prune", None) == "cascadeflow":
+            return (getattr(cfg, "remove", None) or 1), []
+        return 0, []
+    m = st.options.method
+    name = getattr(m, "registry_name", None)
+    if name == "depth":
+        named = [*m.blocks, *(b for b, _ in m.sublayers)]
+        if m.remove is not None:
+            return m.remove, named
+        return (len(set(m.blocks)) if m.blocks else None), named
+    return (None if name == "gates" else 0), []  # gates delete blocks left without branches
+
+
+def _check_blocks(recipe, blocks: int | None) -> None:
+    """No stage removes every block of the model it starts from, nor names a block that
+    model lacks (counted from ``config.json`` down the stages' chain)."""
+    if blocks is None:
+        return
+    left: dict[str, int | None] = {"dense": blocks}
+    inputs = recipe.inputs()
+    for i, st in enumerate(recipe.stages):
+        have = left.get(inputs[st.id])
+        if st.kind not in MODEL_STAGES:
+            continue
+        removed, named = _removes(st)
+        if have is not None:
+            label = stage_label(i, st)
+            bad = [b for b in named if not 0 <= b < have]
+            if bad:
+                raise ConfigError(f"{label}: block {bad[0]} does not exist (the model it "
+                                  f"starts from has {have} blocks, 0..{have - 1})")
+            if removed is not None and removed >= have:
+                raise ConfigError(f"{label}: removing {removed} blocks would leave none of "
+                                  f"the {have} the model it starts from has")
+        left[st.id] = None if have is None or removed is None else have - removed
 
 
 # ---------------------------------------------------------------- data

@@ -5,7 +5,8 @@ configs as the CLI).
 ``bool`` takes only ``true`` / ``false`` (the string ``"false"`` is an error, never
 truthy); ``int`` an integer (not a boolean); ``float`` a number (a YAML integer is read
 as a float); ``str`` a string; ``Literal[...]`` one of its values; a tuple / list field
-a list (or one item); ``X | None`` also ``null``. Fields whose type is none of these
+a list, each item of the item type it declares (``tuple[str, ...]``: strings);
+``X | None`` also ``null``. Fields whose type is none of these
 (nested configs, ``Any``) are left to the config's own checks.
 """
 
@@ -62,10 +63,29 @@ def _accepts(tp: Any, value: Any) -> tuple[bool, Any, str | None]:
     if tp is str:
         return isinstance(value, str), value, "a string"
     if tp in (tuple, list) or origin in (tuple, list):
-        if isinstance(value, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            return False, value, "a list"
+        kinds = {a for a in typing.get_args(tp) if a is not Ellipsis}
+        if len(kinds) != 1:  # a bare or mixed tuple: the items are the config's business
             return True, tuple(value), "a list"
-        return False, value, "a list"
+        items = []
+        for item in value:
+            ok, v, what = _accepts(next(iter(kinds)), item)
+            if what is None:
+                return True, tuple(value), "a list"
+            if not ok:
+                return False, value, f"a list of {_plural(what)}"
+            items.append(v)
+        return True, tuple(items), "a list"
     return True, value, None
+
+
+def _plural(what: str) -> str:
+    """``a string`` -> ``strings``, ``an integer`` -> ``integers``."""
+    for article in ("a ", "an "):
+        if what.startswith(article) and " " not in what[len(article):]:
+            return what[len(article):] + "s"
+    return f"values ({what})"
 
 
 def typed(cls: type, opts: dict, skip: tuple[str, ...] = ()) -> dict:

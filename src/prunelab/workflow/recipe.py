@@ -33,6 +33,7 @@ from prunelab.errors import ConfigError
 from prunelab.plugins import import_plugin, is_file_spec, source_digest
 from prunelab.registry import check_range, to_dict
 from prunelab.workflow.fields import typed
+from prunelab.workflow.recipe_yaml import load_yaml, resolve_paths
 from prunelab.workflow.stages import MODEL_STAGES, parse_stage, save_path
 
 FORMAT = "prunelab-recipe/1"
@@ -116,10 +117,12 @@ def _plugins(raw: Any, base: Path | None) -> tuple[str, ...]:
 
 
 def parse_recipe(raw: Any, base: Path | None = None) -> Recipe:
-    """A checked :class:`Recipe` from a parsed YAML mapping (``base``: the folder relative
-    plugin paths are read from)."""
+    """A checked :class:`Recipe` from a parsed YAML mapping (``base``: the folder every
+    relative path it reads is read from, :func:`resolve_paths`; ``None``: the working
+    folder)."""
     if not isinstance(raw, dict):
         raise ConfigError("a recipe is a YAML mapping with model, data, seed and stages")
+    raw = resolve_paths(raw, base)
     unknown = [k for k in raw if k not in _TOP]
     if unknown:
         raise ConfigError(f"recipe has no top-level key {unknown[0]!r}; valid keys: "
@@ -159,9 +162,9 @@ def check_save_paths(stages) -> None:
 
 
 def load_recipe(source: str | Path | dict) -> Recipe:
-    """A checked recipe from a YAML file path, a YAML string or a dict."""
-    import yaml
-
+    """A checked recipe from a YAML file path, a YAML string or a dict (read strictly:
+    :func:`~prunelab.workflow.recipe_yaml.load_yaml`; a file's relative paths are read
+    from its folder: :func:`~prunelab.workflow.recipe_yaml.resolve_paths`)."""
     if isinstance(source, dict):
         return parse_recipe(source)
     text = str(source)
@@ -175,14 +178,7 @@ def load_recipe(source: str | Path | dict) -> Recipe:
             raise ConfigError(f"recipe {text} is not UTF-8 text (byte {exc.start})") from None
         except OSError as exc:
             raise ConfigError(f"recipe {text} cannot be read: {exc.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError(f"recipe is not valid YAML{at}: "
-                          f"{getattr(exc, 'problem', None) or type(exc).__name__}") from None
-    return parse_recipe(raw, base)
+    return parse_recipe(load_yaml(text), base)
 
 
 def resolve_sources(stages) -> dict[str, str]:
@@ -212,17 +208,74 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+#: local input files up to this total size are hashed (sha256) for the stage hashes;
+#: beyond, their names, sizes and modification times stand in, and a reuse says so
+HASH_LIMIT = 4 << 30
+
+
+def _files(path: Path) -> list[tuple[str, Path]]:
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return [(str(f.relative_to(path)) if path.is_dir() else f.name, f)
+            for f in files if f.is_file()]
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _file_parts(path: Path) -> list:
+    """``[name, size, sha256]`` of each file under ``path`` (``[name, size, mtime_ns]``
+    past :data:`HASH_LIMIT` in all)."""
+    files = _files(path)
+    hashed = sum(f.stat().st_size for _, f in files) <= HASH_LIMIT
+    return [[name, f.stat().st_size, _sha256(f) if hashed else f.stat().st_mtime_ns]
+            for name, f in files]
+
+
 def model_digest(recipe: Recipe) -> str:
-    """What the dense model depends on: spec, dtype, and for a local folder its files'
-    names, sizes and modification times."""
+    """What the dense model depends on: spec, dtype, and for a local folder or file its
+    files' names, sizes and contents (sha256; past :data:`HASH_LIMIT`, modification
+    times: :func:`unhashed_inputs`), so weights changed in place are seen."""
     parts: dict[str, Any] = {"model": recipe.model, "dtype": recipe.dtype}
     path = Path(recipe.model)
     if path.exists():
-        files = sorted(path.rglob("*")) if path.is_dir() else [path]
-        parts["files"] = [(str(f.relative_to(path)) if path.is_dir() else f.name,
-                           f.stat().st_size, int(f.stat().st_mtime))
-                          for f in files if f.is_file()]
+        parts["files"] = _file_parts(path)
     return digest(parts)
+
+
+def _data_files(recipe: Recipe) -> list[Path]:
+    """The local files of the ``text:`` / ``jsonl:`` data specs anywhere in ``recipe``."""
+    found: list[Path] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, str) and value.startswith(("text:", "jsonl:")):
+            rest = value.partition(":")[2]
+            for cand in (rest, rest.rpartition(":")[0]):
+                if cand and Path(cand).is_file():
+                    found.append(Path(cand))
+                    break
+    walk(recipe.to_dict())
+    return sorted(set(found))
+
+
+def unhashed_inputs(recipe: Recipe) -> str | None:
+    """What the stage hashes compare by size and time only (inputs past
+    :data:`HASH_LIMIT`), in words; ``None`` when every local input is hashed."""
+    path = Path(recipe.model)
+    if path.exists() and sum(f.stat().st_size for _, f in _files(path)) > HASH_LIMIT:
+        return (f"the model's files ({recipe.model}) were compared by name, size and time, "
+                f"not by content (over {HASH_LIMIT >> 30} GiB)")
+    return None
 
 
 def stage_hashes(recipe: Recipe) -> dict[str, str]:
@@ -232,6 +285,9 @@ def stage_hashes(recipe: Recipe) -> dict[str, str]:
     top = recipe.top()
     if recipe.plugins:  # a plugin's code is part of what its stages compute
         top["plugins"] = [[p, source_digest(p)] for p in recipe.plugins]
+    data = _data_files(recipe)
+    if data:  # the contents of local data files, not only their names
+        top["data_files"] = [[str(f), *_file_parts(f)[0][1:]] for f in data]
     models = {"dense": model_digest(recipe)}
     out: dict[str, str] = {}
     inputs = recipe.inputs()

@@ -25,7 +25,13 @@ from prunelab import log
 from prunelab.errors import ConfigError, OutputExistsError, PrunelabError
 from prunelab.io.files import write_json
 from prunelab.workflow.executor import Point, finished, point_dir, record
-from prunelab.workflow.recipe import Recipe, chain_recipe, load_recipe, stage_hashes
+from prunelab.workflow.recipe import (
+    Recipe,
+    chain_recipe,
+    load_recipe,
+    stage_hashes,
+    unhashed_inputs,
+)
 from prunelab.workflow.stages import MODEL_STAGES, Stage
 
 RUN_FILE = "run.json"
@@ -132,6 +138,9 @@ class _Runner:
                 self.results[st.id] = done
                 self.rows.append(self._row(st, "reused", 0.0))
                 log.info(f"stage {i} {st.kind} {st.id}: unchanged, reused")
+                skipped = unhashed_inputs(self.recipe)
+                if skipped:
+                    log.warn(f"stage {i} {st.kind} {st.id} reused: {skipped}")
             else:
                 log.info(f"stage {i} {st.kind} {st.id}: running")
                 folder = self._attempt(point)

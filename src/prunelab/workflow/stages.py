@@ -112,7 +112,7 @@ class EvaluateStage:
     speed: bool = _opt(False, "prefill / decode tokens per second and peak memory")
     speed_rounds: int = _opt(3, "speed: rounds interleaved with the dense model (ratios to "
                              "it taken within a round; median and range reported)")
-    tasks: tuple = _opt((), "downstream tasks (needs api.evaluate(tasks=...))")
+    tasks: tuple[str, ...] = _opt((), "downstream tasks (needs api.evaluate(tasks=...))")
     limit: int | None = _opt(None, "items per downstream task")
     press: Any = _opt(None, "a PRESSES config: {name: snapkv, ratio: 0.5, ...}")
     press_context: float = _opt(0.5, "press: share of each window that is the prompt")

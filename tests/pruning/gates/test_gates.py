@@ -157,15 +157,13 @@ def test_sublayer_flops_with_and_without_attention_scores():
 
 
 # ---------------------------------------------------------------------- the method
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
-def test_budget_zero_keeps_the_dense_model(arch):
-    lm = _lm(arch)
-    ref = _logits(lm.model)
-    rep = prunelab.prune(lm, Gates(budget=0.0, steps=20), CALIB, batch_size=2)
-    assert rep["removed_sublayers"] == [] and rep["achieved"] == 0.0
-    assert rep["params_after"] == rep["params_before"]
-    assert all(not g["removed"] for g in rep["gates"]) and len(rep["gates"]) == 8
-    torch.testing.assert_close(_logits(lm.model), ref, rtol=0, atol=0)
+def test_budget_zero_is_refused():
+    """A budget that skips nothing would write an unpruned "gates" checkpoint."""
+    with pytest.raises(ConfigError, match=r"budget must be in \(0, 1\), got 0.0 \(0 skips no "
+                       "sublayer\\)"):
+        Gates(budget=0.0, steps=20)
+    with pytest.raises(ConfigError, match="budget must be in"):
+        Gates(budget=-0.0)
 
 
 @pytest.mark.parametrize("budget", [0.1, 0.3, 0.55])

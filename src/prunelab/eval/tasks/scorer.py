@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prunelab.models.vocab import check_token_ids
+
 
 @dataclass(frozen=True)
 class Item:
@@ -81,6 +83,7 @@ def _truncate(ctx: list[int], cont: list[int], limit: int) -> list[int]:
 
 
 def _forward(lm, ids: torch.Tensor, mask: torch.Tensor | None = None, cache=None):
+    check_token_ids(lm, ids, "a task item")
     kw = {"input_ids": ids.to(lm.device), "use_cache": True}
     if mask is not None:
         kw["attention_mask"] = mask.to(lm.device)

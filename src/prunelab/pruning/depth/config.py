@@ -109,6 +109,9 @@ class Depth:
             check_range("remove", self.remove, 1, None, integer=True)
         if self.target_params is not None:
             check_range("target_params", self.target_params, 1e-9, None)
+            if self.target_params == 1:
+                raise ConfigError("target_params 1.0 (--budget keep-params:1) keeps every "
+                                  "parameter: no block would be removed")
         check_range("bootstrap", self.bootstrap, 0, None, integer=True)
         check_range("max_instability", self.max_instability, 0.0, 1.0)
         choice = self.select
@@ -215,6 +218,9 @@ def blocks_to_remove(lm, cfg: Depth) -> int:
         total = model_size(lm.model)["params"]
         per_block = sum(p.numel() for p in lm.adapter.block(0).parameters())
         target = cfg.target_params * total if cfg.target_params <= 1 else cfg.target_params
+        if target >= total:
+            raise ConfigError(f"--budget keep-params:{cfg.target_params:g}: the model already "
+                              f"has {total:,} parameters (no block would be removed)")
         n = max(1, math.ceil((total - target) / per_block))
     if n >= n_blocks:
         raise ConfigError(f"cannot remove {n} of {n_blocks} blocks")

@@ -269,8 +269,10 @@ class SvdLlm(FactorConfig):
         "lambda added to the Gram's diagonal, as a fraction of its mean diagonal"))
     refit: bool = field(default=False, metadata={**_help(
         "refit the second factor by least squares on the compressed stream"), "toggle": True})
-    targets: tuple = field(default=(), metadata=_help("glob patterns of linears to factorize"))
-    ignore: tuple = field(default=(), metadata=_help("glob patterns of linears to keep dense"))
+    targets: tuple[str, ...] = field(default=(), metadata=_help(
+        "glob patterns of linears to factorize"))
+    ignore: tuple[str, ...] = field(default=(), metadata=_help(
+        "glob patterns of linears to keep dense"))
 
     history_keys: ClassVar[tuple] = ("removed_fraction", "truncation_loss")
 
@@ -290,8 +292,13 @@ class SvdLlm(FactorConfig):
         check_range("damping", self.damping, 0.0, 1.0)
         if not isinstance(self.refit, bool):
             raise ConfigError(f"refit must be true or false, got {self.refit!r}")
-        object.__setattr__(self, "targets", tuple(self.targets))
-        object.__setattr__(self, "ignore", tuple(self.ignore))
+        for name in ("targets", "ignore"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) \
+                    or not all(isinstance(p, str) and p for p in value):
+                raise ConfigError(f"{name} must be a list of glob patterns (strings), got "
+                                  f"{value!r}")
+            object.__setattr__(self, name, tuple(value))
 
     # -- which linears, what budget ---------------------------------------------------
     def select(self, lm, index: int, linears: dict) -> dict:

@@ -1,7 +1,8 @@
-"""Static sublayer gates from interventions (CausalGate, the seed named in issue 19: "an
-exponential-moving-average smoothing of the measured importances plus a differentiable
-pairwise ranking loss", distilling the intervention hierarchy into one scalar gate per
-sublayer so that a compute budget maps to a set of skipped sublayers).
+"""Static sublayer gates from interventions (CausalGate, an unpublished proposal, written up
+in prunelab's method notes: "an exponential-moving-average smoothing of the measured
+importances plus a differentiable pairwise ranking loss", distilling the intervention
+hierarchy into one scalar gate per sublayer so that a compute budget maps to a set of
+skipped sublayers).
 
 What is implemented (``prunelab.prune(lm, Gates(budget=0.2), data)``):
 
@@ -94,8 +95,9 @@ class Gates:
 
     def __post_init__(self) -> None:
         check_range("budget", self.budget, 0.0, 1.0)
-        if self.budget >= 1.0:
-            raise ConfigError(f"budget must be in [0, 1), got {self.budget!r}")
+        if self.budget >= 1.0 or self.budget == 0:
+            raise ConfigError(f"budget must be in (0, 1), got {self.budget!r}"
+                              + (" (0 skips no sublayer)" if self.budget == 0 else ""))
         check_range("ema", self.ema, 0.0, 1.0)
         if self.ema >= 1.0:
             raise ConfigError(f"ema must be in [0, 1), got {self.ema!r}")

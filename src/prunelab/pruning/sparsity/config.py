@@ -204,8 +204,10 @@ class SparsityConfig:
         "uniform | owl | pals | ramp"))
     group: str = field(default="row", metadata=_help(
         "unstructured comparison group: row or layer"))
-    targets: tuple = field(default=(), metadata=_help("glob patterns of linears to prune"))
-    ignore: tuple = field(default=(), metadata=_help("glob patterns of linears to keep"))
+    targets: tuple[str, ...] = field(default=(), metadata=_help(
+        "glob patterns of linears to prune"))
+    ignore: tuple[str, ...] = field(default=(), metadata=_help(
+        "glob patterns of linears to keep"))
     propagate: str = field(default="modified", metadata=_help(
         "modified or dense block outputs passed on (wanda's auto: dense for a sparsity "
         "target, modified for an N:M pattern)"))
@@ -227,6 +229,9 @@ class SparsityConfig:
             if self.sparsity is None:
                 object.__setattr__(self, "sparsity", 0.5)
             check_range("sparsity", self.sparsity, 0.0, 0.99)
+            if self.sparsity == 0:
+                raise ConfigError("sparsity 0 removes no weight (an unpruned checkpoint); "
+                                  "give --budget remove-weights:F with F > 0")
         if isinstance(self.allocation, (str, dict)):
             object.__setattr__(self, "allocation", ALLOCATIONS.from_dict(self.allocation))
         if not isinstance(self.allocation, Allocation):
@@ -242,8 +247,13 @@ class SparsityConfig:
         if self.within_block not in ("sequential", "dense"):
             raise ConfigError(f"within-block must be sequential or dense, got "
                               f"{self.within_block!r}")
-        object.__setattr__(self, "targets", tuple(self.targets))
-        object.__setattr__(self, "ignore", tuple(self.ignore))
+        for name in ("targets", "ignore"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) \
+                    or not all(isinstance(p, str) and p for p in value):
+                raise ConfigError(f"{name} must be a list of glob patterns (strings), got "
+                                  f"{value!r}")
+            object.__setattr__(self, name, tuple(value))
 
     @property
     def nm(self) -> tuple[int, int] | None:

@@ -1,10 +1,10 @@
-"""``taper``: width tapered with depth (seed: CascadeFormer, issue 17): the fraction of a
-block's units kept falls linearly with depth, ``keep_i = keep + slope (1/2 - x_i)`` with
-``x_i = i / (n - 1)`` (first block 0, last block 1), so the first block keeps ``slope``
-more of its units than the last; the parameter-weighted mean removal is the budget exactly
-(clipping to ``[0, 0.95]`` removal, then one shift: :func:`taper_fractions`). A negative
-slope widens with depth. Within a block, the score's order decides which units go. Per-
-block widths: the checkpoint needs ``trust_remote_code=True``."""
+"""``taper``: width tapered with depth (an unpublished proposal, "CascadeFormer"): the
+fraction of a block's units kept falls linearly with depth, ``keep_i = keep + slope (1/2 -
+x_i)`` with ``x_i = i / (n - 1)`` (first block 0, last block 1), so the first block keeps
+``slope`` more of its units than the last; the parameter-weighted mean removal is the budget
+exactly (clipping to ``[0, 0.95]`` removal, then one shift: :func:`taper_fractions`). A
+negative slope widens with depth. Within a block, the score's order decides which units go.
+Per-block widths: the checkpoint needs ``trust_remote_code=True``."""
 
 from __future__ import annotations
 

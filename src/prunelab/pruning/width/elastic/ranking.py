@@ -1,10 +1,13 @@
 """Elastic ranking: one learned score per unit, on one scale, good at every budget.
 
-Seed: the "differentiable relaxation of the functional unit-ranking problem" (elastic
-transformers) named in issue 17. The units are every KV group (query heads sharing one
-key/value head; a head without GQA) and every FFN channel of every block; a unit ``u``
-has a score ``s_u`` and a parameter cost ``c_u`` (its rows / columns of the projections,
-:func:`prunelab.pruning.width.plan.group_cost` / ``channel_cost``).
+Source: the "differentiable relaxation of the functional unit-ranking problem" of an
+unpublished proposal ("elastic transformers"); the goal, one model good at every width, is
+MatFormer's (Devvrit et al. 2023, "MatFormer: Nested Transformer for Elastic Inference"),
+which trains the nested widths instead of ranking the units of a frozen model. The units are
+every KV group (query heads sharing one key/value head; a head without GQA) and every FFN
+channel of every block; a unit ``u`` has a score ``s_u`` and a parameter cost ``c_u`` (its
+rows / columns of the projections, :func:`prunelab.pruning.width.plan.group_cost` /
+``channel_cost``).
 
 Relaxation. Scores are standardised, ``z = (s - mean s) / std s`` (so the temperature has a
 fixed meaning). For a removal budget ``b`` (fraction of the units' parameters), the

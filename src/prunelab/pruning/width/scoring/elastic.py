@@ -1,5 +1,5 @@
-"""``elastic``: the learned elastic ranking (:mod:`prunelab.pruning.width.elastic.ranking`; seed:
-the differentiable relaxation of the functional unit-ranking problem, issue 17) as a width
+"""``elastic``: the learned elastic ranking (:mod:`prunelab.pruning.width.elastic.ranking`: a
+differentiable relaxation of the functional unit-ranking problem) as a width
 score. It reads the ranking of the model (fitted in this process, ``ranking=PATH``, or the
 ``elastic.json`` of the elastic checkpoint it was loaded from) or fits one on the
 calibration windows. Units ``heads`` (KV groups), ``ffn`` and ``joint`` (every unit under

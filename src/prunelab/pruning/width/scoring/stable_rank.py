@@ -1,4 +1,5 @@
-"""``stable-rank`` (forward-free; the seed of issue 19, circuits after Elhage et al. 2021):
+"""``stable-rank`` (forward-free; circuits after Elhage et al. 2021, the stable rank of
+Rudelson and Vershynin 2007, scored as an unpublished proposal suggests):
 a query head's score is ``sqrt(sr(W_Q W_K^T) * sr(W_V W_O))`` with ``sr(M) = ||M||_F^2 /
 ||M||_2^2``, the stable rank of its QK and OV circuits (see
 :mod:`prunelab.probes.head_weights`: the GQA mapping, and why low is removed first); a KV
