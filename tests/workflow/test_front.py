@@ -175,6 +175,31 @@ def test_a_tiny_front_is_built_resumed_and_refused_with_other_settings(tiny, mon
         build_front(_settings(ckpt, text, windows=3), out)
 
 
+def test_a_heal_on_the_calibration_text_gets_the_dense_control(tiny):
+    """loss=ce adapts to the calibration text's domain: the dense model fine-tuned the same
+    way joins the ladder (every ladder type), so the pruned points are compared with it."""
+    from prunelab.workflow.front import build_front
+    from prunelab.workflow.front_state import adapts
+
+    assert adapts({"loss": "ce", "steps": 2}) and not adapts({"loss": "kd", "steps": 2})
+    assert adapts({"loss": "mix", "ce_weight": 1.0, "steps": 2})
+    root, ckpt, text = tiny
+    front = build_front(_settings(ckpt, text, grid="depth:1+heal",
+                                  heal={"loss": "ce", "steps": 2, "batch_size": 2,
+                                        "seqlen": 16}, rounds=1), root / "ce")
+    assert sorted(front["models"]) == ["dense", "dense-heal", "depth1-heal"]
+    assert front["models"]["dense-heal"]["heal"]["loss"] == "ce"
+    assert front["models"]["dense-heal"]["blocks"] == 4
+    assert sorted(front["files"]) == ["dense-heal.f16", "dense-heal.q8_0", "dense.f16",
+                                      "dense.q8_0", "depth1-heal.q8_0"]
+    control = next(r for r in front["rows"] if r["model"] == "dense-heal")
+    assert "fine-tuned" in control["made"]
+    # without a heal on the grid there is nothing to control
+    front = build_front(_settings(ckpt, text, grid="depth:1", heal={"loss": "ce"},
+                                  rounds=0), root / "ce2")
+    assert "dense-heal" not in front["models"]
+
+
 def test_overwrite_removes_only_what_the_front_wrote(tiny):
     from prunelab.workflow.front import build_front
 
@@ -223,6 +248,8 @@ def test_cli_builds_answers_and_refuses_in_one_line(tiny, capsys):
             (["front", *common[:4], "--types", "q9_k"], "unknown type"),
             (["front", *common[:4], "--grid", "depth:x"], "grid point"),
             (["front", *common[:4], "--heal-set", "steps=-3"], "steps"),
+            (["front", *common[:4], "--heal-set", "loss=ce", "--heal-set", "temperature=x"],
+             "temperature"),
             (["front", *common[:4], "--no-imatrix", "--types", "iq2_xxs"], "importance"),
             (["front", "--out", str(root / "none"), "--target", "size:9"], "holds no front")):
         assert cli_main(args) == 2, args

@@ -38,9 +38,10 @@ def front_cmd(
             "depth:4+heal,depth:6+heal,depth:8+heal,ffn:0.25+heal)"),
         types: Optional[str] = typer.Option(
             None, help="dense ladder types (default f16,q8_0,q6_k,q5_k_m,q4_k_m,q3_k_m,q2_k "
-            "and, with the importance matrix, iq4_xs,iq3_m,iq3_xxs,iq2_m)"),
+            "and, with the importance matrix, iq4_xs,iq3_m,iq3_xxs,iq2_m,iq2_xxs,iq1_m)"),
         grid_types: Optional[str] = typer.Option(
-            None, help="types of the pruned models (default: the ladder's without f16)"),
+            None, help="types of the pruned models (default q8_0,q4_k_m,q3_k_m,q2_k and, "
+            "with the importance matrix, iq4_xs,iq3_xxs,iq2_m)"),
         imatrix: bool = typer.Option(
             True, "--imatrix/--no-imatrix", help="quantize with an importance matrix from "
             "each model's own calibration (dense and pruned alike)"),

@@ -31,9 +31,14 @@ from prunelab.checkpoint.gguf_export import OUT_TYPES, QUANT_TYPES, quant_block
 from prunelab.errors import ConfigError
 from prunelab.pruning import METHODS
 
-#: the dense ladder the issue names (f16 ... q2_k), and the IQ types an imatrix allows
+#: the dense ladder: llama.cpp's usual types, and with an importance matrix the IQ types
+#: down to 1.75 bits per weight (so that the small end of the front has its dense files too)
 LADDER = ("f16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k")
-IQ_LADDER = ("iq4_xs", "iq3_m", "iq3_xxs", "iq2_m")
+IQ_LADDER = ("iq4_xs", "iq3_m", "iq3_xxs", "iq2_m", "iq2_xxs", "iq1_m")
+#: the pruned models' default types (those of the ladder where a smaller model can pay:
+#: 4 bits and below, and q8_0 for reference)
+GRID_TYPES = ("q8_0", "q4_k_m", "q3_k_m", "q2_k")
+IQ_GRID_TYPES = ("iq4_xs", "iq3_xxs", "iq2_m")
 DEFAULT_GRID = ("depth:4+heal", "depth:6+heal", "depth:8+heal", "ffn:0.25+heal")
 KINDS = {"depth": "blocks removed (integer >= 1)", "ffn": "fraction of FFN channels (0-0.9)",
          "heads": "fraction of KV groups (0-0.9)",

@@ -31,8 +31,9 @@ from prunelab.io.files import write_text
 from prunelab.models.gguf_llama import require_llama_cpp
 from prunelab.models.size import model_size
 from prunelab.report.front_plot import plot_front
+from prunelab.train.config import HealConfig
 from prunelab.workflow.front_grid import GridPoint, round_for
-from prunelab.workflow.front_state import FrontState
+from prunelab.workflow.front_state import FrontState, adapts
 from prunelab.workflow.front_table import front_rows, markdown, to_csv
 
 #: costs in units of one float32 forward token of the dense model (estimates, refined by
@@ -75,10 +76,9 @@ class FrontRun:
         self.tps = self._measure_tps()
         st, s = self.state, self.s
         steps = []
-        models = [("dense", None)] + [(p.name, p) for p in s.points]
-        for name, point in models:
+        for name, point in self.models():
             if not st.done_model(name):
-                steps.append((f"build {name}", self._model_cost(point),
+                steps.append((f"build {name}", self._model_cost(point, name),
                               lambda n=name, p=point: self._build_named(n, p)))
             for kind in (s.types if point is None else s.grid_types):
                 key = f"{name}.{kind}"
@@ -91,11 +91,20 @@ class FrontRun:
                           lambda: self.speed_round()))
         return steps
 
+    def models(self) -> list[tuple[str, GridPoint | None]]:
+        """The front's models: the dense one, its domain-adapted control when the heal
+        fits the calibration text and some point heals (:func:`adapts`), the grid."""
+        s = self.s
+        control = [("dense-heal", None)] if any(p.heal for p in s.points) and \
+            adapts(s.heal) else []
+        return [("dense", None), *control, *((p.name, p) for p in s.points)]
+
     def _announce(self, steps: list) -> None:
         total = sum(w for _, w, _ in steps)
-        files = len(self.s.types) + len(self.s.points) * len(self.s.grid_types)
+        dense = len(self.models()) - len(self.s.points)
+        files = dense * len(self.s.types) + len(self.s.points) * len(self.s.grid_types)
         when = f"{total / 3600:.1f} h" if total >= 3600 else f"{total / 60:.0f} min"
-        log.info(f"front: {1 + len(self.s.points)} models, {files} files, {len(steps)} steps "
+        log.info(f"front: {len(self.models())} models, {files} files, {len(steps)} steps "
                  f"left; estimated {when} on this machine (dense forward "
                  f"{self.tps:.0f} tokens/s, {self.s.n_threads} llama.cpp threads)")
         if total >= 3600:
@@ -112,22 +121,23 @@ class FrontRun:
             self.dense.model(input_ids=ids, use_cache=False)
         return ids.numel() / max(time.perf_counter() - t, 1e-6)
 
-    def _model_cost(self, point: GridPoint | None) -> float:
+    def _model_cost(self, point: GridPoint | None, name: str) -> float:
         calib = self.s.samples * self.s.seqlen
         units = calib * 1.5 + self.s.windows * self.s.test_seqlen  # imatrix + f16 write
         if point is not None:
             units += calib * PRUNE_PASSES[point.kind]
-            if point.heal:
-                h = self.s.heal
-                units += HEAL_COST * h.get("steps", 32) * h.get("batch_size", 4) * \
-                    h.get("seqlen", 256)
+        if (point is not None and point.heal) or name == "dense-heal":
+            h = self.s.heal
+            units += HEAL_COST * h.get("steps", 32) * h.get("batch_size", 4) * \
+                h.get("seqlen", 256)
         return units / self.tps
 
     def _file_cost(self, kind: str) -> float:
         return (self.s.windows * self.s.test_seqlen * LLAMA_PPL_COST) / self.tps + 3.0
 
     def _round_cost(self) -> float:
-        files = len(self.s.types) + len(self.s.points) * len(self.s.grid_types)
+        dense = len(self.models()) - len(self.s.points)
+        files = dense * len(self.s.types) + len(self.s.points) * len(self.s.grid_types)
         per = (self.s.prompt * LLAMA_PROMPT_COST + self.s.gen * LLAMA_GEN_COST) / self.tps
         return files * (per + 0.5)
 
@@ -151,6 +161,8 @@ class FrontRun:
         s, st = self.s, self.state
         rec: dict = {"spec": None if point is None else point.spec}
         lm = self.dense
+        if name == "dense-heal":  # the control: the dense model fine-tuned as the points are
+            lm = self._heal(self._load(), rec)
         if point is not None:
             lm = self._load()
             t = time.perf_counter()
@@ -161,13 +173,7 @@ class FrontRun:
                             "seconds": round(time.perf_counter() - t, 1),
                             "size_before": rep.size_before, "size_after": rep.size_after}
             if point.heal:
-                t = time.perf_counter()
-                lm, heal_rec = api.heal(lm, teacher=self.dense, data=s.data, eval_data=None,
-                                        **s.heal)
-                rec["heal"] = {k: heal_rec.get(k) for k in (
-                    "loss", "mode", "steps", "tokens", "train_loss_first", "train_loss_last")}
-                rec["heal"].update(lr=heal_rec["lr_schedule"]["peak"],
-                                   seconds=round(time.perf_counter() - t, 1))
+                lm = self._heal(lm, rec)
         rec["params"] = model_size(lm.model)["params"]
         f16 = self.out / "gguf" / f"{name}.f16.gguf"
         t = time.perf_counter()
@@ -187,6 +193,19 @@ class FrontRun:
         rec["seconds"] = round(time.perf_counter() - t, 1)
         st.data["models"][name] = rec
         st.save()
+
+    def _heal(self, lm, rec: dict):
+        """Heal ``lm`` with the front's heal (the dense model as the teacher of the kd /
+        hidden terms); the record goes to ``rec["heal"]``."""
+        t = time.perf_counter()
+        teacher = self.dense if HealConfig(**self.s.heal).needs_teacher else None
+        lm, heal_rec = api.heal(lm, teacher=teacher, data=self.s.data, eval_data=None,
+                                **self.s.heal)
+        rec["heal"] = {k: heal_rec.get(k) for k in (
+            "loss", "mode", "steps", "tokens", "train_loss_first", "train_loss_last")}
+        rec["heal"].update(lr=heal_rec["lr_schedule"]["peak"],
+                           seconds=round(time.perf_counter() - t, 1))
+        return lm
 
     def make_file(self, name: str, kind: str) -> None:
         """Quantize model ``name`` to ``kind`` (or take its f16 file) and measure its

@@ -14,6 +14,8 @@ from prunelab.errors import ConfigError
 from prunelab.io.files import write_json
 from prunelab.train.config import HealConfig
 from prunelab.workflow.front_grid import (
+    GRID_TYPES,
+    IQ_GRID_TYPES,
     GridPoint,
     parse_grid,
     parse_types,
@@ -69,7 +71,7 @@ def make_settings(model: str, grid: str | None = None, types: str | None = None,
     points = parse_grid(grid)
     ladder = parse_types(types, imatrix)
     pruned = parse_types(grid_types, imatrix, "--grid-types") if grid_types is not None \
-        else tuple(t for t in ladder if t != "f16")
+        else GRID_TYPES + (IQ_GRID_TYPES if imatrix else ())
     if points and not pruned:
         raise ConfigError("--grid-types is empty: the pruned models need a type")
     heal = _heal_options(heal or {})
@@ -101,12 +103,18 @@ def _heal_options(given: dict) -> dict:
     """The heal's HealConfig fields: the defaults above, updated by ``given`` (checked by
     building the config)."""
     opts = {**HEAL_DEFAULTS, **given}
-    if opts.get("loss") == "ce":
-        raise ConfigError("--heal-set loss=ce fine-tunes on the calibration text instead of "
-                          "distilling the dense model: the front heals with kd, hidden or "
-                          "mix (the dense model is the teacher)")
+    if opts.get("loss") not in ("kd", "mix") and "temperature" not in given:
+        del opts["temperature"]  # the default's kd temperature: no kd term to apply it to
     HealConfig(**opts)  # one error line for a bad field or value
     return opts
+
+
+def adapts(heal: dict) -> bool:
+    """Whether the heal fits the calibration text itself (a cross-entropy term): it then
+    adapts the model to that text's domain, which the dense ladder would not get, so the
+    front adds the dense model fine-tuned the same way (``dense-heal``) as the control."""
+    cfg = HealConfig(**heal)
+    return cfg.weights().get("ce", 0) > 0
 
 
 class FrontState:

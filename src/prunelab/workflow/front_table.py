@@ -26,8 +26,13 @@ def _ratio_stats(runs: list, base: list, j: int) -> tuple[float, float, float] |
 def made(front: dict, rec: dict) -> str:
     """How a file was made, in words."""
     model = rec["model"]
-    what = "the dense model" if model == "dense" else \
-        parse_point(front["models"][model]["spec"]).describe()
+    if model == "dense":
+        what = "the dense model"
+    elif model == "dense-heal":
+        what = ("the dense model fine-tuned as the healed points are (the control of a heal "
+                "that fits the calibration text)")
+    else:
+        what = parse_point(front["models"][model]["spec"]).describe()
     if rec["type"] in ("f16", "f32", "bf16"):
         return f"{what}, {rec['type']}"
     im = "with" if rec.get("imatrix") else "without"
