@@ -12,8 +12,7 @@ from prunelab.pruning.depth.strategies.base import STRATEGIES, ScoredStrategy
 @STRATEGIES.register("span")
 @dataclass(frozen=True)
 class Span(ScoredStrategy):
-    """the best contiguous span of n blocks (default for span/interval probes); with a
-    recovery that cannot repair a cut at the embeddings (foldable), spans from block 1"""
+    """the best contiguous span of n blocks (default for span/interval probes; from block 1 when the recovery cannot repair the embeddings)"""  # noqa: E501
 
     def pick(self, job, result, values, how):
         rec = getattr(job.cfg, "recovery", None)
