@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
@@ -112,9 +113,12 @@ def main() -> None:
     opts = ap.parse_args()
 
     heal = {}
-    for item in opts.heal_set:
+    for item in opts.heal_set:  # KEY=VALUE: a JSON value (number, true / false) or a string
         key, _, value = item.partition("=")
-        heal[key] = float(value) if "." in value or "e" in value else int(value)
+        try:
+            heal[key] = json.loads(value)
+        except json.JSONDecodeError:
+            heal[key] = value
     settings = make_settings(opts.model, grid=opts.grid, types=opts.types,
                              grid_types=opts.grid_types, imatrix=not opts.no_imatrix,
                              heal=heal or None, samples=opts.samples, seqlen=opts.seqlen,
