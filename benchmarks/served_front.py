@@ -32,10 +32,20 @@ from pathlib import Path
 from prunelab import log
 from prunelab.workflow.front import build_front
 from prunelab.workflow.front_state import make_settings
-from prunelab.workflow.front_table import front_rows, markdown
+from prunelab.workflow.front_table import front_rows, markdown, paired
 
 
-def answers(rows: list[dict]) -> list[str]:
+def _vs(front: dict, row: dict, base: dict) -> str:
+    """`` (1.148x its perplexity, paired s.e. of the log 0.012)``: ``row`` against ``base``
+    over the windows both were scored on."""
+    got = paired(front, f"{row['model']}.{row['type']}", f"{base['model']}.{base['type']}")
+    if got is None:
+        return ""
+    ratio, sem = got
+    return f" ({ratio:.3f}x its perplexity, paired s.e. of the log ratio {sem:.3f})"
+
+
+def answers(front: dict, rows: list[dict]) -> list[str]:
     """The issue's questions, answered yes or no with the figures."""
     dense = {r["type"]: r for r in rows if r["model"] == "dense"}
     pruned = [r for r in rows if r["model"] != "dense"]
@@ -51,11 +61,11 @@ def answers(rows: list[dict]) -> list[str]:
         if wins:
             w = wins[0]
             out.append(head + f"yes**: {Path(w['file']).name}, {w['mib']:.1f} MiB, "
-                       f"{w['ppl']:.3f} ({len(wins)} such files).")
+                       f"{w['ppl']:.3f}{_vs(front, w, q3)}; {len(wins)} such files.")
         else:
             near = "" if best is None else (f" (the best pruned file below its size: "
                                             f"{Path(best['file']).name}, {best['mib']:.1f} "
-                                            f"MiB, {best['ppl']:.3f})")
+                                            f"MiB, {best['ppl']:.3f}{_vs(front, best, q3)})")
             out.append(head + f"no**{near}.")
     if q2 is not None:
         ok = sorted((r for r in pruned if r["mib"] <= q2["mib"]), key=lambda r: r["ppl"])
@@ -64,11 +74,11 @@ def answers(rows: list[dict]) -> list[str]:
         if ok and ok[0]["ppl"] < q2["ppl"]:
             w = ok[0]
             out.append(head + f"yes**: {Path(w['file']).name}, {w['mib']:.1f} MiB, "
-                       f"{w['ppl']:.3f} ({100 * (1 - w['ppl'] / q2['ppl']):.1f} % lower).")
+                       f"{w['ppl']:.3f}{_vs(front, w, q2)}.")
         else:
             near = "" if not ok else (f" (the best pruned file at most that size: "
                                       f"{Path(ok[0]['file']).name}, {ok[0]['mib']:.1f} MiB, "
-                                      f"{ok[0]['ppl']:.3f})")
+                                      f"{ok[0]['ppl']:.3f}{_vs(front, ok[0], q2)})")
             out.append(head + f"no**{near}.")
     on_front = [r for r in pruned if (r["front_size"] or r["front_speed"])
                 and r.get("gen_x") is not None]
@@ -79,11 +89,39 @@ def answers(rows: list[dict]) -> list[str]:
         out.append(f"- **Generation of the pruned files on a front against the dense file of "
                    f"their type** (median [range] of the rounds; goal 1.15x): "
                    f"{'; '.join(parts)}; the lowest {low:.2f}x.")
+    for flag, key, what, unit, pick in (
+            ("front_size", "mib", "smaller than", "MiB", min),
+            ("front_speed", "gen", "generating faster than", "tokens/s", max)):
+        dense_front = [r for r in rows if r[flag] and r["model"] == "dense"
+                       and r.get(key) is not None]
+        pruned_front = [r for r in rows if r[flag] and r["model"] != "dense"]
+        if dense_front and pruned_front:
+            edge = pick(dense_front, key=lambda r: r[key])
+            beyond = [r for r in pruned_front if pick(r[key], edge[key]) == r[key]
+                      and r[key] != edge[key]]
+            inside = len(pruned_front) - len(beyond)
+            out.append(f"- **Where pruned files win on the {flag.split('_')[1]} front:** "
+                       f"{what} the dense {edge['type']} ({edge[key]:.1f} {unit}, "
+                       f"perplexity {edge['ppl']:.3f}) the front is {len(beyond)} pruned "
+                       f"files and no dense one"
+                       + (f"; {inside} more pruned files sit among the dense ones."
+                          if inside else "; among the dense files, none."))
     size_front = [Path(r["file"]).name for r in sorted(rows, key=lambda r: r["mib"])
                   if r["front_size"]]
     out.append(f"- **On the size / perplexity front** (small to large): "
                f"{', '.join(size_front)}.")
     return out
+
+
+def _record_run(out: Path, seconds: float, resumed: bool) -> list[dict]:
+    """Append this run's wall time to ``OUT/bench.json``; return every run's record (a
+    resumed front's time is the sum of its runs)."""
+    path = out / "bench.json"
+    runs = json.loads(path.read_text())["runs"] if path.is_file() else []
+    runs.append({"date": str(datetime.date.today()), "seconds": round(seconds, 1),
+                 "resumed": resumed})
+    path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+    return runs
 
 
 def write_section(page: Path, name: str, body: str) -> None:
@@ -127,7 +165,8 @@ def main() -> None:
     resumed = (opts.out / "front.json").is_file()
     start = time.perf_counter()
     front = build_front(settings, opts.out)
-    wall = time.perf_counter() - start
+    runs = _record_run(opts.out, time.perf_counter() - start, resumed)
+    wall = sum(r["seconds"] for r in runs)
     rows = front_rows(front)
     models = front["models"]
     build = sum(m.get("seconds", 0) + m.get("prune", {}).get("seconds", 0)
@@ -158,11 +197,12 @@ def main() -> None:
             f"{s['threads'] or os.cpu_count()} llama.cpp threads.", "",
             f"Command: `python {' '.join(sys.argv)}` (the same front as `prunelab front "
             f"--model {opts.model} --out {opts.out}` with these options)", "",
-            f"Wall time {wall / 60:.1f} min" + (" (this run resumed an earlier one)"
-                                                if resumed else "")
+            f"Wall time {wall / 60:.1f} min"
+            + (f" over {len(runs)} runs of the command (resumed; each run's seconds in "
+               f"{opts.out}/bench.json)" if len(runs) > 1 else "")
             + f"; building the models {build / 60:.1f} min of it, healing "
               f"{heals / 60:.1f} min.", "",
-            *answers(rows), "", *links, "", markdown(front, rows)]
+            *answers(front, rows), "", *links, "", markdown(front, rows)]
     write_section(opts.results, opts.section, "\n".join(body))
     log.info(f"wrote section {opts.section} of {opts.results}")
 

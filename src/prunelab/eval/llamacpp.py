@@ -74,8 +74,9 @@ def llamacpp_perplexity(path: str | Path, windows: torch.Tensor,
     """Perplexity of the GGUF file ``path`` inside llama.cpp over ``windows`` (``[N, T]``
     token ids, each scored on its own from an empty cache: every position predicts the
     next token, ``N x (T - 1)`` predictions), one window's logits at a time (memory
-    ``T x vocab``, whatever ``N``). Returns the perplexity, the mean NLL and its standard
-    error over windows."""
+    ``T x vocab``, whatever ``N``). Returns the perplexity, the mean NLL, its standard
+    error over windows and each window's mean NLL (for paired comparisons of two files
+    scored on the same windows)."""
     llm = _open(path, windows.shape[1], threads, logits_all=True)
     t = windows.shape[1]
     per_window = []
@@ -90,7 +91,8 @@ def llamacpp_perplexity(path: str | Path, windows: torch.Tensor,
     nll = np.array(per_window)
     sem = float(nll.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else float("nan")
     return {"perplexity": float(math.exp(nll.mean())), "nll": float(nll.mean()),
-            "nll_sem": sem, "windows": int(windows.shape[0]), "seqlen": int(t)}
+            "nll_sem": sem, "nll_windows": [float(x) for x in nll],
+            "windows": int(windows.shape[0]), "seqlen": int(t)}
 
 
 def _perplexity(logprobs: np.ndarray, windows: torch.Tensor) -> float:

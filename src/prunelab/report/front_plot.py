@@ -44,9 +44,11 @@ def plot_front(rows: list[dict], out_dir: str | Path, title: str = "served front
         if front:
             ax.plot([r[x_key] for r in front], [r["ppl"] for r in front], color="black",
                     lw=1, ls="--", zorder=2, label="Pareto front")
-        ax.set_xlabel(x_label)
+        ax.set_xlabel(x_label + (" (log scale)" if x_key == "mib" else ""))
         ax.set_ylabel("perplexity in llama.cpp (lower is better)")
         ax.set_yscale("log")
+        if x_key == "mib":  # a ladder spans 3-4x in size: the small end needs the room
+            ax.set_xscale("log")
         ax.grid(alpha=0.3, which="both")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7, loc="upper right")

@@ -36,11 +36,12 @@ from prunelab.workflow.front_grid import GridPoint, round_for
 from prunelab.workflow.front_state import FrontState, adapts
 from prunelab.workflow.front_table import front_rows, markdown, to_csv
 
-#: costs in units of one float32 forward token of the dense model (estimates, refined by
-#: the first measured steps): per calibration token of each method, per training token of
-#: a heal (teacher forward + student forward and backward), per test token in llama.cpp
-PRUNE_PASSES = {"depth": 4.0, "sublayers": 8.0, "ffn": 3.0, "heads": 3.0, "slice": 5.0}
-HEAL_COST, LLAMA_PPL_COST, LLAMA_PROMPT_COST, LLAMA_GEN_COST = 5.0, 1.2, 0.6, 8.0
+#: costs in units of one float32 forward token of the dense model, fitted on SmolLM2-135M's
+#: default front (2 cores): per calibration token of each method, per training token of a
+#: heal (teacher forward + student forward and backward), per test token of a file in
+#: llama.cpp (quantizing it included), per prompt and generated token of a speed run
+PRUNE_PASSES = {"depth": 4.0, "sublayers": 8.0, "ffn": 3.5, "heads": 3.5, "slice": 5.0}
+HEAL_COST, LLAMA_PPL_COST, LLAMA_PROMPT_COST, LLAMA_GEN_COST = 5.0, 4.5, 0.6, 10.0
 
 
 class FrontRun:
@@ -227,13 +228,17 @@ class FrontRun:
             finally:
                 tmp.unlink(missing_ok=True)
             fell = fallbacks(path, kind)
-            if (note := fallback_note(fell, kind)) is not None and name != "dense":
-                log.info(f"{name}.{kind}: {note}")
+            dense = st.data["files"].get(f"dense.{kind}", {}).get("fallbacks") or []
+            extra = [f for f in fell if (f["tensor"], f["columns"]) not in
+                     {(d["tensor"], d["columns"]) for d in dense}]
+            if name != "dense" and (note := fallback_note(extra, kind)) is not None:
+                log.warn(f"{name}.{kind}: beyond the dense file's, {note}")
         ppl = llamacpp_perplexity(path, self.windows, threads=s.n_threads)
         st.data["files"][f"{name}.{kind}"] = {
             "model": name, "type": kind, "path": str(path.relative_to(self.out)),
             "bytes": path.stat().st_size, "ppl": ppl["perplexity"], "nll": ppl["nll"],
             "nll_sem": None if math.isnan(ppl["nll_sem"]) else ppl["nll_sem"],
+            "nll_windows": ppl["nll_windows"],
             "imatrix": bool(model.get("imatrix")) and kind != "f16",
             "fallbacks": fell, "seconds": round(time.perf_counter() - t, 1)}
         st.save()

@@ -23,6 +23,20 @@ def _ratio_stats(runs: list, base: list, j: int) -> tuple[float, float, float] |
     return (statistics.median(rs), min(rs), max(rs)) if rs else None
 
 
+def paired(front: dict, a: str, b: str) -> tuple[float, float] | None:
+    """The perplexity ratio of file ``a`` to file ``b`` (keys of ``front["files"]``) and
+    the standard error of its log over the windows both were scored on (paired: the windows'
+    own spread cancels); None when the per-window figures are missing."""
+    wa = front["files"][a].get("nll_windows")
+    wb = front["files"][b].get("nll_windows")
+    if not wa or not wb or len(wa) != len(wb):
+        return None
+    d = [x - y for x, y in zip(wa, wb, strict=True)]
+    mean = statistics.fmean(d)
+    sem = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+    return math.exp(mean), sem
+
+
 def made(front: dict, rec: dict) -> str:
     """How a file was made, in words."""
     model = rec["model"]
@@ -98,8 +112,11 @@ def markdown(front: dict, rows: list[dict]) -> str:
             f"{s['test_seqlen']} tokens of {s['test']} (s.e. over windows); speeds: median of "
             f"{len(front.get('speed', {}).get('rounds', []))} rounds, {s['prompt']}-token "
             f"prompt, {s['gen']} generated tokens, ratios to the dense file of the same type "
-            "taken within a round. Bold: on the size / perplexity front; the front column "
-            "names the Pareto fronts a file is on.\n\n")
+            "taken within a round. Every file is scored on the same windows, so a difference "
+            "between two files is far more certain than these intervals, which show how the "
+            "windows differ from each other (the answers above give paired errors). Bold: on "
+            "the size / perplexity front; the front column names the Pareto fronts a file is "
+            "on.\n\n")
     return head + "\n".join(lines) + "\n"
 
 
