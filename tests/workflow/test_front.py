@@ -229,7 +229,10 @@ def test_overwrite_removes_only_what_the_front_wrote(tiny):
 def test_cli_builds_answers_and_refuses_in_one_line(tiny, capsys):
     from prunelab.cli import cli_main
 
+    from tiny_models import save_tiny_checkpoint
+
     root, ckpt, text = tiny
+    gpt2 = save_tiny_checkpoint("gpt2", root / "gpt2")  # a model llama.cpp's graphs lack
     out = root / "c"
     common = ["--model", str(ckpt), "--out", str(out), "--grid", "depth:1", "--types",
               "q8_0", "--data", f"text:{text}", "--samples", "4", "--seqlen", "16",
@@ -251,7 +254,10 @@ def test_cli_builds_answers_and_refuses_in_one_line(tiny, capsys):
             (["front", *common[:4], "--heal-set", "loss=ce", "--heal-set", "temperature=x"],
              "temperature"),
             (["front", *common[:4], "--no-imatrix", "--types", "iq2_xxs"], "importance"),
-            (["front", "--out", str(root / "none"), "--target", "size:9"], "holds no front")):
+            (["front", "--out", str(root / "none"), "--target", "size:9"], "holds no front"),
+            (["front", "--model", str(gpt2), "--out", str(root / "g2")],
+             "gpt2 models are not written yet")):
         assert cli_main(args) == 2, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, err)
+    assert not (root / "g2" / "gguf").exists()  # refused before any file was written
