@@ -165,6 +165,13 @@ def test_a_tiny_front_is_built_resumed_and_refused_with_other_settings(tiny, mon
         assert (out / name).is_file()
     best = answer(front, "size:10000")
     assert best["ppl"] == min(r["ppl"] for r in rows)
+    # prunelab report shows the front: its table and both plots
+    from prunelab.report.folder import build_report
+
+    html = build_report(out).read_text()
+    assert "Served front (llama.cpp)" in html and "depth1-heal.q8_0.gguf" in html
+    assert "perplexity vs size (front_size.png)" in html
+    assert "perplexity vs speed (front_speed.png)" in html
     # a finished front: a rerun does nothing
     calls["build"].clear()
     calls["file"].clear()
