@@ -84,6 +84,13 @@ def test_grid_and_types():
     with pytest.raises(ConfigError, match="twice"):
         parse_types("q8_0,q8_0", True)
     assert round_for(("q8_0",)) == 32 and round_for(("q8_0", "q4_k_m")) == 256
+    from prunelab.workflow.front_grid import check_points
+
+    check_points(parse_grid("sublayers:2,slice:0.1"), "llama")
+    with pytest.raises(ConfigError, match="sublayers:2: a gemma3 model"):
+        check_points(parse_grid("depth:2,sublayers:2"), "gemma3")
+    with pytest.raises(ConfigError, match="slice:0.1: a gemma3 model"):
+        check_points(parse_grid("slice:0.1"), "gemma3")
     assert parse_point("depth:6").describe().startswith("6 blocks removed")
 
 

@@ -91,6 +91,21 @@ class GridPoint:
                              "multiple": max(round_to, 8)})
 
 
+#: grid kinds whose result only some GGUF architectures can hold
+NEEDS_ARCH = {"sublayers": ("llama",),  # removed sub-blocks: llama.cpp's deci (Llama family)
+              "slice": ("llama", "qwen2")}  # Gemma 3 norms its branch outputs: remote code
+
+
+def check_points(points: tuple[GridPoint, ...], arch: str) -> None:
+    """Refuse, before any work, a grid point whose pruned model the dense model's GGUF
+    architecture ``arch`` could not be written in."""
+    for p in points:
+        if p.kind in NEEDS_ARCH and arch not in NEEDS_ARCH[p.kind]:
+            raise ConfigError(f"grid point {p.spec}: a {arch} model pruned that way has no "
+                              f"GGUF form (only {', '.join(NEEDS_ARCH[p.kind])}): drop it "
+                              "from --grid")
+
+
 def parse_point(text: str) -> GridPoint:
     """``KIND:VALUE[+heal]`` -> :class:`GridPoint`."""
     kinds = ", ".join(f"{k}:X ({v})" for k, v in KINDS.items())

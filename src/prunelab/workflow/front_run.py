@@ -32,7 +32,7 @@ from prunelab.models.gguf_llama import require_llama_cpp
 from prunelab.models.size import model_size
 from prunelab.report.front_plot import plot_front
 from prunelab.train.config import HealConfig
-from prunelab.workflow.front_grid import GridPoint, round_for
+from prunelab.workflow.front_grid import GridPoint, check_points, round_for
 from prunelab.workflow.front_state import FrontState, adapts
 from prunelab.workflow.front_table import front_rows, markdown, to_csv
 
@@ -58,7 +58,8 @@ class FrontRun:
     def run(self) -> dict:
         require_llama_cpp()  # before any work
         self.dense = self._load()
-        plan_gguf(self.dense.model)  # a model llama.cpp cannot run: one line, now
+        # a model llama.cpp cannot run, or a grid point it could not hold: one line, now
+        check_points(self.s.points, plan_gguf(self.dense.model).arch)
         self.windows = api.tokens_for(self.dense, self.s.test, seqlen=self.s.test_seqlen,
                                       samples=self.s.windows, mode="test").input_ids
         if self.windows.shape[0] < self.s.windows:
