@@ -23,11 +23,14 @@ import json
 import os
 import platform
 import re
+import resource
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import llama_cpp
 
 from prunelab import log
 from prunelab.workflow.front import build_front
@@ -113,15 +116,41 @@ def answers(front: dict, rows: list[dict]) -> list[str]:
     return out
 
 
-def _record_run(out: Path, seconds: float, resumed: bool) -> list[dict]:
-    """Append this run's wall time to ``OUT/bench.json``; return every run's record (a
-    resumed front's time is the sum of its runs)."""
+def _cpu_seconds() -> tuple[float, float]:
+    """``(busy CPU seconds of the whole machine since boot, CPU seconds of this process and
+    its children)``: their difference over a run is what other work took."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)  # minus idle, iowait
+    own = sum(getattr(resource.getrusage(who), f) for who in
+              (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) for f in ("ru_utime", "ru_stime"))
+    return busy / os.sysconf("SC_CLK_TCK"), own
+
+
+def _record_run(out: Path, seconds: float, resumed: bool, others: float) -> list[dict]:
+    """Append this run's wall time and the CPU seconds other processes took meanwhile to
+    ``OUT/bench.json``; return every run's record (a resumed front's time is the sum of its
+    runs)."""
     path = out / "bench.json"
     runs = json.loads(path.read_text())["runs"] if path.is_file() else []
     runs.append({"date": str(datetime.date.today()), "seconds": round(seconds, 1),
-                 "resumed": resumed})
+                 "resumed": resumed, "other_cpu_seconds": round(others, 1)})
     path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
     return runs
+
+
+def _load_note(runs: list[dict]) -> str:
+    """What the CPU time other processes took during the runs says about the machine:
+    idle, or shared (wall times then longer than on an idle machine; speed ratios are
+    taken within rounds, so they hold)."""
+    timed = [r for r in runs if "other_cpu_seconds" in r]
+    if not timed:
+        return "Other work on the machine was not recorded."
+    cores = sum(r["other_cpu_seconds"] for r in timed) / sum(r["seconds"] for r in timed)
+    if cores < 0.1:
+        return f"The machine was otherwise idle (other processes: {cores:.2f} cores on average)."
+    return (f"The machine was shared: other processes took {cores:.2f} cores on average "
+            f"during the timed runs, so wall times are longer and absolute tokens/s lower than "
+            f"on an idle machine; ratios to the dense file are taken within rounds.")
 
 
 def write_section(page: Path, name: str, body: str) -> None:
@@ -163,9 +192,11 @@ def main() -> None:
                              windows=opts.windows, test_seqlen=opts.test_seqlen,
                              rounds=opts.rounds, threads=opts.threads)
     resumed = (opts.out / "front.json").is_file()
-    start = time.perf_counter()
+    start, (busy0, own0) = time.perf_counter(), _cpu_seconds()
     front = build_front(settings, opts.out)
-    runs = _record_run(opts.out, time.perf_counter() - start, resumed)
+    busy1, own1 = _cpu_seconds()
+    runs = _record_run(opts.out, time.perf_counter() - start, resumed,
+                       max(0.0, (busy1 - busy0) - (own1 - own0)))
     wall = sum(r["seconds"] for r in runs)
     rows = front_rows(front)
     models = front["models"]
@@ -177,8 +208,6 @@ def main() -> None:
     cpu = next((ln.split(":", 1)[1].strip() for ln in
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    import llama_cpp
-
     figures = opts.results.parent / "served-front"
     figures.mkdir(parents=True, exist_ok=True)
     links = []
@@ -201,7 +230,7 @@ def main() -> None:
             + (f" over {len(runs)} runs of the command (resumed; each run's seconds in "
                f"{opts.out}/bench.json)" if len(runs) > 1 else "")
             + f"; building the models {build / 60:.1f} min of it, healing "
-              f"{heals / 60:.1f} min.", "",
+              f"{heals / 60:.1f} min. " + _load_note(runs), "",
             *answers(front, rows), "", *links, "", markdown(front, rows)]
     write_section(opts.results, opts.section, "\n".join(body))
     log.info(f"wrote section {opts.section} of {opts.results}")
