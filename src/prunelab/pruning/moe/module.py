@@ -16,9 +16,9 @@ Two routed paths give the same output to float rounding. Many tokens (prefill) a
 grouped by expert (:meth:`PrunePathMLP.routed`: each expert runs on its tokens, the results
 are scatter-added), which skips FLOPs. At most :attr:`PrunePathMLP.FEW_TOKENS` tokens
 (decode, where the FFN is bound by reading its weights) take :meth:`PrunePathMLP.gather`:
-the selected experts are merged into runs of contiguous channels, ``gate`` and ``up`` cost
-one product per run over the run's rows, and ``down`` one ``embedding_bag`` (a weighted sum
-of rows) over the selected rows of its transpose, so only the selected experts' weights
+the selected experts are merged into runs of contiguous channels, and each run costs three
+plain products over contiguous slices (``gate`` and ``up`` over the run's rows, ``down`` over
+the same rows of its transpose, accumulated in place), so only the selected experts' weights
 are read and no weight is copied. The transpose needs no copy either: ``down_proj.weight``
 (``[hidden, ffn]``) is stored column-major, its transpose ``[ffn, hidden]`` contiguous
 (:meth:`PrunePathMLP.down_rows` lays it out so in place, once, after the weights were
@@ -79,7 +79,6 @@ class PrunePathMLP(PrunelabModule):
         self.down_proj = nn.Linear(self.ffn, self.hidden, bias=bias)
         self.down_rows()  # store down_proj.weight column-major from the start
         self.router = nn.Linear(self.hidden, self.num_experts, bias=True)
-        self._index = None  # arange(ffn) on the weights' device, made on first use
         self._mass = 1.0
         self.reset_stats()
 
@@ -283,48 +282,38 @@ class PrunePathMLP(PrunelabModule):
             skip = sel[:, experts].logical_not().repeat_interleave(sizes, dim=1)
         return self.gather(h, self.runs(counts), skip)
 
-    def channel_index(self, device: torch.device) -> torch.Tensor:
-        """``arange(ffn)`` on ``device`` (kept: not a buffer, so not in checkpoints)."""
-        index = self._index
-        if index is None or index.device != device:
-            index = self._index = torch.arange(self.ffn, device=device)
-        return index
-
     def gather(self, h: torch.Tensor, runs: list, skip: torch.Tensor | None = None
                ) -> torch.Tensor:
         """The FFN output of tokens ``h`` ``[tokens, hidden]`` over the channel ``runs``
-        (``(s, t)`` pairs, in order) only: ``gate`` and ``up`` cost one product per run over
-        the run's rows, ``down`` one weighted sum of the selected rows of its transpose
-        (``embedding_bag`` over :meth:`down_rows`, the activations as the weights; ``skip``
-        ``[tokens, selected channels]``: channels a token does not use, weighted zero).
-        Nothing is copied: the weights read are the runs' only."""
+        (``(s, t)`` pairs, in order) only: per run, three plain products over contiguous
+        slices of the weights, ``gate`` and ``up`` over the run's rows and ``down`` over the
+        same rows of its transpose (:meth:`down_rows`), accumulated into the output in place
+        (``skip`` ``[tokens, selected channels]``: channels a token does not use, weighted
+        zero). Nothing is copied or gathered: the weights read are the runs' only, each once,
+        by the BLAS kernels a dense FFN uses."""
         f = nn.functional
         g_w, u_w, g_b, u_b = self.gate_up()
-        gate = [f.linear(h, g_w[s:t], None if g_b is None else g_b[s:t]) for s, t in runs]
-        up = [f.linear(h, u_w[s:t], None if u_b is None else u_b[s:t]) for s, t in runs]
-        channels = self.channel_index(h.device)
-        index = [channels[s:t] for s, t in runs]
-        if len(runs) > 1:
-            gate, up, index = torch.cat(gate, dim=1), torch.cat(up, dim=1), torch.cat(index)
-        else:
-            gate, up, index = gate[0], up[0], index[0]
-        act = self.activation(gate)  # then * up: [tokens, selected channels]
-        act = act * up if torch.is_grad_enabled() else act.mul_(up)
-        if skip is not None:
-            act = act.masked_fill(skip, 0)
         down = self.down_rows()
-        if act.dtype != down.dtype:
-            act = act.to(down.dtype)
-        n, width = act.shape
-        if n == 1:
-            offsets = channels[:1]  # [0]: one bag
-        else:
-            index, offsets = index.repeat(n), torch.arange(0, n * width, width, device=h.device)
-        # torch.embedding_bag (what F.embedding_bag calls, without its argument checks):
-        # weight, indices, offsets, scale_grad_by_freq, mode 0 = sum, sparse,
-        # per_sample_weights, include_last_offset, padding_idx
-        out = torch.embedding_bag(down, index, offsets, False, 0, False, act.reshape(-1),
-                                  False, None)[0]
+        out = None
+        offset = 0
+        for s, t in runs:
+            gate = f.linear(h, g_w[s:t], None if g_b is None else g_b[s:t])
+            act = self.activation(gate)
+            up = f.linear(h, u_w[s:t], None if u_b is None else u_b[s:t])
+            act = act * up if torch.is_grad_enabled() else act.mul_(up)
+            if skip is not None:
+                act = act.masked_fill(skip[:, offset:offset + t - s], 0)
+            offset += t - s
+            if act.dtype != down.dtype:
+                act = act.to(down.dtype)
+            if out is None:
+                out = act @ down[s:t]
+            elif torch.is_grad_enabled():
+                out = out.addmm(act, down[s:t])
+            else:
+                out.addmm_(act, down[s:t])
+        if out is None:
+            out = h.new_zeros(h.shape[0], self.hidden, dtype=down.dtype)
         if self.down_proj.bias is not None:
             out = out + self.down_proj.bias
         return out if out.dtype == h.dtype else out.to(h.dtype)
