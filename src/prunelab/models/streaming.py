@@ -309,6 +309,13 @@ class Streamer:
                 "(checkpoint names differ from the model's): load without --stream")
         return self.store.read(full, self.dtype)
 
+    def unchanged_source(self, block: nn.Module) -> int | None:
+        """The index under which ``block``'s tensors are in the source shards when it is
+        read from there and not modified since (its tensors there are its tensors), else
+        ``None`` (staged, saved, or modified while resident)."""
+        kind, where = getattr(block, _TAG)
+        return where if kind == "source" and not self.is_dirty(block) else None
+
     def _load(self, block: nn.Module) -> None:
         for name, t in self.block_tensors(block).items():
             _set_param(block, name, t)
