@@ -44,7 +44,7 @@ def _inodes(folder: Path) -> dict[int, str]:
 
 
 def _prune_both(src: Path, out: Path, cfg, consume: bool = True):
-    """The prune in memory (its model) and streamed (saved to ``out``; its streamer)."""
+    """The prune in memory and streamed (saved to ``out``): both loaded models."""
     dense = prunelab.load(str(src))
     prunelab.prune(dense, cfg, CALIB, batch_size=2)
     lm = prunelab.load(str(src), stream=True)
@@ -52,7 +52,7 @@ def _prune_both(src: Path, out: Path, cfg, consume: bool = True):
     lm.streamer.consume_staging = consume
     prunelab.prune(lm, cfg, CALIB, batch_size=2)
     prunelab.save(lm, out)
-    return dense, lm.streamer
+    return dense, lm
 
 
 def _same_as_in_memory(dense, out: Path) -> None:
@@ -67,9 +67,9 @@ def _same_as_in_memory(dense, out: Path) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_depth_stream_output_equals_in_memory(sharded, tmp_path, case):
     blocks = CASES[case]
-    dense, st = _prune_both(sharded, tmp_path / "out", prunelab.Depth(blocks=blocks))
+    dense, lm = _prune_both(sharded, tmp_path / "out", prunelab.Depth(blocks=blocks))
     _same_as_in_memory(dense, tmp_path / "out")
-    assert st.staged == 0  # the KL pass only read the blocks
+    assert lm.streamer.staged == 0  # the KL pass only read the blocks
     assert not list(tmp_path.glob(".prunelab-stream-*/*"))
     src, out = _inodes(sharded), _inodes(tmp_path / "out")
     linked = {out[i]: src[i] for i in out.keys() & src.keys()}
@@ -86,9 +86,9 @@ def test_depth_stream_output_equals_in_memory(sharded, tmp_path, case):
 
 def test_depth_foldable_stages_only_the_refitted_block(sharded, tmp_path):
     cfg = prunelab.Depth(blocks=(2,), recovery="foldable")
-    dense, st = _prune_both(sharded, tmp_path / "out", cfg)
+    dense, lm = _prune_both(sharded, tmp_path / "out", cfg)
     _same_as_in_memory(dense, tmp_path / "out")
-    assert st.staged == 1  # block 1 took the fold; blocks 0 and (old) 3 were only read
+    assert lm.streamer.staged == 1  # block 1 took the fold; blocks 0 and (old) 3 were only read
     out = _inodes(tmp_path / "out")
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     block1 = {f for k, f in index["weight_map"].items() if k.startswith("model.layers.1.")}
@@ -101,7 +101,7 @@ def test_a_refused_link_copies_the_shard(sharded, tmp_path, monkeypatch):
         raise OSError(18, "Invalid cross-device link")
 
     monkeypatch.setattr(stream_save.os, "link", refuse)
-    dense, _st = _prune_both(sharded, tmp_path / "out", prunelab.Depth(blocks=(3,)))
+    dense, _lm = _prune_both(sharded, tmp_path / "out", prunelab.Depth(blocks=(3,)))
     _same_as_in_memory(dense, tmp_path / "out")
     assert not _inodes(tmp_path / "out").keys() & _inodes(sharded).keys()
 
@@ -111,7 +111,7 @@ def test_a_single_file_source_is_written(tmp_path):
     src = tmp_path / "model"
     tiny_model("llama").save_pretrained(src)
     char_tokenizer().save_pretrained(src)
-    dense, st = _prune_both(src, tmp_path / "out", prunelab.Depth(blocks=(3,)),
+    dense, lm = _prune_both(src, tmp_path / "out", prunelab.Depth(blocks=(3,)),
                             consume=False)
     _same_as_in_memory(dense, tmp_path / "out")
     assert not _inodes(tmp_path / "out").keys() & _inodes(src).keys()
@@ -127,3 +127,22 @@ def test_linked_input_shards_keep_their_mode(tmp_path):
     assert {p.stat().st_mode & 0o777 for p in src.glob("*.safetensors")} == {0o600}
     written = [p for p in (tmp_path / "out").glob("*.safetensors") if p.stat().st_nlink == 1]
     assert written and {p.stat().st_mode & 0o777 for p in written} == {usual_mode()}
+
+
+
+def test_staged_blocks_at_their_index_are_linked_and_stay_intact(sharded, tmp_path):
+    """Wanda keeps every block's index: the save links the staged shards. Pruning the same
+    model again stages new files, so the first checkpoint is not changed through its links."""
+    dense, lm = _prune_both(sharded, tmp_path / "one", prunelab.Wanda(sparsity=0.5),
+                            consume=False)
+    _same_as_in_memory(dense, tmp_path / "one")
+    staged = {os.stat(p).st_ino for p in tmp_path.glob(".prunelab-stream-*/*.safetensors")}
+    assert len(staged) == 4 and staged <= _inodes(tmp_path / "one").keys()
+    prunelab.prune(lm, prunelab.Magnitude(sparsity=0.75), CALIB, batch_size=2)
+    prunelab.prune(dense, prunelab.Magnitude(sparsity=0.75), CALIB, batch_size=2)
+    prunelab.save(lm, tmp_path / "two")
+    lm.streamer.close()
+    _same_as_in_memory(dense, tmp_path / "two")
+    first = prunelab.load(str(sharded))
+    prunelab.prune(first, prunelab.Wanda(sparsity=0.5), CALIB, batch_size=2)
+    _same_as_in_memory(first, tmp_path / "one")  # unchanged by the second prune

@@ -131,6 +131,23 @@ def link_plan(lm, blocks, tied: set[str], rest: dict) -> dict[Path, dict[str, di
     return plan
 
 
+def _alone(st, blk, i: int) -> tuple[Path, dict[str, dict]] | None:
+    """``(file, header)`` when block ``i`` is read from a file that holds it alone, named
+    as at index ``i``, with the tensors and dtypes of its state (a staged block whose index
+    the prune kept), else ``None``."""
+    stored = st.stored_alone(blk)
+    if stored is None or stored[1] != f"{st.prefix}.{i}" or not Path(stored[0]).is_file():
+        return None
+    header = read_header(Path(stored[0]))
+    state = blk.state_dict(keep_vars=True)
+    want = {f"{stored[1]}.{k}": v for k, v in state.items()}
+    if header.keys() != want.keys() or any(
+            m["dtype"] != _DTYPES.get(want[n].dtype) or list(m["shape"]) != list(want[n].shape)
+            for n, m in header.items()):
+        return None
+    return Path(stored[0]), header
+
+
 def link_or_copy(src: Path, dst: Path) -> None:
     """``dst`` as a hard link to ``src`` (no bytes written), or a copy where a link is
     refused (another filesystem, a file owned by someone else under protected links)."""
@@ -182,10 +199,17 @@ def write_shards(lm, folder: Path) -> dict[str, str]:
     for i, (blk, keys) in enumerate(zip(blocks, todo, strict=True)):
         if not keys:
             continue
-        with st.hold(blk):
-            state = blk.state_dict()
-            name = shard({f"{st.prefix}.{i}.{k}": state[k] for k in keys})
-        st.release()
+        alone = _alone(st, blk, i)
+        if alone is not None:  # its staged (or earlier saved) file: linked, not rewritten
+            name = next_name()
+            link_or_copy(alone[0], folder / name)
+            weight_map.update(dict.fromkeys(alone[1], name))
+            total += max((m["data_offsets"][1] for m in alone[1].values()), default=0)
+        else:
+            with st.hold(blk):
+                state = blk.state_dict()
+                name = shard({f"{st.prefix}.{i}.{k}": state[k] for k in keys})
+            st.release()
         if st.consume_staging:  # a pruned block is read from here on, its staged copy deleted
             st.moved(blk, folder / name, f"{st.prefix}.{i}")
     for unit, names in zip(st.side_units, sides, strict=True):

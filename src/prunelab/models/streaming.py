@@ -39,7 +39,9 @@ from torch import nn
 
 from prunelab.errors import UnsupportedOperationError
 
-_TAG = "_prunelab_stream_key"  # on each block module: ("source", index) or ("staged", path)
+# on each block module: ("source", index), or ("staged" | "saved", (file, key prefix)): a
+# safetensors file that holds the block alone, its tensors named "{key prefix}.{name}"
+_TAG = "_prunelab_stream_key"
 _DIRTY = "_prunelab_stream_dirty"  # on a resident block marked modified (mark_dirty)
 _READ = "_prunelab_stream_read"  # on a resident block: its parameters as read (_fingerprint)
 
@@ -295,9 +297,7 @@ class Streamer:
         """The parameters of ``block`` (block-relative names) read from disk."""
         kind, where = getattr(block, _TAG)
         names = [n for n, _ in block.named_parameters()]
-        if kind == "staged":
-            return read_tensors({n: where for n in names}, {n: n for n in names}, self.dtype)
-        if kind == "saved":  # moved into a saved checkpoint: (its shard, the block's prefix)
+        if kind in ("staged", "saved"):  # a staging shard or a saved checkpoint's shard
             shard, pre = where
             return read_tensors({n: shard for n in names}, {n: f"{pre}.{n}" for n in names},
                                 self.dtype)
@@ -316,6 +316,13 @@ class Streamer:
         kind, where = getattr(block, _TAG)
         return where if kind == "source" and not self.is_dirty(block) else None
 
+    def stored_alone(self, block: nn.Module) -> tuple[Path, str] | None:
+        """``(file, key prefix)`` when ``block`` is read from a file that holds it alone
+        (staged, or moved into a saved checkpoint) and was not modified since, else
+        ``None``: a save can link that file instead of writing the block again."""
+        kind, where = getattr(block, _TAG)
+        return where if kind in ("staged", "saved") and not self.is_dirty(block) else None
+
     def _load(self, block: nn.Module) -> None:
         for name, t in self.block_tensors(block).items():
             _set_param(block, name, t)
@@ -328,11 +335,15 @@ class Streamer:
             self._staging = Path(tempfile.mkdtemp(prefix=".prunelab-stream-",
                                                   dir=self.work_dir))
             weakref.finalize(self, shutil.rmtree, self._staging, True)
-        kind, where = getattr(block, _TAG)
         path = self._staging / f"block-{id(block)}.safetensors"
-        tensors = {n: p.detach().contiguous() for n, p in block.named_parameters()}
+        # named as in a checkpoint at the block's index now (a save that keeps the index
+        # links the file instead of writing it again)
+        index = next((i for i, b in enumerate(self.adapter.blocks()) if b is block), -1)
+        pre = f"{self.prefix}.{index}"
+        tensors = {f"{pre}.{n}": p.detach().contiguous() for n, p in block.named_parameters()}
+        path.unlink(missing_ok=True)  # a new file: a save may have linked the old one
         save_file(tensors, str(path))
-        setattr(block, _TAG, ("staged", path))
+        setattr(block, _TAG, ("staged", (path, pre)))
         self.staged += 1
         self.staged_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -344,8 +355,8 @@ class Streamer:
         if kind == "source":  # never changed: it stays read from the source shards
             return
         setattr(block, _TAG, ("saved", (Path(shard), key_prefix)))
-        if kind == "staged":
-            Path(where).unlink(missing_ok=True)
+        if kind == "staged" and Path(where[0]) != Path(shard):
+            Path(where[0]).unlink(missing_ok=True)
 
     def relocate(self, old: Path, new: Path) -> None:
         """Blocks moved into the checkpoint folder ``old`` read it at ``new`` (renamed)."""
