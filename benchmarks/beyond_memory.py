@@ -398,7 +398,15 @@ def passes(events: list, n_blocks: int) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- the driver
-RUNS = ("sparsity", "depth")
+RUNS = ("sparsity", "depth", "depth-first", "depth-middle", "depth-last")
+#: depth runs that remove ``--remove`` given blocks (no probe): where they sit in the stack
+PLACED = {"depth-first": "first", "depth-middle": "middle", "depth-last": "last"}
+
+
+def placed_blocks(where: str, layers: int, remove: int) -> list[int]:
+    """``remove`` consecutive 0-based blocks at the start, middle or end of ``layers``."""
+    start = {"first": 0, "middle": (layers - remove) // 2, "last": layers - remove}[where]
+    return list(range(start, start + remove))
 
 
 def _command(run: str, model: Path, out: Path, args) -> list[str]:
@@ -408,6 +416,9 @@ def _command(run: str, model: Path, out: Path, args) -> list[str]:
     if run == "sparsity":
         return ["prune", "sparsity", "--method", "wanda",
                 "--budget", f"remove-weights:{args.sparsity}", *common]
+    if run in PLACED:
+        blocks = placed_blocks(PLACED[run], args.layers, args.remove)
+        return ["prune", "depth", "--blocks", ",".join(map(str, blocks)), *common]
     return ["prune", "depth", "--probe", "block-influence",
             "--budget", f"remove-blocks:{args.remove}", *common]
 
@@ -452,6 +463,11 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:,.2f}"
 
 
+def _ratio(written: int, out: int) -> str:
+    """Bytes written per byte of output (``2.98x``)."""
+    return f"{written / out:.2f}x" if out else "-"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) /
@@ -463,7 +479,9 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=Shape.kv_heads)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-gb", type=float, default=2.0)
-    p.add_argument("--runs", default="sparsity,depth", help="sparsity, depth or both")
+    p.add_argument("--runs", default="sparsity,depth",
+                   help="comma-separated: sparsity, depth (blocks chosen by the probe), "
+                        "depth-first / depth-middle / depth-last (--remove given blocks)")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--seqlen", type=int, default=128)
     p.add_argument("--sparsity", type=float, default=0.5)
@@ -539,7 +557,9 @@ def _print_row(r: dict, model_bytes: int) -> None:
           f"blocks {_base(r) / 2**30:.2f} GiB, imports {r['rss_imports_bytes'] / 2**30:.2f} "
           f"GiB); wall "
           f"{r['wall_s']:.0f} s; read {_gb(r['io'].get('read_bytes', 0))} GB from storage; "
-          f"wrote {_gb(r['io'].get('write_bytes', 0))} GB; peak disk (staging + output) "
+          f"wrote {_gb(r['io'].get('write_bytes', 0))} GB "
+          f"({_ratio(r['io'].get('write_bytes', 0), r['out_bytes'])} the output's "
+          f"{_gb(r['out_bytes'])} GB); peak disk (staging + output) "
           f"{_gb(r['peak_disk_bytes'])} GB; load average {r['load_avg']:.1f}", flush=True)
     for k, ps in enumerate(r["passes"], 1):
         print(f"  pass {k}: {ps['blocks']} blocks in {ps['seconds']:.0f} s = "
@@ -554,8 +574,11 @@ LLAMA_70B = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads
 def _pass_names(run: str, n: int) -> list[str]:
     """What each pass over the blocks is: the method's pass first, the save last; depth's
     middle pass scores the pruned stack (its calibration KL)."""
-    first = "calibrate + prune" if run == "sparsity" else "probe"
-    middle = "KL of the pruned model" if run == "depth" else "pass"
+    if run in PLACED:  # given blocks: the dense pass (KL reference) instead of the probe
+        first = "dense outputs"
+    else:
+        first = "calibrate + prune" if run == "sparsity" else "probe"
+    middle = "KL of the pruned model" if run.startswith("depth") else "pass"
     return ([first] + [middle] * max(n - 2, 0) + ["save"])[:n] if n > 1 else [first]
 
 
@@ -605,10 +628,10 @@ def report(rows: list[dict], shape: Shape, info: dict, args) -> str:
     lines += [
         "", "| run | peak RSS (bytes) | peak RSS GiB | / model bytes | imports GiB | "
         "before the blocks GiB | wall s | before the blocks s | passes: blocks x s per "
-        "block | read from storage GB | rchar GB | written GB | output GB | peak disk GB "
-        "(staging + output) | load avg |",
+        "block | read from storage GB | rchar GB | written GB | output GB | written / output "
+        "| peak disk GB (staging + output) | load avg |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: "
-        "| ---: | ---: | ---: |"]
+        "| ---: | ---: | ---: | ---: |"]
     for r in rows:
         names = _pass_names(r["run"], len(r["passes"]))
         per = "; ".join(f"{nm} {ps['blocks']} x {ps['s_per_block']:.1f}"
@@ -621,7 +644,8 @@ def report(rows: list[dict], shape: Shape, info: dict, args) -> str:
             f"{r['rss_imports_bytes'] / 2**30:.2f} | {_base(r) / 2**30:.2f} | "
             f"{r['wall_s']:.0f} | {start:.0f} | {per} | {_gb(io.get('read_bytes', 0))} | "
             f"{_gb(io.get('rchar', 0))} | {_gb(io.get('write_bytes', 0))} | "
-            f"{_gb(r['out_bytes'])} | {_gb(r['peak_disk_bytes'])} | {r['load_avg']:.1f} |")
+            f"{_gb(r['out_bytes'])} | {_ratio(io.get('write_bytes', 0), r['out_bytes'])} | "
+            f"{_gb(r['peak_disk_bytes'])} | {r['load_avg']:.1f} |")
     lines += ["", "Imports: `VmHWM` after importing torch, transformers and prunelab; before "
               "the blocks: `VmHWM` when the first block is about to be read (the imports, "
               "the model's skeleton and tokenizer, the tokenized calibration corpus, the "

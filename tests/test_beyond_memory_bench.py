@@ -92,3 +92,17 @@ def test_passes_split_the_block_loads():
     p = bm.passes(ev, 2)
     assert [x["blocks"] for x in p] == [2, 2]
     assert p[0]["seconds"] == 3.0 and p[1]["s_per_block"] == 0.5
+
+
+def test_placed_depth_runs_remove_the_first_middle_or_last_blocks():
+    bm = _bench()
+    assert bm.placed_blocks("first", 12, 4) == [0, 1, 2, 3]
+    assert bm.placed_blocks("middle", 12, 4) == [4, 5, 6, 7]
+    assert bm.placed_blocks("last", 12, 4) == [8, 9, 10, 11]
+    args = type("A", (), {"samples": 2, "seqlen": 8, "sparsity": 0.5, "remove": 2,
+                          "layers": 6})()
+    cmd = bm._command("depth-last", Path("m"), Path("o"), args)
+    assert cmd[:4] == ["prune", "depth", "--blocks", "4,5"] and "--probe" not in cmd
+    assert bm._pass_names("depth-first", 3) == ["dense outputs", "KL of the pruned model",
+                                                "save"]
+    assert bm._ratio(3, 2) == "1.50x" and bm._ratio(1, 0) == "-"

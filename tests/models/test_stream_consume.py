@@ -1,7 +1,9 @@
 """``Streamer.consume_staging`` (on in the CLI's ``--stream`` prunes): save moves each
 staged (pruned) block into the checkpoint, deleting its staging shard once written, so the
 disk holds the output plus one copy of the pruned blocks rather than two. The checkpoint is
-the same as without it, and the model stays readable (from the saved checkpoint)."""
+the same as without it, and the model stays readable (from the saved checkpoint). A staged
+block whose index the prune kept is linked into the checkpoint (no bytes written), a
+renumbered one written again: the spies count both."""
 
 from __future__ import annotations
 
@@ -27,13 +29,27 @@ def _staged(folder: Path) -> list[Path]:
     return sorted(folder.glob(".prunelab-stream-*/block-*.safetensors"))
 
 
+def _spy(monkeypatch, folder: Path) -> list[int]:
+    """Staged shards left at each shard the save writes or links."""
+    from prunelab.checkpoint import stream_save
+
+    seen: list[int] = []
+    for name in ("write_safetensors", "link_or_copy"):
+        real = getattr(stream_save, name)
+
+        def counting(*a, real=real, **kw):
+            seen.append(len(_staged(folder)))
+            return real(*a, **kw)
+
+        monkeypatch.setattr(stream_save, name, counting)
+    return seen
+
+
 def _state(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path).state_dict()
 
 
 def test_consumed_save_moves_blocks_and_keeps_the_model_readable(tmp_path, monkeypatch):
-    from prunelab.checkpoint import stream_save
-
     save_tiny_checkpoint("llama", tmp_path / "model")
     work = tmp_path / "work"
     work.mkdir()
@@ -44,16 +60,10 @@ def test_consumed_save_moves_blocks_and_keeps_the_model_readable(tmp_path, monke
         lm.streamer.consume_staging = consume
         prunelab.prune(lm, prunelab.Wanda(sparsity=0.5), _batches(0), batch_size=2)
         assert len(_staged(work)) == 4
-        seen, real = [], stream_save.write_safetensors
-
-        def counting(*a, seen=seen, real=real, **kw):
-            seen.append(len(_staged(work)))
-            return real(*a, **kw)
-
-        monkeypatch.setattr(stream_save, "write_safetensors", counting)
         out = tmp_path / f"out-{consume}"
-        prunelab.save(lm, out)
-        monkeypatch.setattr(stream_save, "write_safetensors", real)
+        with monkeypatch.context() as m:
+            seen = _spy(m, work)
+            prunelab.save(lm, out)
         if consume:  # one staged block fewer before each later shard
             assert seen[:5] == [4, 3, 2, 1, 0] and _staged(work) == []
         else:
@@ -87,18 +97,11 @@ def test_consumed_blocks_follow_a_second_save(tmp_path):
 
 
 def test_cli_stream_prune_consumes_its_staging(tmp_path, capsys, monkeypatch):
-    from prunelab.checkpoint import stream_save
     from prunelab.cli import cli_main
 
     save_tiny_checkpoint("llama", tmp_path / "model")
     (tmp_path / "text.txt").write_text(SAMPLE_TEXT)
-    seen, real = [], stream_save.write_safetensors
-
-    def counting(*a, **kw):
-        seen.append(len(_staged(tmp_path)))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(stream_save, "write_safetensors", counting)
+    seen = _spy(monkeypatch, tmp_path)
     code = cli_main(["--quiet", "prune", "sparsity", "--model", str(tmp_path / "model"),
                      "--method", "wanda", "--out", str(tmp_path / "out"), "--stream",
                      "--data", f"text:{tmp_path / 'text.txt'}", "--seqlen", "16",

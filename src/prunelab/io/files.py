@@ -175,7 +175,9 @@ def usual_mode(folder: bool = False) -> int:
 
 
 def usual_modes(root: Path) -> None:
-    """Give ``root`` and everything below it (not following links) the usual modes."""
+    """Give ``root`` and everything below it (not following links) the usual modes. A file
+    with other hard links (a source shard a streamed save linked into its checkpoint) keeps
+    its mode: it is shared with another path, maybe not ours to change."""
     root = Path(root)
     fmode, dmode = usual_mode(), usual_mode(folder=True)
     if not root.is_dir() or root.is_symlink():
@@ -184,7 +186,7 @@ def usual_modes(root: Path) -> None:
     for dirpath, dirs, files in os.walk(root):
         for name in files:
             p = os.path.join(dirpath, name)
-            if not os.path.islink(p):
+            if not os.path.islink(p) and os.stat(p).st_nlink == 1:
                 os.chmod(p, fmode)
         for name in dirs:
             p = os.path.join(dirpath, name)

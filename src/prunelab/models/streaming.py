@@ -8,10 +8,16 @@ shards (memory-mapped through ``safetensors.safe_open``, the file closed again s
 pages leave the process) when the block runner needs the block, and turned back into
 meta tensors when another block is needed: at most one block is resident at a time.
 
-While a prune runs (:meth:`Streamer.writing`), a block that leaves memory is first written
-to a staging shard, and from then on it is read from there (later passes see the pruned
-block). :func:`prunelab.checkpoint.stream_save.save_streamed` assembles the checkpoint shard by
-shard from the staged and source shards. The idea follows llm-compressor's layer-wise
+While a prune runs (:meth:`Streamer.writing`), a block that leaves memory *modified* is
+first written to a staging shard, and from then on it is read from there (later passes see
+the pruned block). A block is modified when a pass that writes weights marks it
+(:func:`mark_modified`: sparsity, width, a depth recovery) or when its parameters were
+written in place or replaced since it was read (their autograd version counters and
+identities; a guard for a writer that forgot to mark). Passes that only read (a probe, the
+KL of a depth prune) leave their blocks clean, and a clean block is never written: it stays
+read from where it was. :func:`prunelab.checkpoint.stream_save.save_streamed` assembles the
+checkpoint from the staged and source shards, hard-linking the source shards whose tensors
+are all kept unchanged under their names. The idea follows llm-compressor's layer-wise
 loading from disk (its PR #2748).
 
 Calibration activations of every sample are still held in memory (``[N, T, hidden]`` per
@@ -33,7 +39,18 @@ from torch import nn
 
 from prunelab.errors import UnsupportedOperationError
 
-_TAG = "_prunelab_stream_key"  # on each block module: ("source", index) or ("staged", path)
+# on each block module: ("source", index), or ("staged" | "saved", (file, key prefix)): a
+# safetensors file that holds the block alone, its tensors named "{key prefix}.{name}"
+_TAG = "_prunelab_stream_key"
+_DIRTY = "_prunelab_stream_dirty"  # on a resident block marked modified (mark_dirty)
+_READ = "_prunelab_stream_read"  # on a resident block: its parameters as read (_fingerprint)
+
+
+def _fingerprint(block: nn.Module) -> dict[str, tuple]:
+    """Per parameter: the object, its autograd version counter (bumped by every in-place
+    write, ``copy_`` under ``no_grad`` included; moving it to a device and back is not a
+    write) and its shape -- what changes when a pass writes or replaces it."""
+    return {n: (id(p), p._version, tuple(p.shape)) for n, p in block.named_parameters()}
 
 
 class ShardStore:
@@ -150,9 +167,11 @@ class Streamer:
     """Owns the residency of the blocks of a streamed model (see the module docstring).
 
     ``acquire(block)`` makes ``block`` the resident one (the previous one is released);
-    ``release()`` frees it (staging it first inside :meth:`writing`). ``listeners`` are
-    called as ``fn(event, block_index)`` after every load and free (tests count the
-    materialised blocks with them); ``peak_resident`` is the most blocks ever resident.
+    ``release()`` frees it (staging it first inside :meth:`writing` when it was modified:
+    :meth:`is_dirty`). ``listeners`` are called as ``fn(event, block_index)`` after every
+    load and free (tests count the materialised blocks with them); ``peak_resident`` is the
+    most blocks ever resident; ``staged`` / ``staged_bytes`` count the blocks written to
+    staging and their tensor bytes.
     """
 
     def __init__(self, model: nn.Module, adapter, store: ShardStore, dtype: torch.dtype,
@@ -162,6 +181,8 @@ class Streamer:
         self.resident: nn.Module | None = None
         self.peak_resident = 0
         self.loads = 0
+        self.staged = 0
+        self.staged_bytes = 0
         self.listeners: list[Callable[[str, int], None]] = []
         self._writing = 0
         self.work_dir = work_dir  # where the staging folder is made (default: system temp)
@@ -219,16 +240,33 @@ class Streamer:
         self._tell("load", block)
 
     def release(self) -> None:
-        """Free the resident block (written to a staging shard first while writing)."""
+        """Free the resident block (written to a staging shard first while writing, when
+        it was modified: :meth:`is_dirty`)."""
         block, self.resident = self.resident, None
         if block is None:
             return
-        if self._writing:
+        if self._writing and self.is_dirty(block):
             self._stage(block)
+        block.__dict__.pop(_DIRTY, None)
+        block.__dict__.pop(_READ, None)
         for name, p in list(block.named_parameters()):
             _set_param(block, name, torch.empty_like(p, device="meta"))
         _trim()
         self._tell("free", block)
+
+    def mark_dirty(self, block: nn.Module) -> None:
+        """``block`` (resident) was modified by a pass that writes weights: it is staged
+        when it leaves memory inside :meth:`writing`."""
+        setattr(block, _DIRTY, True)
+
+    def is_dirty(self, block: nn.Module) -> bool:
+        """Whether ``block`` differs from where it is read from: marked by
+        :meth:`mark_dirty`, or a parameter written in place, replaced, added or removed
+        since it was read (reading passes never change these)."""
+        if getattr(block, _DIRTY, False):
+            return True
+        read = getattr(block, _READ, None)
+        return read is not None and read != _fingerprint(block)
 
     @contextlib.contextmanager
     def hold(self, block: nn.Module) -> Iterator[nn.Module]:
@@ -259,9 +297,7 @@ class Streamer:
         """The parameters of ``block`` (block-relative names) read from disk."""
         kind, where = getattr(block, _TAG)
         names = [n for n, _ in block.named_parameters()]
-        if kind == "staged":
-            return read_tensors({n: where for n in names}, {n: n for n in names}, self.dtype)
-        if kind == "saved":  # moved into a saved checkpoint: (its shard, the block's prefix)
+        if kind in ("staged", "saved"):  # a staging shard or a saved checkpoint's shard
             shard, pre = where
             return read_tensors({n: shard for n in names}, {n: f"{pre}.{n}" for n in names},
                                 self.dtype)
@@ -273,9 +309,24 @@ class Streamer:
                 "(checkpoint names differ from the model's): load without --stream")
         return self.store.read(full, self.dtype)
 
+    def unchanged_source(self, block: nn.Module) -> int | None:
+        """The index under which ``block``'s tensors are in the source shards when it is
+        read from there and not modified since (its tensors there are its tensors), else
+        ``None`` (staged, saved, or modified while resident)."""
+        kind, where = getattr(block, _TAG)
+        return where if kind == "source" and not self.is_dirty(block) else None
+
+    def stored_alone(self, block: nn.Module) -> tuple[Path, str] | None:
+        """``(file, key prefix)`` when ``block`` is read from a file that holds it alone
+        (staged, or moved into a saved checkpoint) and was not modified since, else
+        ``None``: a save can link that file instead of writing the block again."""
+        kind, where = getattr(block, _TAG)
+        return where if kind in ("staged", "saved") and not self.is_dirty(block) else None
+
     def _load(self, block: nn.Module) -> None:
         for name, t in self.block_tensors(block).items():
             _set_param(block, name, t)
+        setattr(block, _READ, _fingerprint(block))
 
     def _stage(self, block: nn.Module) -> None:
         from safetensors.torch import save_file
@@ -284,11 +335,17 @@ class Streamer:
             self._staging = Path(tempfile.mkdtemp(prefix=".prunelab-stream-",
                                                   dir=self.work_dir))
             weakref.finalize(self, shutil.rmtree, self._staging, True)
-        kind, where = getattr(block, _TAG)
         path = self._staging / f"block-{id(block)}.safetensors"
-        save_file({n: p.detach().contiguous() for n, p in block.named_parameters()},
-                  str(path))
-        setattr(block, _TAG, ("staged", path))
+        # named as in a checkpoint at the block's index now (a save that keeps the index
+        # links the file instead of writing it again)
+        index = next((i for i, b in enumerate(self.adapter.blocks()) if b is block), -1)
+        pre = f"{self.prefix}.{index}"
+        tensors = {f"{pre}.{n}": p.detach().contiguous() for n, p in block.named_parameters()}
+        path.unlink(missing_ok=True)  # a new file: a save may have linked the old one
+        save_file(tensors, str(path))
+        setattr(block, _TAG, ("staged", (path, pre)))
+        self.staged += 1
+        self.staged_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
     def moved(self, block: nn.Module, shard: Path, key_prefix: str) -> None:
         """``block``, when pruned (staged or saved before), is now read from ``shard`` of a saved
@@ -298,8 +355,8 @@ class Streamer:
         if kind == "source":  # never changed: it stays read from the source shards
             return
         setattr(block, _TAG, ("saved", (Path(shard), key_prefix)))
-        if kind == "staged":
-            Path(where).unlink(missing_ok=True)
+        if kind == "staged" and Path(where[0]) != Path(shard):
+            Path(where[0]).unlink(missing_ok=True)
 
     def relocate(self, old: Path, new: Path) -> None:
         """Blocks moved into the checkpoint folder ``old`` read it at ``new`` (renamed)."""
@@ -408,6 +465,15 @@ def _load_resident(model: nn.Module, store: ShardStore, prefix: str, dt: torch.d
 def streamer_of(lm) -> Streamer | None:
     """The :class:`Streamer` of a streamed model, else ``None``."""
     return getattr(lm, "streamer", None)
+
+
+def mark_modified(owner, block: nn.Module) -> None:
+    """Tell the streamer of ``owner`` (a model or a block runner), if it streams, that
+    ``block`` was modified (a pass that writes weights): it is staged when it leaves memory
+    during a prune. A no-op for a model that is not streamed."""
+    st = getattr(owner, "streamer", None)
+    if st is not None:
+        st.mark_dirty(block)
 
 
 def holding(owner, block: nn.Module):

@@ -24,6 +24,7 @@ from prunelab.calib.runner import BlockRunner
 from prunelab.errors import UnsupportedOperationError
 from prunelab.lstsq import NormalEquations
 from prunelab.models.linear import set_weight_out_in, weight_out_in
+from prunelab.models.streaming import mark_modified
 from prunelab.pruning.depth.selection import contiguous_spans
 
 if TYPE_CHECKING:  # annotations only
@@ -53,6 +54,7 @@ def fit_foldable(runner, index: int, inputs, targets, ridge: float = 1e-6) -> di
     outs, taps = runner.tap(index, inputs, {"m": mlp_out})
     t, before = foldable_map(outs, taps["m"], targets, ridge)
     fold_map(ad.mlp_projections(index)["down"], t)
+    mark_modified(runner, ad.block(index))  # streamed: staged when it leaves memory
     return {"error_before": before, "error_after": _error(runner, index, inputs, targets)}
 
 

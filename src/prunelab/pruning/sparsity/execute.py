@@ -29,6 +29,7 @@ from prunelab.calib.runner import BlockRunner
 from prunelab.errors import ConfigError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.models.memory import release_free_memory
+from prunelab.models.streaming import mark_modified
 from prunelab.pruning.base import MethodReport, method_name
 from prunelab.pruning.linears import branch_containers, selected_linears
 from prunelab.pruning.sparsity import masks
@@ -209,6 +210,7 @@ def _prune_all_blocks(lm, cfg: SparsityConfig, runner: BlockRunner, per_block: l
         else:
             achieved, outs = prune_block_sequential(*args)
         layers.append({"block": i, "target": per_block[i], "linears": achieved})
+        mark_modified(runner, lm.adapter.block(i))  # streamed: staged when it leaves memory
         release_free_memory()  # the block's freed activations go back to the system
         return outs
 
