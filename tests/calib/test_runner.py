@@ -441,7 +441,8 @@ def test_low_precision_linears_leave_replaced_forwards_alone():
 
 def test_bfloat16_sparsegpt_runs_its_sequential_replay():
     """SparseGPT's sequential runner with bfloat16 matmuls: weights stay float32, and the
-    first block's q mask and update (float32 inputs) are those of the float32 run."""
+    first block's q mask is that of the float32 run; its update is close (the Gram is
+    that of the bfloat16-rounded inputs, products exact, sums in float32)."""
     import prunelab
     from prunelab import SparseGPT
     calib = _calib8()
@@ -456,7 +457,7 @@ def test_bfloat16_sparsegpt_runs_its_sequential_replay():
     wa, wb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     q = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(wa[q] == 0, wb[q] == 0)  # same float32 inputs, same first mask
-    assert (wa[q] - wb[q]).abs().max() < 1e-5
+    assert (wa[q] - wb[q]).abs().max() < 1e-2 * wa[q].abs().max()
 
 
 def _calib8():
