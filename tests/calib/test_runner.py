@@ -441,7 +441,8 @@ def test_low_precision_linears_leave_replaced_forwards_alone():
 
 def test_bfloat16_sparsegpt_runs_its_sequential_replay():
     """SparseGPT's sequential runner with bfloat16 matmuls: weights stay float32, and the
-    first block's q mask and update (float32 inputs) are those of the float32 run."""
+    first block's q mask is that of the float32 run; its update is close (the Gram is
+    that of the bfloat16-rounded inputs, products exact, sums in float32)."""
     import prunelab
     from prunelab import SparseGPT
     calib = _calib8()
@@ -456,7 +457,7 @@ def test_bfloat16_sparsegpt_runs_its_sequential_replay():
     wa, wb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
     q = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(wa[q] == 0, wb[q] == 0)  # same float32 inputs, same first mask
-    assert (wa[q] - wb[q]).abs().max() < 1e-5
+    assert (wa[q] - wb[q]).abs().max() < 1e-2 * wa[q].abs().max()
 
 
 def _calib8():
@@ -464,3 +465,47 @@ def _calib8():
 
     return TokenBatches(input_ids=tiny_tokens(8, 16), spec="tiny", seqlen=16, samples=8,
                         seed=0, mode="calib", total_windows=8, sha256="0")
+
+
+def test_low_precision_cache_converts_a_weight_once_until_it_changes():
+    """bfloat16 calibration converts each weight once per block, not once per batch: the
+    cached copy is reused while the weight is unchanged, made again after an in-place
+    change (a pruning step), and dropped when another block runs; an input read by
+    several linears is converted once."""
+    from prunelab.calib.runner import LowPrecisionCache, low_precision_linears
+
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 2)
+    block = torch.nn.ModuleList([a, b])
+    cache = LowPrecisionCache().for_block(block)
+    x = torch.randn(5, 4)
+    with low_precision_linears(block, torch.bfloat16, cache):
+        ya = a(x)
+        xb = cache.last[2]
+        b(x)
+        assert cache.last[2] is xb  # the shared input converted once
+    first = cache.weights[id(a)][3]
+    with low_precision_linears(block, torch.bfloat16, cache):
+        torch.testing.assert_close(a(x), ya, rtol=0, atol=0)
+    assert cache.weights[id(a)][3] is first and cache.last is None
+    with torch.no_grad():
+        set_weight_out_in(a, torch.zeros(3, 4))
+    with low_precision_linears(block, torch.bfloat16, cache):
+        assert torch.equal(a(x), a.bias.bfloat16().float().expand(5, 3))
+    assert cache.weights[id(a)][3] is not first
+    assert cache.for_block(torch.nn.Linear(1, 1)).weights == {}
+
+
+def test_shared_grams_equal_per_matrix_grams():
+    """q/k/v and gate/up read one tensor each: with ``share=True`` one ``X^T X`` per
+    distinct input (4 per block, not 7), equal to each matrix's own Gram."""
+    model = tiny_model("llama")
+    ad = get_adapter(model)
+    runner = BlockRunner(model, tiny_tokens(4, 12), batch_size=2)
+    runner.capture()
+    targets = ad.linears(1)
+    shared = runner.collect(1, runner.inputs, targets, lambda n: [Gram(torch.float32)],
+                            share=True, stop_early=False)
+    alone = runner.collect(1, runner.inputs, targets, lambda n: [Gram(torch.float32)])
+    assert len({id(a[0]) for a in shared.values()}) == 4 < len(targets) == 7
+    for name in targets:
+        torch.testing.assert_close(shared[name][0].xtx, alone[name][0].xtx, rtol=0, atol=0)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from prunelab.calib.stats import AbsQuantile, Gram, MeanVar, SumSquares
+from prunelab.calib.stats import (
+    AbsQuantile,
+    Gram,
+    MeanVar,
+    SumSquares,
+    low_precision_products,
+)
 
 X1 = torch.tensor([[1.0, 2.0], [3.0, -4.0]])
 X2 = torch.tensor([[[0.0, 1.0]], [[2.0, 0.0]]])  # [batch 2, tokens 1, d 2]
@@ -70,3 +77,47 @@ def test_abs_quantile_exact_and_seeded():
     assert a.quantile(0.99) != c.quantile(0.99)
     exact = float(torch.quantile(data.abs().reshape(-1).double(), 0.9))
     assert abs(a.quantile(0.9) - exact) < 0.15
+
+
+def _bf16_products_available():
+    mm = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return mm is not None and hasattr(mm, "fp32_precision")
+
+
+@pytest.mark.skipif(not _bf16_products_available(), reason="no oneDNN fp32_precision switch")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("d", [40, 300])  # one product; panels
+def test_gram_low_precision_products_are_the_gram_of_rounded_inputs(dtype, d):
+    """Inside low_precision_products(bfloat16): the Gram of the bfloat16-rounded inputs
+    (each product exact in float32, float32 sums), in the accumulator's dtype; the switch
+    is restored on exit and the exact products come back outside."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, d, generator=gen) for _ in range(3)]
+    low, exact = Gram(dtype), Gram(dtype)
+    mm = torch.backends.mkldnn.matmul
+    before = mm.fp32_precision
+    with low_precision_products(torch.bfloat16):
+        for x in xs:
+            low.update(x)
+    assert mm.fp32_precision == before and low.xtx.dtype == dtype
+    for x in xs:
+        exact.update(x.bfloat16().double())
+    torch.testing.assert_close(low.xtx.double(), exact.xtx.double(), rtol=1e-5, atol=1e-4)
+    plain = Gram(dtype)
+    with low_precision_products(None):
+        for x in xs:
+            plain.update(x)
+    ref = sum(x.double().t() @ x.double() for x in xs)
+    torch.testing.assert_close(plain.xtx.double(), ref, rtol=1e-5, atol=1e-4)
+    assert (low.xtx.double() - ref).abs().max() > 1e-3  # the rounding is there
+
+
+def test_sum_squares_float32_batches_float64_running_sum():
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(2, 50, 7, generator=gen) for _ in range(4)]
+    acc = SumSquares()
+    for x in xs:
+        acc.update(x)
+    assert acc.sum_sq.dtype == torch.float64
+    ref = sum(x.double().square().sum((0, 1)) for x in xs)
+    torch.testing.assert_close(acc.sum_sq, ref, rtol=1e-6, atol=0)

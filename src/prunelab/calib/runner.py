@@ -18,6 +18,7 @@ for its turn, so a model larger than the accelerator can be calibrated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,41 +28,94 @@ import torch
 from torch import nn
 
 from prunelab.calib.sequential import SequentialBlock, SharedInputs, StopBlock, as_list
-from prunelab.calib.stats import Accumulator
+from prunelab.calib.stats import Accumulator, low_precision_products
 from prunelab.log import progress
 from prunelab.models.adapters import Adapter, get_adapter
 
 
-def _linear_in(module: nn.Linear, dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+class LowPrecisionCache:
+    """What :func:`low_precision_linears` converted, kept across block calls: each
+    linear's weight (and bias) in the compute dtype, made again only when the weight
+    changed (another tensor, or an in-place change: its version counter), and the last
+    input converted, so linears that read the very same tensor (q/k/v, gate/up) convert
+    it once. The runner keeps one block's weights: ``for_block(block)`` clears the cache
+    when another block runs."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, tuple] = {}
+        self.last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+        self.block: int | None = None
+
+    def for_block(self, block: nn.Module) -> LowPrecisionCache:
+        if self.block != id(block):
+            self.clear()
+            self.block = id(block)
+        return self
+
+    def weight(self, module: nn.Linear, dtype: torch.dtype):
+        # the key's tensors are held (detached views): their storage cannot be freed and
+        # reused at the same address while the entry lives
+        params = [p.detach() for p in (module.weight, module.bias) if p is not None]
+        key = [(p.data_ptr(), p._version) for p in params]
+        hit = self.weights.get(id(module))
+        if hit is None or hit[0] != key or hit[1] != dtype:
+            conv = [p.to(dtype) for p in params]
+            hit = (key, dtype, params, conv[0], conv[1] if len(conv) > 1 else None)
+            self.weights[id(module)] = hit
+        return hit[3], hit[4]
+
+    def input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        last = self.last
+        if last is not None and last[0] is x and last[1] == x._version:
+            return last[2]
+        xd = x.to(dtype)
+        self.last = (x, x._version, xd)
+        return xd
+
+    def clear(self) -> None:
+        self.weights.clear()
+        self.last = None
+        self.block = None
+
+
+def _linear_in(module: nn.Linear, dtype: torch.dtype, cache: LowPrecisionCache,
+               x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` computed in ``dtype`` (inputs and weights rounded to it, products
     accumulated by the matmul kernel), returned in ``x``'s dtype."""
-    bias = module.bias.to(dtype) if module.bias is not None else None
-    return nn.functional.linear(x.to(dtype), module.weight.to(dtype), bias).to(x.dtype)
+    weight, bias = cache.weight(module, dtype)
+    return nn.functional.linear(cache.input(x, dtype), weight, bias).to(x.dtype)
 
 
 @contextlib.contextmanager
-def low_precision_linears(block: nn.Module, dtype: torch.dtype | None):
+def low_precision_linears(block: nn.Module, dtype: torch.dtype | None,
+                          cache: LowPrecisionCache | None = None):
     """Inside: every ``nn.Linear`` of ``block`` whose weight is not ``dtype`` computes in
     ``dtype`` (bfloat16 calibration). Only the matmuls change: the weights keep their
     dtype (a method's masks and updates stay in float32), the linears' inputs -- what the
     statistics hooks see -- and outputs stay in the model's dtype, and so does everything
-    between them (norms, attention, residuals)."""
-    import functools
-
+    between them (norms, attention, residuals). ``cache``: the converted weights kept
+    from an earlier call (:class:`LowPrecisionCache`); without one, a fresh cache for
+    this call (an input shared by several linears is still converted once). The
+    statistics hooks' Gram products run in ``dtype`` too
+    (:func:`~prunelab.calib.stats.low_precision_products`)."""
     patched = []
     if dtype is not None:
+        cache = cache if cache is not None else LowPrecisionCache()
         for m in block.modules():
             # a module whose forward is already replaced (the sequential runner's replayed
             # or placeholder linears) does not compute: left as it is
             if type(m) is nn.Linear and m.weight.dtype != dtype and \
                     "forward" not in m.__dict__:
-                m.forward = functools.partial(_linear_in, m, dtype)
+                m.forward = functools.partial(_linear_in, m, dtype, cache)
                 patched.append(m)
     try:
-        yield
+        with low_precision_products(dtype):
+            yield
     finally:
         for m in patched:
             del m.forward  # back to the class's forward
+        if cache is not None:
+            cache.last = None  # the block call's activations are not kept
 
 
 class _Recorder(nn.Module):
@@ -170,6 +224,7 @@ class BlockRunner:
         self.batches = list(torch.as_tensor(input_ids).split(batch_size))
         # bfloat16 calibration (a LoadedModel's ``calib_dtype``): the blocks' matmuls in it
         self.compute_dtype = getattr(model, "calib_dtype", None)
+        self._low = LowPrecisionCache()  # the current block's weights in compute_dtype
         self.block_evals = 0  # block x batch evaluations spent
         self.calls: list[list[tuple[tuple, dict]]] = []
         self.inputs: list[torch.Tensor] = []
@@ -244,7 +299,7 @@ class BlockRunner:
         args, kwargs = self.call_args(index, batch)
         self.block_evals += 1
         try:
-            with low_precision_linears(blk, self.compute_dtype):
+            with low_precision_linears(blk, self.compute_dtype, self._low.for_block(blk)):
                 out = blk(hidden.to(self.device), *args, **kwargs)
         except StopBlock:
             return None

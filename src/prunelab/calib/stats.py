@@ -8,8 +8,46 @@ nothing about models or hooks: the calibration runner feeds them.
 from __future__ import annotations
 
 import abc
+import contextlib
+import threading
 
 import torch
+
+_PRODUCTS = threading.local()  # the dtype of the Gram products inside low_precision_products
+
+
+@contextlib.contextmanager
+def low_precision_products(dtype: torch.dtype | None):
+    """Inside, with ``dtype=torch.bfloat16``: :class:`Gram` products of CPU tensors are
+    bfloat16 matmuls accumulated and returned in float32 (oneDNN's
+    ``fp32_precision="bf16"``: AMX or AVX512-BF16 where the CPU has them), added to the
+    Gram's own accumulator (float32 or float64). The inputs are rounded to bfloat16 once,
+    every product of two rounded inputs is exact in float32, and the sums are float32:
+    the Gram of the bfloat16-rounded activations. ``None`` (or a torch without that
+    switch, or another device): the exact products, as outside."""
+    prev = getattr(_PRODUCTS, "dtype", None)
+    _PRODUCTS.dtype = dtype if dtype == torch.bfloat16 and _bf16_switch() else None
+    try:
+        yield
+    finally:
+        _PRODUCTS.dtype = prev
+
+
+def _bf16_switch():
+    """oneDNN's float32-matmul precision switch, or ``None`` in a torch without it."""
+    mm = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return mm if mm is not None and hasattr(mm, "fp32_precision") else None
+
+
+@contextlib.contextmanager
+def _bf16_matmuls():
+    mm = _bf16_switch()
+    prev = mm.fp32_precision
+    mm.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        mm.fp32_precision = prev
 
 
 class Accumulator(abc.ABC):
@@ -44,7 +82,9 @@ class SumSquares(Accumulator):
         x = _flat(x)
         if x.dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
-        s = x.square().sum(0, dtype=torch.float64)  # squares in x's dtype, float64 sum
+        # squares and the batch's (pairwise) sum in x's dtype, the running sum in float64:
+        # a float64 reduction over the tokens costs three times as much on a CPU
+        s = x.square().sum(0).to(torch.float64)
         self.sum_sq = s if self.sum_sq is None else self.sum_sq + s
         self.tokens += x.shape[0]
 
@@ -64,7 +104,9 @@ class Gram(Accumulator):
     ``addmm`` each: a panel's rows against the columns from its own start), which skips
     about a third of the multiply-adds of a full ``x^T x``; :attr:`xtx` mirrors the upper
     triangle into an exactly symmetric matrix the first time it is read after an update.
-    Below ``PANEL_MIN`` input channels one full product is used.
+    Below ``PANEL_MIN`` input channels one full product is used. Inside
+    :func:`low_precision_products` (bfloat16 calibration) the products are bfloat16
+    matmuls with float32 accumulation.
     """
 
     GRAM_PANELS = 3
@@ -77,18 +119,37 @@ class Gram(Accumulator):
         self._sym: torch.Tensor | None = None
 
     def update(self, x: torch.Tensor) -> None:
-        x = _flat(x).to(self.dtype)
+        x = _flat(x)
         d = x.shape[1]
         if self._acc is None:
             self._acc = torch.zeros((d, d), dtype=self.dtype, device=x.device)
-        if d < self.PANEL_MIN:
-            self._acc.addmm_(x.t(), x)
+        if getattr(_PRODUCTS, "dtype", None) is not None and x.device.type == "cpu":
+            self._add_low(x.to(torch.float32))
         else:
-            step = -(-d // self.GRAM_PANELS)
-            for a in range(0, d, step):
-                self._acc[a:a + step, a:].addmm_(x[:, a:a + step].t(), x[:, a:])
+            self._add(self._acc, x.to(self.dtype))
         self._sym = None
         self.tokens += x.shape[0]
+
+    def _add(self, acc: torch.Tensor, x: torch.Tensor) -> None:
+        """``acc += upper(x^T x)`` in panels (``acc`` and ``x`` of one dtype)."""
+        d = x.shape[1]
+        if d < self.PANEL_MIN:
+            acc.addmm_(x.t(), x)
+            return
+        step = -(-d // self.GRAM_PANELS)
+        for a in range(0, d, step):
+            acc[a:a + step, a:].addmm_(x[:, a:a + step].t(), x[:, a:])
+
+    def _add_low(self, x: torch.Tensor) -> None:
+        """The products as bfloat16 matmuls with float32 accumulation (``x`` float32),
+        added to the accumulator in its dtype."""
+        with _bf16_matmuls():
+            if self._acc.dtype == torch.float32:
+                self._add(self._acc, x)
+                return
+            part = torch.zeros(self._acc.shape, dtype=torch.float32, device=x.device)
+            self._add(part, x)
+        self._acc += part
 
     @property
     def xtx(self) -> torch.Tensor | None:
