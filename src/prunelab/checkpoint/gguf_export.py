@@ -363,7 +363,8 @@ def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[list, list, li
 def source_gguf(spec: str, depth: int = 32) -> Path | None:
     """The GGUF file ``spec`` descends from: an embedded GGUF model, a ``.gguf`` path, or
     a prunelab checkpoint whose manifest's ``source_model`` leads to one; else ``None``."""
-    from prunelab.models.embedded import EMBEDDED, resolve_embedded
+    from prunelab.models.embedded import EMBEDDED
+    from prunelab.models.resolve import resolve_embedded
 
     for _ in range(depth):
         if spec in EMBEDDED:
