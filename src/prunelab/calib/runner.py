@@ -18,6 +18,7 @@ for its turn, so a model larger than the accelerator can be calibrated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -46,8 +47,6 @@ def low_precision_linears(block: nn.Module, dtype: torch.dtype | None):
     dtype (a method's masks and updates stay in float32), the linears' inputs -- what the
     statistics hooks see -- and outputs stay in the model's dtype, and so does everything
     between them (norms, attention, residuals)."""
-    import functools
-
     patched = []
     if dtype is not None:
         for m in block.modules():

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prunelab.errors import UnsupportedOperationError
+
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 
 
@@ -200,8 +202,6 @@ class BMuon(torch.optim.Optimizer):
 def mlp_channel_groups(lm) -> list[ChannelGroup]:
     """The MLP channel groups of a loaded model through its adapter (separate
     ``nn.Linear`` gate / up / down projections; fused gate_up is refused)."""
-    from prunelab.errors import UnsupportedOperationError
-
     groups = []
     for i in range(lm.adapter.num_blocks):
         proj = lm.adapter.mlp_projections(i)
