@@ -244,8 +244,6 @@ STREAMABLE_PROBES = ("block-influence", "span-angular", "cka")
 
 def check_streamable_probes(items) -> None:
     """One-line error naming the probes of ``items`` that need the whole model."""
-    from prunelab.probes.base import PROBES
-
     names = [p if isinstance(p, str) else PROBES.name_of(p) for p in items]
     bad = [n for n in names if n not in STREAMABLE_PROBES]
     if bad:

@@ -39,6 +39,7 @@ from prunelab.probes.base import (
 )
 from prunelab.probes.context import ProbeContext
 from prunelab.probes.reliability import add_reliability
+from prunelab.probes.summary import write_summary
 from prunelab.registry import check_range
 
 
@@ -232,7 +233,6 @@ def _write_result(result: ProbeResult, out: Path) -> None:
 def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int,
                    fingerprint: dict | None = None) -> None:
     from prunelab.probes.plots import plot_swap_pair
-    from prunelab.probes.summary import write_summary
     from prunelab.probes.swap_plots import plot_swap_diagonals
 
     if "replacement" in results and "interchange" in results:

@@ -178,7 +178,7 @@ def _ranking_rows(result: ProbeResult) -> list[dict]:
 
 
 def _probe_section(results: Mapping[str, ProbeResult], probe_summary: str | None) -> str:
-    from prunelab.probes import summary as ps
+    from prunelab.probes import comparison as ps
     from prunelab.probes.plots import plot_result, plot_swap_pair
     from prunelab.probes.swap_plots import plot_swap_diagonals
 
