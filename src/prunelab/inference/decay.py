@@ -59,7 +59,6 @@ from prunelab.errors import ConfigError
 from prunelab.inference.base import CACHE_BUDGET, PRESSES, Press
 from prunelab.inference.config import StreamingLLM
 from prunelab.inference.kv import evictable_layers
-from prunelab.inference.press import press as _press
 from prunelab.inference.scores import (
     ScoreInputs,
     attention_rows,
@@ -299,6 +298,10 @@ def fit_decay(lm, input_ids: torch.Tensor, ratio: float = 0.5, window: int = 8,
         raise ConfigError(f"fit_decay: windows of {t} tokens are too short for window "
                           f"{window}, observe {observe} and horizon {horizon}")
     rows_needed = horizon + observe if horizon else max(window, observe)
+
+    # the press module imports budgets.py, whose presses register after this module's (the
+    # order of CLI lists): imported here, not at the top
+    from prunelab.inference.press import press as _press  # noqa: PLC0415 - registration order
 
     rows: dict[int, list] = {}
     captured: dict[int, torch.Tensor] = {}

@@ -26,6 +26,7 @@ from prunelab.calib.stats import Gram, MeanVar
 from prunelab.errors import UnsupportedOperationError
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.models.size import model_size
+from prunelab.models.streaming import holding
 from prunelab.pruning.base import EXPERTS, FACTORED, PRUNERS, SKIPPED, TOKENS, MethodReport, Pruner
 from prunelab.pruning.width import plan as P
 from prunelab.pruning.width import scores as S
@@ -207,7 +208,6 @@ def apply_plans(lm, cfg: Width, runner: BlockRunner, plans, stats) -> dict:
     if cfg.compensate:
         runner.run(on_block=one, propagate="modified", desc="width compensation")
     else:
-        from prunelab.models.streaming import holding
         for i in range(ad.num_blocks):
             with holding(runner, ad.block(i)):  # a streamed block: read from disk
                 one(i, None)
