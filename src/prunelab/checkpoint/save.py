@@ -70,7 +70,7 @@ def source_files(source, names=PROCESSOR_FILES) -> dict[str, Path]:
     if str(source).count("/") != 1:
         return {}
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - optional
     except ImportError:
         return {}
     found = {}

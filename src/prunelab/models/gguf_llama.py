@@ -79,7 +79,7 @@ def require_llama_cpp():
     """The ``llama_cpp`` module (``llama-cpp-python``), or a one-line ConfigError saying how
     to install it (it compiles llama.cpp; the README gives the flags)."""
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: PLC0415 - optional llama-cpp-python
     except ImportError as exc:
         raise ConfigError("this needs llama-cpp-python: pip install 'prunelab[llamacpp]' (it "
                           "compiles llama.cpp; see the README for the build flags)") from exc

@@ -349,7 +349,7 @@ def _config_validation_errors() -> tuple[type, ...]:
     (``TypeError``) or a class validator refusing the shapes (huggingface_hub's
     ``StrictDataclassError``, e.g. a hidden size no multiple of the heads)."""
     try:
-        from huggingface_hub.errors import StrictDataclassError
+        from huggingface_hub.errors import StrictDataclassError  # noqa: PLC0415 - optional
     except ImportError:
         return (TypeError,)
     return (TypeError, StrictDataclassError)

@@ -333,7 +333,7 @@ def load_streamed(spec: str, dtype: str | torch.dtype | None = "auto",
     safetensors checkpoint or a ``.gguf`` file (converted once into the cache); computing
     ``device`` may be ``cpu`` or ``cuda`` (the resident parts and the block in turn move
     there). ``work_dir``: where pruned blocks are staged (default: the system temp)."""
-    from accelerate import init_empty_weights
+    from accelerate import init_empty_weights  # noqa: PLC0415 - accelerate (heavy)
 
     dev = L.resolve_device(device)
     dt = L.resolve_dtype(dtype, dev)

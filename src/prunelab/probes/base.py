@@ -226,14 +226,14 @@ class ProbeResult:
     def to_frame(self):
         """A pandas DataFrame of the scores (pandas is optional)."""
         try:
-            import pandas as pd
+            import pandas as pd  # noqa: PLC0415 - optional pandas
         except ImportError as exc:  # pragma: no cover - pandas ships with datasets
             raise ConfigError("to_frame needs pandas: pip install pandas") from exc
         return pd.DataFrame([{**s, "layers": tuple(s["layers"])} for s in self.scores])
 
     def plot(self, path: str | Path | None = None):
         """A matplotlib figure (bars per layer, or a heatmap for pair probes)."""
-        from prunelab.probes.plots import plot_result
+        from prunelab.probes.plots import plot_result  # noqa: PLC0415 - matplotlib
 
         return plot_result(self, path)
 

@@ -75,7 +75,7 @@ def orthogonalise(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5,
                   eps: float = 1e-7) -> torch.Tensor:
     """``NS(g) ~ U V^T`` of a 2-D tensor (PyTorch's Muon iteration when available)."""
     try:
-        from torch.optim._muon import _zeropower_via_newtonschulz
+        from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: PLC0415 - not in every torch
     except ImportError:  # pragma: no cover - older torch
         return _newton_schulz(g, coefficients, steps, eps)
     return _zeropower_via_newtonschulz(g, coefficients, steps, eps)
