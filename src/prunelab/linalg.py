@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from scipy.stats import spearmanr
 
 #: largest matrix side decomposed on a single CPU thread
 SINGLE_THREAD_MAX = 4096
@@ -97,8 +98,6 @@ def pinv(a: torch.Tensor, *args, **kwargs):
 
 def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     """Spearman rank correlation (average ranks for ties); 0 when undefined."""
-    from scipy.stats import spearmanr
-
     if x.numel() < 2:
         return 0.0
     rho = spearmanr(x.double().numpy(), y.double().numpy()).statistic

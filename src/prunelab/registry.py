@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
+import os
 import pkgutil
 import re
 import sys
@@ -277,8 +278,6 @@ _REGISTERS = re.compile(r"^@[A-Za-z_][\w.]*\.register\(", re.MULTILINE)
 def _registers(path: str) -> bool:
     """True when the module (or any module of the package) at ``path`` registers a piece:
     a line starting with ``@<REGISTRY>.register(``."""
-    import os
-
     if os.path.isdir(path):
         return any(_registers(os.path.join(root, f))
                    for root, _, files in os.walk(path) for f in files if f.endswith(".py"))
@@ -296,8 +295,6 @@ def import_submodules(package_name: str, first: tuple[str, ...] = ()) -> list[st
     ``@<REGISTRY>.register(``, by name. A subpackage registers its own modules the same way
     from its ``__init__``. Returns the imported submodule names, in import order.
     """
-    import os
-
     package = importlib.import_module(package_name)
     found = {}
     for info in pkgutil.iter_modules(package.__path__):

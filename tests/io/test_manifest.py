@@ -15,7 +15,7 @@ from prunelab.data.batches import TokenBatches
 from prunelab.errors import CorruptCheckpointError
 from prunelab.io.manifest import read_json_file, read_manifest
 from prunelab.pruning.width.elastic import ElasticRanking
-from prunelab.pruning.width.elastic.method import check_ranking
+from prunelab.pruning.width.elastic.store import check_ranking
 
 from tiny_models import save_tiny_checkpoint, tiny_tokens
 

@@ -31,7 +31,7 @@ from prunelab.io import files as filesmod
 from prunelab.io import lock as lockmod
 from prunelab.io.files import check_output_path, write_json
 from prunelab.io.lock import clean_leftovers, move_noreplace, output_lock, publish_once
-from prunelab.models import loading
+from prunelab.models import conversion, loading
 from prunelab.models.loading import wrap
 
 from tiny_models import char_tokenizer, save_tiny_checkpoint, tiny_model, tiny_tokens
@@ -503,7 +503,7 @@ def test_gguf_cache_write_never_deletes_a_concurrent_complete_copy(tmp_path, mon
         (target / "config.json").write_text('{"theirs": 1}')
         (tmp / "config.json").write_text('{"mine": 1}')
 
-    loading._publish_checkpoint(target, write)
+    conversion.publish_checkpoint(target, write)
     assert json.loads((target / "config.json").read_text()) == {"theirs": 1}
     assert [p.name for p in target.parent.iterdir()] == ["key"]
 

@@ -13,8 +13,9 @@ import pytest
 
 from prunelab.errors import ModelNotFoundError
 from prunelab.models import embedded
-from prunelab.models.embedded import EMBEDDED, resolve_embedded
+from prunelab.models.embedded import EMBEDDED
 from prunelab.models.memory import release_free_memory
+from prunelab.models.resolve import resolve_embedded
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,12 +60,12 @@ def test_parts_are_joined_in_order_and_checked(tmp_path, monkeypatch):
     good = hashlib.sha256(b"GGUF-part2-3").hexdigest()
     em = embedded.EmbeddedModel(name="t-ok", kind="gguf-parts", packages=(), install="x",
                                 sha256=good)
-    out = embedded._assemble_parts(em, parts)
+    out = embedded.assemble_parts(em, parts)
     assert out.read_bytes() == b"GGUF-part2-3"
     bad = embedded.EmbeddedModel(name="t-bad", kind="gguf-parts", packages=(), install="x",
                                  sha256="0" * 64)
     with pytest.raises(ModelNotFoundError, match="sha256"):
-        embedded._assemble_parts(bad, parts)
+        embedded.assemble_parts(bad, parts)
     assert not list(out.parent.glob("t-bad*"))
 
 

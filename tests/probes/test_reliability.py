@@ -16,6 +16,7 @@ from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64
 from prunelab.models.loading import wrap
 from prunelab.probes import ProbeContext, ProbeResult, probe_names, run_probes
+from prunelab.probes.comparison import lowest_n
 from prunelab.probes.plots import plot_result
 from prunelab.probes.reliability import (
     add_reliability,
@@ -30,7 +31,7 @@ from prunelab.probes.reliability import (
     windows_for,
 )
 from prunelab.probes.reliability_report import interval_class
-from prunelab.probes.summary import lowest_n, write_summary
+from prunelab.probes.summary import write_summary
 from prunelab.pruning import Depth
 
 from tiny_models import tiny_model, tiny_tokens

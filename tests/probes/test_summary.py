@@ -7,14 +7,14 @@ import math
 import pytest
 
 from prunelab.probes.base import ProbeResult
-from prunelab.probes.plots import plot_result, plot_swap_pair
-from prunelab.probes.summary import (
+from prunelab.probes.comparison import (
     decision_rule,
     greedy_no_adjacent,
     lowest_n,
     rank_correlations,
-    write_summary,
 )
+from prunelab.probes.plots import plot_result, plot_swap_pair
+from prunelab.probes.summary import write_summary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from prunelab.errors import ConfigError
-from prunelab.workflow.recipe import load_recipe, recipe_from_checkpoint
+from prunelab.workflow.from_checkpoint import recipe_from_checkpoint
+from prunelab.workflow.recipe import load_recipe
 
 from tiny_models import SAMPLE_TEXT, save_tiny_checkpoint
 

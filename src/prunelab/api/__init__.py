@@ -7,22 +7,45 @@ The CLI is a thin face over these functions; everything it does can be done from
 from __future__ import annotations
 
 import contextlib
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import prunelab.pruning  # noqa: F401 - the methods' custom modules and save hooks register
+from prunelab.calib.streamed import check_streamed_eval, score_windows_streamed, streamed_prune
 from prunelab.checkpoint.save import build_manifest
 from prunelab.checkpoint.save import save as _save
+from prunelab.checkpoint.stream_save import save_streamed
 from prunelab.data import TokenBatches, make_batches
+from prunelab.data.images import ImageBatches, images_for
+from prunelab.data.speech import feature_batches
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.eval.perplexity import score_windows
+from prunelab.eval.embedding import SentenceBatch, score_sentences, sentence_batch
+from prunelab.eval.gradient_alignment import gradient_alignment
+from prunelab.eval.perplexity import check_continuation, score_windows
+from prunelab.eval.speech import evaluate_speech
 from prunelab.eval.speed import measure_speed
+from prunelab.eval.tasks import check_tasks, evaluate_tasks
+from prunelab.eval.vision import evaluate_vision
+from prunelab.heal import heal as run_heal
+from prunelab.io.manifest import source_manifest
+from prunelab.models.custom import flops_per_token
 from prunelab.models.linear import in_out_features
-from prunelab.models.loading import LoadedModel, wrap
+from prunelab.models.loading import LoadedModel, resolve_calib_dtype, resolve_device, wrap
 from prunelab.models.loading import load as _load
 from prunelab.models.size import model_size
+from prunelab.models.streaming import load_streamed
 from prunelab.models.vocab import check_token_ids
+from prunelab.models.whisper import use_stack
+from prunelab.probes import run_probes
+from prunelab.probes.base import check_streamable_probes
+from prunelab.pruning import pruner_for
+from prunelab.pruning.base import PruneReport, check_composable, config_dict, method_name
+from prunelab.pruning.factor.config import factorized_modules
+from prunelab.train.config import HealConfig
 
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
@@ -49,8 +72,6 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     ``stack``: ``encoder`` / ``decoder`` for Whisper (which stack probes and pruning act
     on; default encoder). ``calib_dtype="bfloat16"``: every calibration of this model runs
     the blocks' matmuls in bfloat16 (see :func:`prune`)."""
-    from prunelab.models.loading import resolve_calib_dtype
-
     calib = resolve_calib_dtype(calib_dtype)  # a bad value before the model loads
     lm = _load_any(spec, dtype, device, trust_remote_code, offload, allow_pickle,
                    allow_missing_weights, stream, stack)
@@ -60,10 +81,7 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
 
 def _load_any(spec, dtype, device, trust_remote_code, offload, allow_pickle,
               allow_missing_weights, stream, stack) -> LoadedModel:
-    from prunelab.models.loading import resolve_device
-
     if stream:
-        from prunelab.models.streaming import load_streamed
         if allow_missing_weights or allow_pickle:
             raise ConfigError("--stream reads complete safetensors shards: it does not take "
                               "--allow-missing-weights or --allow-pickle")
@@ -79,8 +97,6 @@ def _load_any(spec, dtype, device, trust_remote_code, offload, allow_pickle,
     lm.offload_to = target
     lm.size_before = model_size(lm.model)
     if stack is not None:  # multi-stack models (Whisper): encoder or decoder
-        from prunelab.models.whisper import use_stack
-
         use_stack(lm, stack)
     return lm
 
@@ -114,9 +130,6 @@ def info(model) -> dict[str, Any]:
                     for r, m in ad.mlp_projections(i).items()} if mlp else "removed",
         })
     size = model_size(lm.model)
-    from prunelab.models.custom import flops_per_token
-    from prunelab.pruning.factor.config import factorized_modules
-
     return {
         "flops_per_token": flops_per_token(lm.model),
         "factorized": factorized_modules(lm.model),
@@ -141,15 +154,11 @@ def tokens_for(lm: LoadedModel, data, seqlen: int = 512, samples: int | None = N
         check_token_ids(lm, data.input_ids, "the token batches")
         return data
     if lm.adapter.is_vision:  # pixel batches: images:calib|test, lfw:calib|test
-        from prunelab.data.images import ImageBatches, images_for
-
         if isinstance(data, str) and data.startswith("wiki-vital"):  # the text default
             data = f"images:{mode or 'calib'}"
         return data if isinstance(data, ImageBatches) else \
             images_for(data, samples=samples, seed=seed, mode=mode)
     if getattr(lm.adapter.spec, "entry", None) is not None:  # speech encoder: log-mel inputs
-        from prunelab.data.speech import feature_batches
-
         return feature_batches(lm, data, samples=samples, seed=seed, mode=mode)
     if lm.tokenizer is None:
         raise ConfigError("this model has no tokenizer: pass token batches instead of a spec")
@@ -204,15 +213,12 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     """
     lm = _as_loaded(model, tokenizer)
     if tasks is not None:
-        from prunelab.eval.tasks import check_tasks
-
         check_tasks(lm, tasks, limit)  # user errors before any scoring
     elif limit is not None:
         raise ConfigError("--limit counts task items: it needs --tasks")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     if getattr(lm, "streamer", None) is not None:
-        from prunelab.calib.streamed import check_streamed_eval
         check_streamed_eval(speed=speed, gradient_alignment=gradient_reference)
     if lm.adapter.is_vision:  # photos + LFW probe + images/s (prunelab.eval.vision)
         return _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
@@ -220,8 +226,6 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
                                      allow_pickle=allow_pickle,
                                      allow_missing_weights=allow_missing_weights))
     if getattr(lm.model.config, "model_type", None) == "whisper":  # speech: WER, RTF
-        from prunelab.eval.speech import evaluate_speech
-
         return evaluate_speech(lm, "speech" if data == "wiki-vital:test" else data,
                                samples=samples, batch_size=batch_size)
     ref = None
@@ -260,15 +264,11 @@ def evaluate(model, data="wiki-vital:test", seqlen: int = 512, samples: int | No
     if speed:
         result.update(measure_speed(lm))
     if tasks is not None:
-        from prunelab.eval.tasks import evaluate_tasks
-
         result["tasks"] = evaluate_tasks(lm, tasks, limit=limit)
     return result
 
 
 def _streamed_score(lm, input_ids, **kw):
-    from prunelab.calib.streamed import score_windows_streamed
-
     if kw.pop("continuation", None) is not None:
         raise ConfigError("a streamed evaluation scores whole windows only (no continuation)")
     return score_windows_streamed(lm, input_ids, **kw)
@@ -277,10 +277,6 @@ def _streamed_score(lm, input_ids, **kw):
 def _continuation(lm, continuation: int | None, t: int) -> int | None:
     """The continuation scored on its own in ``t``-token windows: the active press'
     (checked against ``continuation`` when given), else ``continuation``."""
-    import sys
-
-    from prunelab.eval.perplexity import check_continuation
-
     pressing = sys.modules.get("prunelab.inference.press")  # not imported: no press active
     session = None if pressing is None else pressing.active_session(lm)
     if session is not None:
@@ -296,8 +292,6 @@ def _continuation(lm, continuation: int | None, t: int) -> int | None:
 
 def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remote_code,
                         allow_pickle, allow_missing_weights) -> dict[str, Any]:
-    from prunelab.eval.gradient_alignment import gradient_alignment
-
     ref = reference if isinstance(reference, LoadedModel) else \
         load(reference, dtype=lm.dtype, device=str(lm.device),
              trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
@@ -309,8 +303,6 @@ def _gradient_alignment(lm, reference, input_ids, batch_size, params, trust_remo
 
 def _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
                      load_kw) -> dict[str, Any]:
-    from prunelab.eval.vision import evaluate_vision
-
     ref = reference if reference is None or isinstance(reference, LoadedModel) else \
         load(reference, dtype=lm.dtype, device=str(lm.device), **load_kw)
     photos = data if isinstance(data, str) and data.startswith("images") else None
@@ -322,8 +314,6 @@ def _evaluate_vision(lm, data, samples, batch_size, reference, reference_cache,
 
 def _evaluate_encoder(lm, data, seqlen, samples, batch_size, ref, speed,
                       reference_cache) -> dict[str, Any]:
-    from prunelab.eval.embedding import SentenceBatch, score_sentences, sentence_batch
-
     if speed:
         raise UnsupportedOperationError(
             f"{lm.spec} is an encoder: --speed measures prefill and decoding of causal LMs")
@@ -364,8 +354,6 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
     that take a seed. Examples: ``prunelab.probe(lm, Interchange(window=1), data)``,
     ``prunelab.probe(lm, "interchange,cka", data, window=1)``.
     """
-    from prunelab.probes import run_probes
-
     lm = _as_loaded(model, tokenizer)
     single = not isinstance(probes, (str, list, tuple)) or (
         isinstance(probes, str) and "," not in probes)
@@ -373,7 +361,6 @@ def probe(model, probes, data="wiki-vital:calib", seqlen: int = 256, samples: in
     items = [p.strip() if isinstance(p, str) else p for p in items]
     items = [p for p in items if p != ""]
     if getattr(lm, "streamer", None) is not None:
-        from prunelab.probes.base import check_streamable_probes
         check_streamable_probes(items)
     batches = tokens_for(lm, data, seqlen=seqlen, samples=samples, seed=seed, mode="calib")
     with _calibrating_in(lm, calib_dtype):  # bfloat16 matmuls on request (see prune)
@@ -404,8 +391,6 @@ def prune(model, config, data="wiki-vital:calib", seqlen: int = 256,
 @contextlib.contextmanager
 def _calibrating_in(lm, calib_dtype):
     """``lm.calib_dtype`` set for the call when ``calib_dtype`` is given (else as is)."""
-    from prunelab.models.loading import resolve_calib_dtype
-
     if calib_dtype is None:
         yield
         return
@@ -418,11 +403,6 @@ def _calibrating_in(lm, calib_dtype):
 
 
 def _prune(lm, config, data, seqlen, samples, seed, batch_size):
-    import time
-
-    from prunelab.pruning import pruner_for
-    from prunelab.pruning.base import PruneReport, check_composable, config_dict, method_name
-
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
     pruner = pruner_for(config)
@@ -432,8 +412,6 @@ def _prune(lm, config, data, seqlen, samples, seed, batch_size):
         if pruner.needs_data else None
     start = time.perf_counter()
     before = model_size(lm.model)
-    from prunelab.calib.streamed import streamed_prune
-
     with streamed_prune(lm, config):  # a streamed model: pruned blocks go to disk
         details = pruner.run(lm, config, None if batches is None else batches.input_ids,
                              batch_size=batch_size)
@@ -452,29 +430,50 @@ def _prune(lm, config, data, seqlen, samples, seed, batch_size):
 
 def heal(model, teacher=None, data="wiki-vital:calib", eval_data="wiki-vital:test",
          config=None, out_dir: str | Path | None = None, manifest: dict | None = None,
-         **options):
+         train_samples: int | None = None, eval_samples: int | None = 32,
+         load_options: dict | None = None, **options):
     """Heal a pruned model with a short fine-tune that keeps its structure (LoRA or full;
     ce / kd / hidden / mix losses; optional REP-LIE or CascadeFlow pruning while tuning):
     see :mod:`prunelab.heal`. ``config``: a :class:`~prunelab.heal.HealConfig` (or its
-    fields as ``options``); ``out_dir``: the resumable state folder. Returns
+    fields as ``options``); ``out_dir``: the resumable state folder. Models and data may be
+    specs or loaded objects: the windows are made here (``config.seqlen``; training: all
+    windows of ``data`` or ``train_samples`` of them, shuffled by the run; evaluation: the
+    first ``eval_samples`` windows of ``eval_data``, ``None`` for no evaluation), the
+    student's manifest read from its checkpoint folder when there is one. Returns
     ``(lm, record)``; save with ``prunelab.save(lm, out, extra={"healing": record})``."""
-    from prunelab.api.heal_text import heal_specs
-
     if getattr(model, "streamer", None) is not None:
         raise UnsupportedOperationError("heal trains through the whole model: load it "
                                         "without --stream (stream=False)")
-
-    return heal_specs(model, teacher, data, eval_data, config, out_dir, manifest, **options)
+    if config is not None and options:
+        raise ConfigError("give config or options, not both")
+    cfg = config or HealConfig(**options)
+    if teacher is not None and not cfg.needs_teacher:
+        raise ConfigError(f"--teacher is used by --loss kd, hidden and mix only (this run's "
+                          f"loss is {cfg.loss})")
+    load_options = load_options or {}
+    lm = load(model, **load_options) if isinstance(model, str) else _as_loaded(model)
+    ref = None
+    if teacher is not None:
+        ref = load(teacher, dtype=lm.dtype, device=str(lm.device), **{
+            k: v for k, v in load_options.items() if k not in ("dtype", "device")}) \
+            if isinstance(teacher, str) else _as_loaded(teacher)
+    if manifest is None:
+        manifest = source_manifest(lm)
+    train = tokens_for(lm, data, seqlen=cfg.seqlen, samples=train_samples, mode="test")
+    evals = None if eval_data is None else tokens_for(
+        lm, eval_data, seqlen=cfg.seqlen, samples=eval_samples, mode="test")
+    lm, record = run_heal(lm, ref, train.input_ids, None if evals is None else evals.input_ids,
+                          cfg, out_dir=out_dir, manifest=manifest)
+    record["data"] = {"train": train.to_dict(), "eval": None if evals is None else
+                      evals.to_dict()}
+    return lm, record
 
 
 def save(model, out_dir: str | Path, manifest: dict | None = None, overwrite: bool = False,
          tokenizer=None, **manifest_fields) -> Path:
     """Write a checkpoint that plain ``transformers`` loads, with ``manifest.json``."""
-    import prunelab.pruning  # noqa: F401 - the methods' custom modules and save hooks register
-
     lm = _as_loaded(model, tokenizer)
     man = manifest if manifest is not None else build_manifest(lm, **manifest_fields)
     if getattr(lm, "streamer", None) is not None:
-        from prunelab.checkpoint.stream_save import save_streamed
         return save_streamed(lm, out_dir, manifest=man, overwrite=overwrite)
     return _save(lm, out_dir, manifest=man, overwrite=overwrite)

@@ -13,10 +13,21 @@ defaults (``wiki-vital:calib`` / ``wiki-vital:test``) mean these.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-from prunelab.api.heal_text import read_manifest
+from prunelab import api
+from prunelab.data.images import images_for
+from prunelab.data.speech import RATE, feature_extractor, load_speech
 from prunelab.errors import ConfigError
+from prunelab.eval.speech import is_speech_model
+from prunelab.io.manifest import source_manifest
+from prunelab.models.embedded import EMBEDDED
+from prunelab.models.families import family_for_model_type, original_model_type
+from prunelab.models.whisper import use_stack
+from prunelab.train.encoder_distill import pack_clips
 from prunelab.train.encoders import EncoderHealConfig, heal_encoder
 
 VISION_TRAIN, VISION_EVAL = 64, 32
@@ -25,8 +36,6 @@ SPEECH_TRAIN, SPEECH_EVAL = 48, 16
 
 def encoder_modality(lm) -> str | None:
     """``"vision"`` (DINOv2 / ViT), ``"speech"`` (Whisper) or ``None`` (text)."""
-    from prunelab.eval.speech import is_speech_model
-
     if lm.adapter.is_vision:
         return "vision"
     if is_speech_model(lm):
@@ -35,8 +44,6 @@ def encoder_modality(lm) -> str | None:
 
 
 def _images(spec: str, samples: int, size: int, seed: int, split: str) -> tuple:
-    from prunelab.data.images import images_for
-
     if spec.startswith("wiki-vital"):
         spec = f"images:{split}"
     data = images_for(spec, samples=samples, seed=seed, size=size)
@@ -57,9 +64,6 @@ def vision_inputs(data: str, eval_data: str | None, train_samples: int | None,
 
 
 def _speech(lm, spec: str, samples: int, split: str) -> tuple:
-    from prunelab.data.speech import RATE, feature_extractor, load_speech
-    from prunelab.train.encoder_distill import pack_clips
-
     if spec.startswith("wiki-vital"):
         spec = f"speech:synth-{split}"
     speech = load_speech(spec, samples)
@@ -94,9 +98,6 @@ def heal_encoder_specs(lm, teacher, data: str = "wiki-vital:calib",
     """Heal the loaded encoder ``lm`` from ``teacher`` (a spec or a loaded model) on the
     inputs of ``data`` / ``eval_data`` (module docstring); returns ``(lm, record)`` with
     ``record["data"]`` naming the inputs."""
-    from prunelab import api
-    from prunelab.models.whisper import use_stack
-
     cfg = config or EncoderHealConfig()
     modality = encoder_modality(lm)
     if modality is None:
@@ -116,7 +117,7 @@ def heal_encoder_specs(lm, teacher, data: str = "wiki-vital:calib",
     else:
         train, held, rec = vision_inputs(data, eval_data, train_samples, eval_samples,
                                          image_size, cfg.seed)
-    lm, record = heal_encoder(lm, ref, train, held, cfg, manifest=read_manifest(lm))
+    lm, record = heal_encoder(lm, ref, train, held, cfg, manifest=source_manifest(lm))
     record["data"] = rec
     if modality == "vision":
         record["image_size"] = image_size
@@ -130,12 +131,6 @@ def peek_modality(spec: str) -> str | None:
     """The modality of a model spec without loading it: an embedded model's kind, or a
     local checkpoint's ``config.json`` ``model_type``; ``None`` for text models and for
     specs that cannot be read this way (hub ids)."""
-    import json
-    from pathlib import Path
-
-    from prunelab.models.embedded import EMBEDDED
-    from prunelab.models.families import family_for_model_type, original_model_type
-
     if spec in EMBEDDED:
         return _EMBEDDED_KINDS.get(EMBEDDED[spec].kind)
     cfg = Path(spec).expanduser() / "config.json"

@@ -24,6 +24,7 @@ import torch
 from prunelab.calib.runner import BlockRunner
 from prunelab.errors import UnsupportedOperationError
 from prunelab.eval.divergence import kl_from_logits, nll_sum, top1_agreement
+from prunelab.eval.perplexity import final_hidden
 from prunelab.models.streaming import streamer_of
 
 
@@ -42,7 +43,6 @@ def streamed_final_hidden(lm, input_ids: torch.Tensor, batch_size: int) -> list[
 def _final_hidden(lm, ids_batches, input_ids, batch_size):
     if streamer_of(lm) is not None:
         return streamed_final_hidden(lm, input_ids, batch_size)
-    from prunelab.eval.perplexity import final_hidden
 
     return [final_hidden(lm, ids) for ids in ids_batches]
 

@@ -38,22 +38,35 @@ before a size is cut, rotary scaling other than the default, and other architect
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import json
 import os
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 
+from prunelab._version import __version__
+from prunelab.checkpoint.imatrix import IMatrix, read_imatrix
 from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.io.files import atomic_file, check_output_path
+from prunelab.models.bridges import BRIDGE_ATTR
+from prunelab.models.custom import custom_modules
+from prunelab.models.embedded import EMBEDDED
 from prunelab.models.families import original_model_type
 from prunelab.models.gguf_llama import (
     BLOCK_NAMES,
     GEMMA3_BLOCK_NAMES,
     TOP_NAMES,
     interleave_rope_rows,
+    require_llama_cpp,
 )
+from prunelab.models.resolve import resolve_embedded
 
 #: Hugging Face ``model_type`` -> GGUF architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
@@ -247,9 +260,6 @@ def _kind(module) -> str | None:
 def _refuse_inexpressible(model) -> dict:
     """Refuse, in one line naming why and what to do, what llama.cpp cannot compute; return
     ``{path: module}`` of the factorized linears written as their dense product."""
-    from prunelab.models.bridges import BRIDGE_ATTR
-    from prunelab.models.custom import custom_modules
-
     if any(isinstance(getattr(m, BRIDGE_ATTR, None), torch.nn.Module)
            for m in model.modules()):  # a bridge class from remote code counts too
         raise _refuse("linear bridges (ghost / lra recovery) map the residual stream over a "
@@ -270,8 +280,6 @@ def _refuse_inexpressible(model) -> dict:
 
 def _dictionaries(model) -> list[str]:
     """Paths of shared dictionaries (their atoms are in the products' dense weights)."""
-    from prunelab.models.custom import custom_modules
-
     return [p for p, m in custom_modules(model) if _kind(m) == "shared_dictionary"]
 
 
@@ -363,8 +371,6 @@ def _block_widths(model: torch.nn.Module, head_dim: int) -> tuple[list, list, li
 def source_gguf(spec: str, depth: int = 32) -> Path | None:
     """The GGUF file ``spec`` descends from: an embedded GGUF model, a ``.gguf`` path, or
     a prunelab checkpoint whose manifest's ``source_model`` leads to one; else ``None``."""
-    from prunelab.models.embedded import EMBEDDED, resolve_embedded
-
     for _ in range(depth):
         if spec in EMBEDDED:
             if not EMBEDDED[spec].kind.startswith("gguf"):
@@ -386,8 +392,6 @@ def source_gguf(spec: str, depth: int = 32) -> Path | None:
 def _copy_tokenizer(writer, path: Path, vocab: int) -> bool:
     """Copy the ``tokenizer.*`` keys of the GGUF file ``path``; False when its vocabulary
     is not ``vocab`` tokens (then the caller builds it)."""
-    import gguf
-
     reader = gguf.GGUFReader(path)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None or len(tokens.data) != vocab:
@@ -409,8 +413,6 @@ PRE_TOKENIZERS = {"qwen2": "qwen2"}
 
 def _build_tokenizer(writer, tokenizer, model_type: str, vocab: int) -> list[str]:
     """``tokenizer.*`` keys from a Hugging Face byte-level BPE tokenizer; returns notes."""
-    import gguf
-
     notes = []
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     model = spec["model"]
@@ -454,8 +456,6 @@ def _build_tokenizer(writer, tokenizer, model_type: str, vocab: int) -> list[str
 
 
 def _tensor_data(t: torch.Tensor, rope: int, qtype) -> tuple[np.ndarray, object]:
-    import gguf
-
     a = t.detach().to("cpu", torch.float32).numpy()
     if rope:
         a = interleave_rope_rows(a, rope)
@@ -475,11 +475,6 @@ def write_gguf(lm, path: str | Path, out_type: str = "f16", overwrite: bool = Fa
     :func:`quantize_gguf`); ``extra``: more string keys for the header.
     Returns what was written: architecture, blocks, output type, tensors, bytes, tokenizer
     source and notes."""
-    import gguf
-
-    from prunelab._version import __version__
-    from prunelab.io.files import atomic_file
-
     if out_type in QUANT_TYPES:
         return _write_quantized(lm, path, out_type, overwrite, name, operations, extra,
                                 imatrix)
@@ -565,11 +560,6 @@ def quantize_gguf(src: str | Path, dst: str | Path, out_type: str,
     the path of an imatrix file; llama.cpp then weighs each column's rounding error by the
     column's mean squared input (the IQ types of :data:`QUANT_TYPES` marked
     ``needs_imatrix`` are refused without one)."""
-    import ctypes
-
-    from prunelab.checkpoint.imatrix import IMatrix, read_imatrix
-    from prunelab.models.gguf_llama import require_llama_cpp
-
     kind = QUANT_TYPES.get(out_type)
     if kind is None:
         raise ConfigError(f"quantized type {out_type!r}: {' | '.join(QUANT_TYPES)}")
@@ -606,8 +596,6 @@ def check_imatrix(path: str | Path, im) -> None:
     """Refuse an importance matrix that does not fit the GGUF file ``path``: an entry whose
     width is not its weight's input width, or one that names none of the file's block
     weights (another model's matrix)."""
-    import gguf
-
     cols = {t.name: int(t.shape[0]) for t in gguf.GGUFReader(path).tensors
             if len(t.shape) >= 2 and t.name.startswith("blk.")}
     matched = 0
@@ -625,10 +613,6 @@ def check_imatrix(path: str | Path, im) -> None:
 
 def tensor_types(path: str | Path) -> dict[str, int]:
     """How many tensors of each GGML type the GGUF file ``path`` holds."""
-    import collections
-
-    import gguf
-
     return dict(collections.Counter(t.tensor_type.name
                                     for t in gguf.GGUFReader(path).tensors))
 
@@ -637,8 +621,6 @@ def fallbacks(path: str | Path, out_type: str) -> list[dict]:
     """The weights of the quantized GGUF file ``path`` that llama.cpp could not store in
     ``out_type``'s block type because their input width (columns) is not a multiple of its
     block (:func:`quant_block`): name, columns and the type they got instead."""
-    import gguf
-
     block = quant_block(out_type)
     out = []
     for t in gguf.GGUFReader(path).tensors:
@@ -651,9 +633,6 @@ def fallbacks(path: str | Path, out_type: str) -> list[dict]:
 def fallback_note(fell: list[dict], out_type: str) -> str | None:
     """One line naming the tensors that fell back, grouped over blocks
     (``blk.*.ffn_down.weight x24 (1232 columns) -> Q8_0``)."""
-    import collections
-    import re
-
     if not fell:
         return None
     groups = collections.Counter(
@@ -672,11 +651,6 @@ def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations,
     """Write an f16 (bf16 for a bfloat16 model) GGUF beside ``path``, quantize it into
     ``path`` with llama.cpp (atomic), remove the intermediate; report the tensor types,
     and name the weights that fell back (widths not a multiple of the block)."""
-    import tempfile
-
-    from prunelab.io.files import atomic_file, check_output_path
-    from prunelab.models.gguf_llama import require_llama_cpp
-
     require_llama_cpp()  # before any work
     check_output_path(path, kind="file", overwrite=overwrite)
     plan_gguf(lm.model)  # refusals before writing anything
@@ -706,8 +680,6 @@ def _write_quantized(lm, path, out_type: str, overwrite: bool, name, operations,
 
 def gguf_string(path: str | Path, key: str) -> str | None:
     """The string value of ``key`` in the GGUF file ``path`` (None: absent or unreadable)."""
-    import gguf
-
     try:
         field = gguf.GGUFReader(path).fields.get(key)
     except (ValueError, OSError, KeyError, IndexError, EOFError):

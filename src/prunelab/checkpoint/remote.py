@@ -18,9 +18,15 @@ import inspect
 import json
 from pathlib import Path
 
+import transformers
 from torch import nn
 
-from prunelab.models import bridges
+from prunelab._version import __version__
+from prunelab.models import bridges, custom
+from prunelab.models.adapters import get_adapter
+from prunelab.models.custom import custom_modules
+from prunelab.models.families import original_model_type
+from prunelab.models.linear import in_out_features
 
 PREFIX = "prunelab_bridged_"
 MOE_PREFIX = "prunelab_moe_"  # PrunePath experts (the issue's name for these models)
@@ -145,8 +151,6 @@ def has_bridges(model: nn.Module) -> bool:
 
 def has_custom_modules(model: nn.Module) -> bool:
     """True when ``model`` holds prunelab custom modules (:mod:`prunelab.models.custom`)."""
-    from prunelab.models.custom import custom_modules
-
     return bool(custom_modules(model))
 
 
@@ -158,8 +162,6 @@ def needs_remote_code(model: nn.Module) -> bool:
 def _custom_sources(model: nn.Module) -> tuple[str, str]:
     """The source of :class:`PrunelabModule`, ``set_module`` and every custom module class
     ``model`` uses (each class once), and the tuple of their names."""
-    from prunelab.models import custom
-
     classes: list[type] = []
     for _, module in custom.custom_modules(model):
         # the registered class (a module rebuilt from a checkpoint is a copy of it)
@@ -181,8 +183,6 @@ def _custom_sources(model: nn.Module) -> tuple[str, str]:
 def _transformers_base(cls: type) -> type:
     """The nearest class of ``cls``'s MRO that ``transformers`` exports (a model loaded from
     a prunelab modeling file subclasses it)."""
-    import transformers
-
     for base in cls.__mro__:
         if getattr(transformers, base.__name__, None) is base:
             return base
@@ -199,8 +199,6 @@ def class_names(model: nn.Module) -> tuple[str, str]:
 
 
 def modeling_source(model: nn.Module, model_type: str) -> str:
-    from prunelab._version import __version__
-
     custom_source, custom_classes = _custom_sources(model)
     model_class, config_class = class_names(model)
     return _TEMPLATE.format(
@@ -219,9 +217,6 @@ def width_specs(model: nn.Module) -> dict:
     """Shapes of every block projection (``{"module", "in", "out", "bias"}``, paths from
     the model root) and the head-count attributes of every attention module (the family's
     ``FamilySpec.head_attributes``)."""
-    from prunelab.models.adapters import get_adapter
-    from prunelab.models.linear import in_out_features
-
     ad = get_adapter(model)
     names = {id(m): n for n, m in model.named_modules()}
     linears, attributes = [], {}
@@ -238,14 +233,10 @@ def width_specs(model: nn.Module) -> dict:
 
 def needs_width_code(model: nn.Module) -> bool:
     """True when a plain config cannot describe the model's (pruned) widths."""
-    from prunelab.models.adapters import get_adapter
-
     return bool(get_adapter(model).vanilla_problems())
 
 
 def _auto_key(model: nn.Module) -> str:
-    from prunelab.models.adapters import get_adapter
-
     encoder = get_adapter(model).is_encoder or getattr(model.config, "is_encoder_decoder",
                                                        False)
     return "AutoModel" if encoder else "AutoModelForCausalLM"
@@ -259,9 +250,6 @@ def load_hint(model: nn.Module) -> str:
 def write_remote_code(model: nn.Module, directory: Path) -> dict:
     """Add the modeling file and rewrite ``config.json`` in a saved checkpoint ``directory``.
     Returns what was recorded (for the manifest)."""
-    from prunelab.models.custom import custom_modules
-    from prunelab.models.families import original_model_type
-
     base_type = original_model_type(model.config.model_type)
     moe = any(m.prunelab_kind == "prunepath_mlp" for _, m in custom_modules(model))
     model_type = (MOE_PREFIX if moe else PREFIX) + base_type
@@ -272,7 +260,6 @@ def write_remote_code(model: nn.Module, directory: Path) -> dict:
     cfg = json.loads(cfg_path.read_text())
     cfg["model_type"] = model_type
     cfg["prunelab_bridges"] = specs
-    from prunelab.models.custom import custom_modules
 
     modules = [{"module": path, "kind": m.prunelab_kind, "spec": m.prunelab_spec()}
                for path, m in custom_modules(model)]

@@ -13,6 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
+from prunelab._version import __version__
+from prunelab.checkpoint.remote import has_bridges, has_custom_modules, load_hint, write_remote_code
 from prunelab.errors import PrunelabError
 from prunelab.io.files import (
     MANIFEST_FORMAT,
@@ -65,7 +70,7 @@ def source_files(source, names=PROCESSOR_FILES) -> dict[str, Path]:
     if str(source).count("/") != 1:
         return {}
     try:
-        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub import try_to_load_from_cache  # noqa: PLC0415 - optional
     except ImportError:
         return {}
     found = {}
@@ -103,11 +108,6 @@ def register_save_extra(fn):
 
 
 def versions() -> dict[str, str]:
-    import torch
-    import transformers
-
-    from prunelab._version import __version__
-
     return {"prunelab": __version__, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version()}
 
@@ -154,8 +154,6 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     recovery) get a modeling file and ``auto_map`` and load with
     ``trust_remote_code=True`` (see :mod:`prunelab.checkpoint.remote`).
     """
-    from prunelab.checkpoint.remote import has_bridges, has_custom_modules
-
     out = Path(out_dir)
     check_not_input(out, {"model (the checkpoint it was loaded from)":
                           getattr(lm, "source", None)})
@@ -197,8 +195,6 @@ def finish_checkpoint(lm, tmp: Path, out: Path, manifest: dict | None, remote: b
     """Copy the source's processor files, write the manifest (plus ``extra`` fields) and the
     remote code into the temporary checkpoint folder ``tmp``, make it durable and rename it
     into place at ``out``."""
-    from prunelab.checkpoint.remote import load_hint, write_remote_code
-
     copy_source_files(lm, tmp)  # processors, feature extractors, chat templates
     man = dict(manifest) if manifest is not None else build_manifest(lm)
     man.update(extra)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from prunelab.checkpoint.remote import has_bridges, has_custom_modules
 from prunelab.checkpoint.save import finish_checkpoint
 from prunelab.io.files import _check_target, _os_errors, check_not_input
 from prunelab.io.lock import clean_leftovers, output_lock, temp_prefix
@@ -229,8 +230,6 @@ def save_streamed(lm, out_dir: str | Path, manifest: dict | None = None,
     """Save a streamed (possibly pruned) model as a plain ``transformers`` checkpoint plus
     ``manifest.json``, atomically; the config follows the pruned shapes like
     :func:`prunelab.checkpoint.save.save` (per-block widths get the generated modeling file)."""
-    from prunelab.checkpoint.remote import has_bridges, has_custom_modules
-
     out = Path(out_dir)
     check_not_input(out, {"model (the checkpoint it was loaded from)":
                           getattr(lm, "source", None)})

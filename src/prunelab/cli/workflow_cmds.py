@@ -81,7 +81,7 @@ def recipe_cmd(
         overwrite: bool = typer.Option(False, help="replace an existing --out file")):
     """The recipe that produced a checkpoint; `prunelab run` on it reproduces the
     checkpoint (identical tensors on CPU)."""
-    from prunelab.workflow.recipe import recipe_from_checkpoint
+    from prunelab.workflow.from_checkpoint import recipe_from_checkpoint
 
     text = recipe_from_checkpoint(source).to_yaml()
     if out_file is None:

@@ -235,7 +235,7 @@ def _load_wikitext2(split: str, local_dir: str | None) -> TextSource:
     if local_dir is None:
         offline_reason()  # offline (decided once): datasets reads its cache only, no retries
     try:
-        import datasets
+        import datasets  # noqa: PLC0415 - datasets (heavy)
 
         if local_dir is not None:
             rows = datasets.load_dataset("parquet", data_files={hub_split: files},
@@ -264,7 +264,7 @@ def _load_c4(split: str, local_dir: str | None) -> TextSource:
     if local_dir is None:
         offline_reason()  # offline (decided once): datasets reads its cache only, no retries
     try:
-        import datasets
+        import datasets  # noqa: PLC0415 - datasets (heavy)
 
         if local_dir is not None:
             rows = datasets.load_dataset("json", data_files={hub_split: files}, split=hub_split)

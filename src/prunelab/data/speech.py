@@ -38,8 +38,15 @@ from math import gcd
 from pathlib import Path
 
 import numpy as np
+import torch
+import transformers as tf
+from scipy.io import wavfile
+from scipy.signal import resample_poly
 
+from prunelab.data import TokenBatches
+from prunelab.data.sources import load_text_source
 from prunelab.errors import DataError
+from prunelab.paths import cache_dir, package_file
 
 RATE = 16000
 ARCTIC_A0007 = "And you always want to see it in the superlative degree."
@@ -78,8 +85,6 @@ class SpeechSet:
 
 def resample(audio: np.ndarray, rate: int, target: int = RATE) -> np.ndarray:
     """``audio`` at ``rate`` Hz resampled to ``target`` (polyphase, scipy)."""
-    from scipy.signal import resample_poly
-
     if rate == target:
         return audio.astype(np.float32)
     g = gcd(int(rate), int(target))
@@ -88,8 +93,6 @@ def resample(audio: np.ndarray, rate: int, target: int = RATE) -> np.ndarray:
 
 def load_wav(path: str | Path) -> np.ndarray:
     """A WAV file as float32 mono 16 kHz in [-1, 1] (integer PCM scaled by its range)."""
-    from scipy.io import wavfile
-
     try:
         rate, data = wavfile.read(str(path))
     except (ValueError, OSError) as exc:
@@ -106,8 +109,6 @@ def load_wav(path: str | Path) -> np.ndarray:
 
 # ------------------------------------------------------------------ embedded real clips
 def _pyannote_dir() -> Path | None:
-    from prunelab.paths import package_file
-
     wav = package_file("pyannote-audio", "pyannote.audio", "sample/sample.wav")
     return wav.parent if wav is not None else None
 
@@ -124,8 +125,6 @@ def stm_transcript(path: Path) -> str:
 
 
 def arctic_path() -> Path:
-    from prunelab.paths import cache_dir
-
     return cache_dir() / "speech" / "arctic_a0007.wav"
 
 
@@ -153,8 +152,6 @@ _CLEAN = re.compile(r"^[A-Za-z][A-Za-z ,;'\-]*[A-Za-z]{3}[.!?]$")
 def corpus_sentences(split: str, count: int) -> list[str]:
     """``count`` sentences of ``wiki-vital:<split>`` (6-20 words, letters and simple
     punctuation only), ordered by the sha1 of the sentence (a fixed, spread sample)."""
-    from prunelab.data.sources import load_text_source
-
     seen, keep = set(), []
     for doc in load_text_source(f"wiki-vital:{split}").documents:
         for s in _SENT.split(doc.replace("\n", " ")):
@@ -172,8 +169,6 @@ def espeak_available() -> bool:
 
 def synthesise(text: str, voice: str = "en-us") -> np.ndarray:
     """``text`` spoken by espeak-ng, 16 kHz float32; cached by sha1(voice, text)."""
-    from prunelab.paths import cache_dir
-
     exe = shutil.which("espeak-ng")
     if exe is None:
         raise DataError("espeak-ng is not installed (apt-get install espeak-ng): the "
@@ -187,7 +182,6 @@ def synthesise(text: str, voice: str = "en-us") -> np.ndarray:
         try:
             subprocess.run([exe, "-v", voice, "-w", tmp, text], check=True,
                            capture_output=True, timeout=60)
-            from scipy.io import wavfile
 
             wavfile.write(tmp + "16", RATE, (load_wav(tmp) * 32767).astype(np.int16))
             os.replace(tmp + "16", path)
@@ -264,11 +258,6 @@ def feature_batches(lm, data: str, samples: int | None = None, seed: int = 0,
     (``input_ids`` holds the features; the block runner feeds them to the encoder). A
     text spec (``wiki-vital:...``, the text default) means ``speech:synth-calib`` for
     calibration and ``speech`` for tests. ``seed`` is recorded only (the order is fixed)."""
-    import torch
-
-    from prunelab.data import TokenBatches
-    from prunelab.data.speech import feature_extractor
-
     if data.startswith("wiki-vital"):
         data = "speech" if mode == "test" else "speech:synth-calib"
     speech = load_speech(data, samples)
@@ -286,8 +275,6 @@ def feature_batches(lm, data: str, samples: int | None = None, seed: int = 0,
 def feature_extractor(lm):
     """The model's ``WhisperFeatureExtractor`` (from its checkpoint folder, else the
     default one with the model's mel bins)."""
-    import transformers as tf
-
     cached = getattr(lm, "_speech_features", None)
     if cached is not None:
         return cached

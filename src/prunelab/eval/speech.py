@@ -24,6 +24,7 @@ import torch
 from prunelab.data.speech import RATE, SpeechSet, feature_extractor, load_speech
 from prunelab.errors import ConfigError
 from prunelab.eval.task_metric import TASK_METRICS, TaskMetric
+from prunelab.models.size import model_size
 
 WINDOW = 30 * RATE
 _PUNCT = re.compile(r"[^\w\s']|_")
@@ -113,8 +114,6 @@ def evaluate_speech(lm, data: str | SpeechSet = "speech", samples: int | None = 
                     batch_size: int = 8) -> dict[str, Any]:
     """The ``evaluate`` result of a speech model: :func:`speech_scores` plus size, data
     and model."""
-    from prunelab.models.size import model_size
-
     speech = data if isinstance(data, SpeechSet) else load_speech(data, samples)
     res = speech_scores(lm, speech, batch_size=batch_size)
     res.update(model_size(lm.model))

@@ -12,6 +12,7 @@ import statistics
 import threading
 import time
 
+import psutil
 import torch
 
 
@@ -19,8 +20,6 @@ class PeakRSS:
     """Context manager sampling the process RSS; ``.peak`` in bytes."""
 
     def __init__(self, interval: float = 0.002):
-        import psutil
-
         self.proc = psutil.Process()
         self.interval = interval
         self.peak = self.proc.memory_info().rss

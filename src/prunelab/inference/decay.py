@@ -53,9 +53,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from prunelab.errors import ConfigError
 from prunelab.inference.base import CACHE_BUDGET, PRESSES, Press
+from prunelab.inference.config import StreamingLLM
+from prunelab.inference.kv import evictable_layers
 from prunelab.inference.scores import (
     ScoreInputs,
     attention_rows,
@@ -287,11 +290,6 @@ def fit_decay(lm, input_ids: torch.Tensor, ratio: float = 0.5, window: int = 8,
     ``horizon > 0`` fits to the attention of the last ``horizon`` tokens of each window
     on the prompt before them (see the module docstring). Returns a ready
     :class:`DecayEviction`."""
-    from transformers import DynamicCache
-
-    from prunelab.inference.config import StreamingLLM
-    from prunelab.inference.press import press as _press
-
     n, t = input_ids.shape
     check_range("horizon", horizon, 0, None, integer=True)
     check_range("observe", observe, 0, None, integer=True)
@@ -300,7 +298,10 @@ def fit_decay(lm, input_ids: torch.Tensor, ratio: float = 0.5, window: int = 8,
         raise ConfigError(f"fit_decay: windows of {t} tokens are too short for window "
                           f"{window}, observe {observe} and horizon {horizon}")
     rows_needed = horizon + observe if horizon else max(window, observe)
-    from prunelab.inference.kv import evictable_layers
+
+    # the press module imports budgets.py, whose presses register after this module's (the
+    # order of CLI lists): imported here, not at the top
+    from prunelab.inference.press import press as _press  # noqa: PLC0415 - registration order
 
     rows: dict[int, list] = {}
     captured: dict[int, torch.Tensor] = {}

@@ -31,9 +31,11 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits
+from prunelab.inference.config import StreamingLLM
 from prunelab.inference.decay import (
     FEATURES,
     DecayEviction,
@@ -43,6 +45,7 @@ from prunelab.inference.decay import (
     snap_scores,
 )
 from prunelab.inference.kv import budget, evict, evictable_layers
+from prunelab.inference.press import press
 from prunelab.inference.scores import attention_rows, group_heads
 from prunelab.log import Ticker
 from prunelab.registry import check_range
@@ -142,11 +145,6 @@ class KLCalibration:
         self.layers = evictable_layers(self.windows[0].cache) if self.windows else []
 
     def _prepare(self, row: torch.Tensor, pairs: dict) -> _Window:
-        from transformers import DynamicCache
-
-        from prunelab.inference.config import StreamingLLM
-        from prunelab.inference.press import press
-
         lm, h, o = self.lm, self.horizon, self.observe
         p = row.shape[1] - h
         rows: dict[int, torch.Tensor] = {}

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prunelab._version import __version__
 from prunelab.errors import ResumeMismatchError
 
 FORMAT = "prunelab-fingerprint/1"
@@ -102,8 +103,6 @@ def model_part(lm) -> dict[str, Any]:
 
 def data_part(input_ids: torch.Tensor, info: dict | None = None) -> dict[str, Any]:
     """The ``data`` part: sha256 of the windows ``[N, T]`` plus their description."""
-    from prunelab.io.fingerprint import tensor_sha256
-
     info = info or {}
     part = {"sha256": tensor_sha256(input_ids)}
     part.update({k: info.get(k) for k in DATA_DESCRIPTORS})
@@ -124,8 +123,6 @@ def make_fingerprint(lm, input_ids: torch.Tensor, data_info: dict | None = None,
     ``model``: a precomputed :func:`model_part` (hashing weights costs ~1 s per GB).
     ``parts``: further parts (e.g. ``test_data=data_part(test_ids, info)``).
     """
-    from prunelab._version import __version__
-
     fp = {"format": FORMAT, "prunelab": __version__,
           "model": model if model is not None else model_part(lm),
           "dtype": dtype_name(lm), "data": data_part(input_ids, data_info),

@@ -51,3 +51,10 @@ def read_manifest(folder: str | Path) -> dict | None:
     if "source_model" in man and not isinstance(man["source_model"], dict):
         raise CorruptCheckpointError(f"{path}: 'source_model' must be an object")
     return man
+
+
+def source_manifest(lm) -> dict | None:
+    """``manifest.json`` of the checkpoint folder ``lm`` (a LoadedModel) was loaded from, if
+    any (checked as :func:`read_manifest` does)."""
+    source = str(getattr(lm, "source", "") or "")
+    return read_manifest(Path(source)) if source and Path(source).is_dir() else None

@@ -13,6 +13,7 @@ not forks: one generic implementation reads the spec.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,6 @@ def pixel_options(module: nn.Module) -> dict:
     """``{"interpolate_pos_encoding": True}`` when ``module``'s forward takes it (ViT's
     position embeddings are fixed to one image size unless interpolated; at that size the
     interpolation is the identity), else ``{}`` (DINOv2 always interpolates)."""
-    import inspect
-
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):

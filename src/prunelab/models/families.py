@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 
 def _llama_head_dim(cfg) -> int:
@@ -298,13 +299,19 @@ def _whisper_stack(stack: str) -> FamilySpec:
         heads_representable=_derived_representable(f"whisper {stack}"),
         encoder=not decoder, attn_branch="self_attn", mlp_branch="fc2",
         layers_field=f"{stack}_layers", model_class="WhisperForConditionalGeneration",
-        entry=None if decoder else _encoder_entry)
+        entry=None if decoder else EncoderEntry)
 
 
-def _encoder_entry(base):
-    from prunelab.models.whisper import EncoderEntry
+class EncoderEntry(nn.Module):
+    """Calls the Whisper encoder as ``entry(input_ids=features)``: the runner's entry
+    point takes ``input_ids``, which for the speech encoder are log-mel features."""
 
-    return EncoderEntry(base)
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.encoder = base.encoder
+
+    def forward(self, input_ids=None, use_cache=None, **kwargs):  # noqa: ARG002
+        return self.encoder(input_features=input_ids)
 
 
 WHISPER_ENCODER = _whisper_stack("encoder")

@@ -28,10 +28,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+import transformers
 
-from prunelab.errors import CorruptCheckpointError, UnsupportedOperationError
+from prunelab.errors import ConfigError, CorruptCheckpointError, UnsupportedOperationError
+from prunelab.models.adapters import get_adapter
+from prunelab.models.custom import install
+from prunelab.models.sublayer import SkippedAttention, SkippedMLP, SkippedNorm
 
 #: Hugging Face name inside a block -> llama.cpp name inside ``blk.N``
 BLOCK_NAMES = {
@@ -73,10 +78,8 @@ def split_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
 def require_llama_cpp():
     """The ``llama_cpp`` module (``llama-cpp-python``), or a one-line ConfigError saying how
     to install it (it compiles llama.cpp; the README gives the flags)."""
-    from prunelab.errors import ConfigError
-
     try:
-        import llama_cpp
+        import llama_cpp  # noqa: PLC0415 - optional llama-cpp-python
     except ImportError as exc:
         raise ConfigError("this needs llama-cpp-python: pip install 'prunelab[llamacpp]' (it "
                           "compiles llama.cpp; see the README for the build flags)") from exc
@@ -85,8 +88,6 @@ def require_llama_cpp():
 
 def gguf_architecture(path: str | Path) -> str | None:
     """``general.architecture`` of the GGUF file ``path`` (None when unreadable)."""
-    import gguf
-
     try:
         field = gguf.GGUFReader(path).fields.get("general.architecture")
         return None if field is None else str(field.contents())
@@ -111,8 +112,6 @@ def read_deci_layout(path: str | Path) -> dict:
     """The hyperparameters of a ``deci`` GGUF file: hidden size, blocks, per-block query
     heads / KV heads / FFN widths, head size, rotary base, norm epsilon, context length,
     tied output head, prunelab's recorded operations (``[]`` when the file has none)."""
-    import gguf
-
     reader = gguf.GGUFReader(path)
     f = reader.fields
     arch = _field(f, "general.architecture")
@@ -161,8 +160,6 @@ def read_deci_layout(path: str | Path) -> dict:
 
 def _tensors(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of the file, de-quantized to float32, in numpy's (rows, columns) order."""
-    import gguf
-
     out = {}
     for t in gguf.GGUFReader(path).tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -190,12 +187,6 @@ def load_deci(path: str | Path, dtype: torch.dtype = torch.float32, tokenizer: b
     """``(model, tokenizer, operations)`` for the ``deci`` GGUF file ``path``: a Hugging
     Face Llama model with each block's own widths (see the module docstring); the
     tokenizer is ``None`` when not asked for."""
-    import transformers
-
-    from prunelab.models.adapters import get_adapter
-    from prunelab.models.custom import install
-    from prunelab.models.sublayer import SkippedAttention, SkippedMLP, SkippedNorm
-
     path = Path(path)
     lay = read_deci_layout(path)
     arrays = _tensors(path)
@@ -289,8 +280,6 @@ def load_deci(path: str | Path, dtype: torch.dtype = torch.float32, tokenizer: b
 
 
 def _tokenizer(path: Path):
-    import transformers
-
     try:
         return transformers.PreTrainedTokenizerFast.from_pretrained(path.parent,
                                                                     gguf_file=path.name)

@@ -29,8 +29,23 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import transformers
+from gguf import GGUFReader, dequantize
+from transformers.integrations.gguf.utils import is_gguf_arch_supported
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    Gemma2TensorProcessor,
+    LlamaTensorProcessor,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+    load_gguf_checkpoint,
+    read_field,
+)
 
+from prunelab.errors import CorruptCheckpointError
 from prunelab.io.shard_writer import TensorSpec, write_sharded
+from prunelab.models.conversion import GGUF_ERRORS, first_line, publish_checkpoint, short_names
+from prunelab.models.memory import release_free_memory
 
 CHUNK_BYTES = 32 * 1024**2  # float32 output rows de-quantized per step
 
@@ -59,12 +74,6 @@ class GGUFPlan:
 
 
 def _per_tensor_processors() -> tuple[type, ...]:
-    from transformers.modeling_gguf_pytorch_utils import (
-        Gemma2TensorProcessor,
-        LlamaTensorProcessor,
-        TensorProcessor,
-    )
-
     return (TensorProcessor, LlamaTensorProcessor, Gemma2TensorProcessor)
 
 
@@ -81,17 +90,6 @@ def plan_gguf(path: Path) -> GGUFPlan | None:
     """Read ``path``'s metadata and plan its tensors (names, shapes, shards); ``None``
     when the architecture needs the whole-model path. Errors of an unreadable file
     propagate (the caller turns them into one line)."""
-    import transformers
-    from gguf import GGUFReader
-    from transformers.integrations.gguf.utils import is_gguf_arch_supported
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
-        read_field,
-    )
-
     reader = GGUFReader(str(path))
     arch = read_field(reader, "general.architecture")[0]
     proc_cls = TENSOR_PROCESSORS.get(arch, TensorProcessor)
@@ -127,8 +125,6 @@ def gemma3_keys(reader, config) -> None:
     sliding-window attention (``attention.sliding_window_pattern``: a per-block array of
     booleans, as prunelab writes after depth pruning, or the period) and the sliding
     layers' rotary base (``rope.freq_base_swa``)."""
-    from transformers.modeling_gguf_pytorch_utils import read_field
-
     if read_field(reader, "general.architecture")[0] != "gemma3":
         return
     pattern = read_field(reader, "gemma3.attention.sliding_window_pattern")
@@ -150,8 +146,6 @@ def dequantize_tensor(path: Path, tensor: GGUFTensor) -> np.ndarray:
     """De-quantize one GGUF tensor into a new array, reading its bytes from ``path`` in
     row chunks with ``os.pread`` (so only the output and one chunk are in memory). Same
     values as ``gguf.dequantize(reader_tensor.data, reader_tensor.tensor_type)``."""
-    from gguf import dequantize
-
     shape, dtype = tensor.raw_shape, np.dtype(tensor.raw_dtype)
     row_shape = shape[1:] if len(shape) > 1 else shape
     rows = shape[0] if len(shape) > 1 else 1
@@ -206,28 +200,22 @@ def convert_gguf_streamed(path: Path, target: Path,
     a temp folder, published once, as the whole-model path does); ``False`` (nothing
     written) when the architecture needs the whole-model path. An unreadable file or one
     that lacks declared weights is a one-line CorruptCheckpointError."""
-    import transformers
-
-    from prunelab.errors import CorruptCheckpointError
-    from prunelab.models import loading as L
-    from prunelab.models.memory import release_free_memory
-
     try:
         plan = plan_gguf(path)
         if plan is None:
             return False
         tok = [transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)]
-    except L._GGUF_ERRORS as exc:
+    except GGUF_ERRORS as exc:
         raise CorruptCheckpointError(
-            f"{path.name} is not a readable GGUF model: {L._first_line(exc)}") from exc
+            f"{path.name} is not a readable GGUF model: {first_line(exc)}") from exc
     if plan.missing:
         raise CorruptCheckpointError(f"{path.name} lacks {len(plan.missing)} weights its "
-                                     f"metadata declares ({L._names(plan.missing)})")
+                                     f"metadata declares ({short_names(plan.missing)})")
 
     def write(tmp: Path) -> None:
         tok.pop().save_pretrained(tmp)  # and dropped: the vocabulary is not held meanwhile
         release_free_memory()
         write_streamed(plan, tmp, max_shard_bytes)
 
-    L._publish_checkpoint(target, write)
+    publish_checkpoint(target, write)
     return True

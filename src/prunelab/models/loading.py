@@ -10,18 +10,19 @@ loads are fast and the model saves like any other.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import pickle
 import re
-import shutil
-import struct
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors import SafetensorError
 from torch import nn
 
 from prunelab import interrupts
@@ -35,10 +36,14 @@ from prunelab.errors import (
     UnsupportedOperationError,
 )
 from prunelab.io.hub import offline_reason
-from prunelab.log import info, warn
+from prunelab.log import info, is_quiet, warn
+from prunelab.models import gguf_stream
 from prunelab.models.adapters import Adapter, get_adapter
-from prunelab.models.embedded import EMBEDDED, resolve_embedded, sha256_file
+from prunelab.models.conversion import GGUF_ERRORS, first_line, publish_checkpoint, short_names
+from prunelab.models.embedded import EMBEDDED, sha256_file
 from prunelab.models.families import family_for_model_type, supported_model_types
+from prunelab.models.gguf_llama import gguf_architecture, load_deci
+from prunelab.models.resolve import resolve_embedded
 from prunelab.paths import cache_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -121,7 +126,6 @@ def _is_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not Path(spec).exists()
 
 
-_GGUF_ERRORS = (ValueError, OSError, KeyError, IndexError, EOFError, struct.error)
 
 
 def _deci_file(spec: str) -> Path | None:
@@ -129,7 +133,6 @@ def _deci_file(spec: str) -> Path | None:
     architecture (per-block widths: :mod:`prunelab.models.gguf_llama`)."""
     if not isinstance(spec, str) or not spec.endswith(".gguf"):
         return None
-    from prunelab.models.gguf_llama import gguf_architecture
 
     path = Path(spec).expanduser()
     return path.resolve() if path.is_file() and gguf_architecture(path) == "deci" else None
@@ -143,16 +146,13 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     one discarded, so a reader never sees the cached checkpoint vanish. An unreadable
     file (empty, garbage, unsupported) is a one-line CorruptCheckpointError.
     """
-    import transformers
-
     try:
         key = name or f"gguf-{sha256_file(path)[:16]}"
     except OSError as exc:
-        raise ModelNotFoundError(f"cannot read {path}: {_first_line(exc)}") from exc
+        raise ModelNotFoundError(f"cannot read {path}: {first_line(exc)}") from exc
     target = cache_dir() / "converted" / key
     if (target / "config.json").is_file():
         return target
-    from prunelab.models.gguf_llama import gguf_architecture
 
     if gguf_architecture(path) == "deci":
         raise UnsupportedOperationError(
@@ -160,9 +160,7 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
             "not streamed or converted; drop --stream")
     info(f"prunelab: converting {path.name} to a float checkpoint in {target} (once)")
     start = time.time()
-    from prunelab.models.gguf_stream import convert_gguf_streamed  # one tensor at a time
-
-    if convert_gguf_streamed(path, target):
+    if gguf_stream.convert_gguf_streamed(path, target):  # one tensor at a time
         info(f"prunelab: converted in {time.time() - start:.1f} s")
         return target
     kw = dict(gguf_file=path.name)
@@ -170,13 +168,13 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
         tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
         quant, loading_info = transformers.AutoModelForCausalLM.from_pretrained(
             path.parent, dtype=torch.float32, output_loading_info=True, **kw)
-    except _GGUF_ERRORS as exc:
+    except GGUF_ERRORS as exc:
         raise CorruptCheckpointError(
-            f"{path.name} is not a readable GGUF model: {_first_line(exc)}") from exc
+            f"{path.name} is not a readable GGUF model: {first_line(exc)}") from exc
     lost = sorted(set(loading_info["missing_keys"]) - _tied_keys(quant))
     if lost:
         raise CorruptCheckpointError(
-            f"{path.name} lacks {len(lost)} weights its metadata declares ({_names(lost)})")
+            f"{path.name} lacks {len(lost)} weights its metadata declares ({short_names(lost)})")
     cfg = quant.config
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
@@ -187,32 +185,16 @@ def convert_gguf(path: Path, name: str | None = None) -> Path:
     missing = [k for k in missing if k not in _tied_keys(plain)]
     if missing or unexpected:
         raise CorruptCheckpointError(
-            f"GGUF conversion of {path.name} lost weights: {_names(missing + unexpected)}")
+            f"GGUF conversion of {path.name} lost weights: {short_names(missing + unexpected)}")
     plain.tie_weights()
 
     def write(tmp: Path) -> None:
         plain.save_pretrained(tmp)
         tok.save_pretrained(tmp)
 
-    _publish_checkpoint(target, write)
+    publish_checkpoint(target, write)
     info(f"prunelab: converted in {time.time() - start:.1f} s")
     return target
-
-
-def _publish_checkpoint(target: Path, write) -> None:
-    """Run ``write(tmp)`` in a temp folder beside ``target``, then install it with
-    :func:`~prunelab.io.lock.publish_once` (a complete ``target`` is never replaced)."""
-    from prunelab.io.lock import clean_leftovers, publish_once, temp_prefix
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(target)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=temp_prefix(target)))
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o755)
-        publish_once(tmp, target, lambda t: (t / "config.json").is_file())
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tied_keys(model: nn.Module) -> set[str]:
@@ -253,8 +235,6 @@ def resolve_source(spec: str) -> Path | str:
 def _load_config(source, trust_remote_code: bool):
     """The model's config, checked (:func:`check_config_fields`) before any model is built:
     the raw ``config.json`` of a local checkpoint, then the parsed config of any source."""
-    import transformers
-
     if isinstance(source, Path):
         check_config_fields(_read_config_json(source / "config.json"),
                             str(source / "config.json"))
@@ -267,7 +247,7 @@ def _load_config(source, trust_remote_code: bool):
     except (OSError, ValueError) as exc:
         if isinstance(source, Path):
             raise ModelNotFoundError(
-                f"cannot read the config in {source}: {_first_line(exc)}") from exc
+                f"cannot read the config in {source}: {first_line(exc)}") from exc
         offline = offline_reason()
         if offline is not None:
             raise ModelNotFoundError(
@@ -276,7 +256,7 @@ def _load_config(source, trust_remote_code: bool):
                 f"{', '.join(EMBEDDED)}") from exc
         raise ModelNotFoundError(
             f"cannot find model {source!r} locally, in the hub cache or on the hub "
-            f"({_first_line(exc)}); embedded models: {', '.join(EMBEDDED)}"
+            f"({first_line(exc)}); embedded models: {', '.join(EMBEDDED)}"
         ) from exc
     check_config_fields(cfg.to_dict(), _config_name(source))
     return cfg
@@ -300,8 +280,6 @@ _MAY_BE_FLOAT = frozenset({"mlp_ratio", "query_pre_attn_scalar"})
 def _read_config_json(path: Path) -> dict:
     """The raw ``config.json`` (Python's reader keeps ``NaN`` / ``Infinity``): a JSON object,
     else a one-line :class:`~prunelab.errors.CorruptCheckpointError`."""
-    import json
-
     try:
         raw = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -311,7 +289,7 @@ def _read_config_json(path: Path) -> dict:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc.msg}, line "
                                      f"{exc.lineno})") from exc
     except OSError as exc:
-        raise ModelNotFoundError(f"cannot read {path}: {_first_line(exc)}") from exc
+        raise ModelNotFoundError(f"cannot read {path}: {first_line(exc)}") from exc
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(
             f"{path} must hold a JSON object, got a {type(raw).__name__}")
@@ -323,8 +301,6 @@ def check_config_fields(cfg: dict, where: str, prefix: str = "") -> None:
     (:data:`SIZE_FIELDS`) are not positive integers (``"4"``, ``4.0``, ``[32]``, ``-48``,
     ``true``), or that holds a NaN or infinite number anywhere (``rms_norm_eps: NaN``
     would make every output NaN). Nested configs (``text_config``, ...) are checked too."""
-    import math
-
     for key, value in cfg.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
@@ -362,8 +338,6 @@ def model_positions(config) -> int | None:
 
 
 def json_repr(value) -> str:
-    import json
-
     try:
         return json.dumps(value)[:60]
     except (TypeError, ValueError):
@@ -375,7 +349,7 @@ def _config_validation_errors() -> tuple[type, ...]:
     (``TypeError``) or a class validator refusing the shapes (huggingface_hub's
     ``StrictDataclassError``, e.g. a hidden size no multiple of the heads)."""
     try:
-        from huggingface_hub.errors import StrictDataclassError
+        from huggingface_hub.errors import StrictDataclassError  # noqa: PLC0415 - optional
     except ImportError:
         return (TypeError,)
     return (TypeError, StrictDataclassError)
@@ -386,14 +360,9 @@ def _validation_reason(exc: BaseException) -> str:
     (``The hidden size (33) is not a multiple of ...``), else the last line of the text."""
     cause = exc.__cause__ or exc.__context__
     if cause is not None and str(cause).strip():
-        return _first_line(cause)
+        return first_line(cause)
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return lines[-1][:200] if lines else type(exc).__name__
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
 
 
 def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None = "cpu",
@@ -408,17 +377,12 @@ def load(spec: str, dtype: str | torch.dtype | None = "auto", device: str | None
     ``allow_missing_weights``: transformers would fill the gaps with random values.
     Unreadable files raise :class:`~prunelab.errors.CorruptCheckpointError` in one line.
     """
-    import transformers
-
-    from prunelab.log import is_quiet
-
     if is_quiet():
         transformers.utils.logging.disable_progress_bar()
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     deci = _deci_file(spec)
     if deci is not None:  # llama.cpp's per-block form: no transformers reader, built here
-        from prunelab.models.gguf_llama import load_deci
 
         model, tok, operations = load_deci(deci, dt)
         lm = LoadedModel(model=model.to(dev), tokenizer=tok, spec=spec, source=str(deci),
@@ -484,8 +448,6 @@ def _check_weight_files(path: Path, allow_pickle: bool) -> None:
 
 def _load_tokenizer(source, spec: str, trust_remote_code: bool):
     """The tokenizer of ``source``; missing or unreadable files are one-line errors."""
-    import transformers
-
     try:
         return transformers.AutoTokenizer.from_pretrained(
             source, trust_remote_code=trust_remote_code)
@@ -494,7 +456,7 @@ def _load_tokenizer(source, spec: str, trust_remote_code: bool):
             raise
         err = CorruptCheckpointError if isinstance(source, Path) else ModelNotFoundError
         raise err(f"cannot load the tokenizer of {spec!r} (missing or corrupt tokenizer "
-                  f"files): {_first_line(exc)}") from exc
+                  f"files): {first_line(exc)}") from exc
 
 
 _TOKENIZER_ERRORS = (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError)
@@ -504,8 +466,6 @@ def _load_weights(cls, source, spec: str, dt: torch.dtype, trust_remote_code: bo
                   allow_pickle: bool):
     """``(model, loading_info)``; shape mismatches are reported, not raised, by
     transformers here (``ignore_mismatched_sizes``) and judged by the caller."""
-    from safetensors import SafetensorError
-
     kw = dict(dtype=dt, trust_remote_code=trust_remote_code, output_loading_info=True,
               ignore_mismatched_sizes=True)
     if not allow_pickle:
@@ -520,17 +480,17 @@ def _load_weights(cls, source, spec: str, dt: torch.dtype, trust_remote_code: bo
                 raise PickleRefusedError(
                     f"{spec!r} has no safetensors weights (only pickle weights?): "
                     + _PICKLE_WHY) from exc
-            raise ModelNotFoundError(f"cannot load {spec!r}: {_first_line(exc)}") from exc
+            raise ModelNotFoundError(f"cannot load {spec!r}: {first_line(exc)}") from exc
         raise CorruptCheckpointError(f"cannot read the weights in {source}: "
-                                     f"{_first_line(exc)}") from exc
+                                     f"{first_line(exc)}") from exc
     except pickle.UnpicklingError as exc:
         raise CorruptCheckpointError(
             f"{_weights_name(source)} of {spec!r} was refused by torch's restricted "
             f"(weights-only) loader: it holds more than tensors or is corrupt "
-            f"({_first_line(exc)[:80]})") from exc
+            f"({first_line(exc)[:80]})") from exc
     except (SafetensorError, EOFError, RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(f"cannot read the weights of {spec!r} "
-                                     f"({_weights_name(source)}): {_first_line(exc)}") from exc
+                                     f"({_weights_name(source)}): {first_line(exc)}") from exc
 
 
 def _weights_name(source) -> str:
@@ -552,7 +512,7 @@ def _check_loading_info(model: nn.Module, loading_info: dict, spec: str, encoder
     and a missing pooler is only noted (prunelab mean-pools and never uses it)."""
     if loading_info.get("error_msgs"):
         raise CorruptCheckpointError(f"cannot load the weights of {spec!r}: "
-                                     f"{_first_line(Exception(loading_info['error_msgs'][0]))}")
+                                     f"{first_line(Exception(loading_info['error_msgs'][0]))}")
     missing = sorted(set(loading_info["missing_keys"]) - _tied_keys(model))
     unexpected = sorted(loading_info["unexpected_keys"])
     mismatched = sorted(loading_info["mismatched_keys"])
@@ -566,9 +526,9 @@ def _check_loading_info(model: nn.Module, loading_info: dict, spec: str, encoder
     known = set(model.state_dict())
     problems = []
     if missing:
-        problems.append(f"{len(missing)} missing ({_names(missing, known, whole=True)})")
+        problems.append(f"{len(missing)} missing ({short_names(missing, known, whole=True)})")
     if unexpected:
-        problems.append(f"{len(unexpected)} unexpected ({_names(unexpected, known)})")
+        problems.append(f"{len(unexpected)} unexpected ({short_names(unexpected, known)})")
     if mismatched:
         shown = ", ".join(f"{k} is {list(a)} in the checkpoint but {list(b)} in the config"
                           for k, a, b in mismatched[:2])
@@ -582,42 +542,6 @@ def _check_loading_info(model: nn.Module, loading_info: dict, spec: str, encoder
         return
     raise MissingWeightsError(f"{text}; they would be random values: pass "
                               "--allow-missing-weights (allow_missing_weights=True) to load anyway")
-
-
-def _names(keys: list[str], known: set[str] | None = None, whole: bool = False,
-           limit: int = 3) -> str:
-    """Name ``keys`` briefly: ``model.layers.4-5 (whole blocks)`` when ``whole`` and every
-    weight of those blocks is listed (or, for unexpected keys, none belongs to the model),
-    else the first ``limit`` names and a count of the rest."""
-    blocks: dict[tuple[str, int], list[str]] = {}
-    rest = []
-    for k in keys:
-        m = re.match(r"(.+?)\.(\d+)\.", k)
-        if m and known is not None:
-            blocks.setdefault((m.group(1), int(m.group(2))), []).append(k)
-        else:
-            rest.append(k)
-    entire: dict[str, list[int]] = {}
-    for (prefix, i), ks in blocks.items():
-        ours = {a for a in known if a.startswith(f"{prefix}.{i}.")}
-        if (ours <= set(ks)) if whole else not ours:
-            entire.setdefault(prefix, []).append(i)
-        else:
-            rest.extend(ks)
-    parts = [f"{p}.{_ranges(sorted(ix))} (whole blocks)" for p, ix in entire.items()]
-    parts += sorted(rest)
-    text = ", ".join(parts[:limit])
-    return text + (f" and {len(parts) - limit} more" if len(parts) > limit else "")
-
-
-def _ranges(ix: list[int]) -> str:
-    """``[4, 5, 7]`` -> ``4-5,7``."""
-    out, start = [], ix[0]
-    for a, b in zip(ix, ix[1:] + [None], strict=True):
-        if b != a + 1:
-            out.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
 
 
 def wrap(model: nn.Module, tokenizer: Any = None, spec: str | None = None) -> LoadedModel:

@@ -26,8 +26,11 @@ import re
 from pathlib import Path
 
 import torch
+import transformers
 
 from prunelab.errors import CorruptCheckpointError
+from prunelab.log import info
+from prunelab.models.conversion import publish_checkpoint
 from prunelab.paths import cache_dir
 
 _PROJ = {"attention/attention/query": "attention.q_proj",
@@ -92,8 +95,6 @@ def onnx_dinov2_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 def dinov2_config_for(state: dict[str, torch.Tensor], heads: int = 6):
     """A ``Dinov2Config`` matching ``state``'s shapes (head count is not stored in the
     weights: DINOv2-small has 6 heads of 64)."""
-    import transformers
-
     d = state["layernorm.weight"].numel()
     layers = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("encoder.layer."))
     ffn = state["encoder.layer.0.mlp.fc1.weight"].shape[0]
@@ -106,8 +107,6 @@ def dinov2_config_for(state: dict[str, torch.Tensor], heads: int = 6):
 
 def build_dinov2(path: str | Path):
     """A ``Dinov2Model`` (float32, eval) holding the ONNX file's backbone weights."""
-    import transformers
-
     state = onnx_dinov2_state_dict(path)
     model = transformers.Dinov2Model(dinov2_config_for(state)).eval()
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -131,9 +130,6 @@ PREPROCESSOR = {  # DINOv2's published preprocessing (BitImageProcessor)
 def convert_onnx_dinov2(path: Path, name: str) -> Path:
     """Convert the ONNX backbone once into ``<cache>/converted/<name>`` (safetensors,
     config, ``preprocessor_config.json``); return the folder."""
-    from prunelab.log import info
-    from prunelab.models.loading import _publish_checkpoint
-
     target = cache_dir() / "converted" / name
     if (target / "config.json").is_file():
         return target
@@ -145,5 +141,5 @@ def convert_onnx_dinov2(path: Path, name: str) -> Path:
         model.save_pretrained(tmp)
         (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
 
-    _publish_checkpoint(target, write)
+    publish_checkpoint(target, write)
     return target

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from prunelab.models.custom import flops_per_token
+
 
 def model_size(model: nn.Module) -> dict:
     """``{"params": int, "bytes": int}`` over unique parameter and buffer storage.
@@ -31,7 +33,4 @@ def model_size(model: nn.Module) -> dict:
 
 def size_summary(model) -> dict:
     """Stored parameters and FLOPs per token of ``model``."""
-    from prunelab.models.custom import flops_per_token
-    from prunelab.models.size import model_size
-
     return {"params": model_size(model)["params"], "flops_per_token": flops_per_token(model)}

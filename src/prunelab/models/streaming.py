@@ -27,6 +27,7 @@ block boundary in flight), as in the non-streamed runner.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import shutil
 import tempfile
@@ -35,9 +36,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from prunelab.errors import UnsupportedOperationError
+from prunelab.models import loading as L
+from prunelab.models.size import model_size
 
 # on each block module: ("source", index), or ("staged" | "saved", (file, key prefix)): a
 # safetensors file that holds the block alone, its tensors named "{key prefix}.{name}"
@@ -68,7 +74,6 @@ class ShardStore:
                 raise UnsupportedOperationError(
                     f"--stream reads safetensors shards: {self.folder} has none "
                     "(model.safetensors or model.safetensors.index.json)")
-            from safetensors import safe_open
 
             with safe_open(single, framework="pt") as fh:
                 self.files = {k: single for k in fh.keys()}
@@ -86,8 +91,6 @@ class ShardStore:
 def read_tensors(files: dict[str, Path], names: dict[str, str],
                  dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Read ``names[key]`` from ``files[key]`` for every key, one open per file."""
-    from safetensors import safe_open
-
     by_file: dict[Path, list[str]] = {}
     for key, path in files.items():
         by_file.setdefault(path, []).append(key)
@@ -103,8 +106,6 @@ def read_tensors(files: dict[str, Path], names: dict[str, str],
 def _trim() -> None:
     """Give freed heap memory back to the system (glibc), so RSS follows the one block."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -329,8 +330,6 @@ class Streamer:
         setattr(block, _READ, _fingerprint(block))
 
     def _stage(self, block: nn.Module) -> None:
-        from safetensors.torch import save_file
-
         if self._staging is None:
             self._staging = Path(tempfile.mkdtemp(prefix=".prunelab-stream-",
                                                   dir=self.work_dir))
@@ -391,10 +390,7 @@ def load_streamed(spec: str, dtype: str | torch.dtype | None = "auto",
     safetensors checkpoint or a ``.gguf`` file (converted once into the cache); computing
     ``device`` may be ``cpu`` or ``cuda`` (the resident parts and the block in turn move
     there). ``work_dir``: where pruned blocks are staged (default: the system temp)."""
-    import transformers
-    from accelerate import init_empty_weights
-
-    from prunelab.models import loading as L
+    from accelerate import init_empty_weights  # noqa: PLC0415 - accelerate (heavy)
 
     dev = L.resolve_device(device)
     dt = L.resolve_dtype(dtype, dev)
@@ -428,7 +424,6 @@ def load_streamed(spec: str, dtype: str | torch.dtype | None = "auto",
     lm.streamer = Streamer(model, lm.adapter, store, dt, prefix, work_dir)
     for unit in side:
         lm.streamer.add_side_unit(unit)
-    from prunelab.models.size import model_size
 
     lm.size_before = model_size(model)
     return lm

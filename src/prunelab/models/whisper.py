@@ -3,8 +3,9 @@
 ``WhisperForConditionalGeneration`` holds an encoder (audio) and a decoder (text) stack;
 :data:`~prunelab.models.families.STACKS` describes both, and a loaded model's adapter
 points at one of them (the encoder by default). The encoder adapter's ``base`` is
-:class:`EncoderEntry`, so the block runner's ``base(input_ids=...)`` call runs the encoder on
-log-mel features (``[N, mel bins, 3000]``, see :func:`prunelab.data.speech.feature_batches`).
+:class:`~prunelab.models.families.EncoderEntry`, so the block runner's
+``base(input_ids=...)`` call runs the encoder on log-mel features (``[N, mel bins, 3000]``,
+see :func:`prunelab.data.speech.feature_batches`).
 """
 
 from __future__ import annotations
@@ -14,18 +15,6 @@ from torch import nn
 from prunelab.errors import ConfigError
 from prunelab.models.adapters import Adapter
 from prunelab.models.families import STACKS
-
-
-class EncoderEntry(nn.Module):
-    """Calls the Whisper encoder as ``entry(input_ids=features)``: the runner's entry
-    point takes ``input_ids``, which for the speech encoder are log-mel features."""
-
-    def __init__(self, base: nn.Module):
-        super().__init__()
-        self.encoder = base.encoder
-
-    def forward(self, input_ids=None, use_cache=None, **kwargs):  # noqa: ARG002
-        return self.encoder(input_features=input_ids)
 
 
 def stacks(model: nn.Module) -> list[str]:

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import transformers as tf
 
 from prunelab.errors import CorruptCheckpointError
 from prunelab.log import info
+from prunelab.models.conversion import publish_checkpoint
 from prunelab.models.ct2 import CT2Model, read_ct2
+from prunelab.paths import cache_dir
 
 # CT2 name (below encoder/ or decoder/ layer_i/) -> transformers name (below layers.i.)
 _NORMS = {"self_attention/layer_norm": "self_attn_layer_norm",
@@ -134,8 +137,6 @@ def convert_ct2_whisper(model_bin: list[Path], tokenizer_json: Path, ct2_config:
                         out: Path) -> None:
     """Write ``WhisperForConditionalGeneration`` (float32, tied output projection), its
     processor and generation config into ``out`` (an existing empty folder)."""
-    import transformers as tf
-
     start = time.time()
     cfg_kw, sd = ct2_whisper_state(read_ct2(model_bin))
     ids = _special_ids(tokenizer_json)
@@ -166,13 +167,10 @@ def ct2_whisper_once(name: str, paths: list[Path]) -> Path:
     """Convert an embedded CT2 Whisper once into ``<cache>/converted/<name>`` (temp folder
     renamed into place; a complete copy another process published is kept). ``paths``:
     the ``model.bin`` chunk(s), then ``tokenizer.json`` and the CT2 ``config.json``."""
-    from prunelab.models.loading import _publish_checkpoint
-    from prunelab.paths import cache_dir
-
     target = cache_dir() / "converted" / name
     if (target / "config.json").is_file():
         return target
     *bins, tok, cfg = paths
     info(f"prunelab: converting {name} from CTranslate2 into {target} (once)")
-    _publish_checkpoint(target, lambda tmp: convert_ct2_whisper(bins, tok, cfg, tmp))
+    publish_checkpoint(target, lambda tmp: convert_ct2_whisper(bins, tok, cfg, tmp))
     return target

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from prunelab.log import progress
 from prunelab.probes.base import PROBES, ProbeResult, config_dict
+from prunelab.probes.task_ablation import leave_one_out_by_metric
 
 
 @PROBES.register("leave-one-out", resumable=True)
@@ -35,8 +36,6 @@ class LeaveOneOut:
     def run(self, ctx, resume=None, on_progress=None) -> ProbeResult:
         n = ctx.num_blocks
         if self.metric:
-            from prunelab.probes.task_ablation import leave_one_out_by_metric
-
             scores = leave_one_out_by_metric(self, ctx, resume, on_progress)
             return ProbeResult("leave-one-out", config_dict(self), scores, kind="layer",
                                num_blocks=n)

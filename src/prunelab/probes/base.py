@@ -226,14 +226,14 @@ class ProbeResult:
     def to_frame(self):
         """A pandas DataFrame of the scores (pandas is optional)."""
         try:
-            import pandas as pd
+            import pandas as pd  # noqa: PLC0415 - optional pandas
         except ImportError as exc:  # pragma: no cover - pandas ships with datasets
             raise ConfigError("to_frame needs pandas: pip install pandas") from exc
         return pd.DataFrame([{**s, "layers": tuple(s["layers"])} for s in self.scores])
 
     def plot(self, path: str | Path | None = None):
         """A matplotlib figure (bars per layer, or a heatmap for pair probes)."""
-        from prunelab.probes.plots import plot_result
+        from prunelab.probes.plots import plot_result  # noqa: PLC0415 - matplotlib
 
         return plot_result(self, path)
 
@@ -244,8 +244,6 @@ STREAMABLE_PROBES = ("block-influence", "span-angular", "cka")
 
 def check_streamable_probes(items) -> None:
     """One-line error naming the probes of ``items`` that need the whole model."""
-    from prunelab.probes.base import PROBES
-
     names = [p if isinstance(p, str) else PROBES.name_of(p) for p in items]
     bad = [n for n in names if n not in STREAMABLE_PROBES]
     if bad:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 
 from prunelab.linalg import spearman
+from prunelab.train.config import HealConfig
+from prunelab.train.loop import heal
 
 
 class FlowAccumulator:
@@ -155,9 +157,6 @@ def gradient_flow(lm, input_ids: torch.Tensor, steps: int = 20, lr: float = 2e-4
     """A short LoRA fine-tune (cross-entropy on ``input_ids``) that only accumulates the
     block gradient norms: the LoRA is dropped at the end, ``lm``'s weights are unchanged.
     Returns the mean accumulated norm per block and run facts."""
-    from prunelab.train.config import HealConfig
-    from prunelab.train.loop import heal
-
     cfg = HealConfig(loss="ce", steps=steps, lr=lr, lora_rank=rank, lora_alpha=2.0 * rank,
                      seed=seed, batch_size=min(batch_size, int(input_ids.shape[0])),
                      eval_every=0, patience=0, warmup=0.0, quiet=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from prunelab.calib.runner import BlockRunner, StateStore
+from prunelab.calib.streamed import streamed_final_hidden
 from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64, token_nll
 
 kl_last_position = kl_from_logits_float64  # the probes' name for the float64 KL
@@ -161,7 +162,6 @@ class ProbeContext:
         """Divergence of a whole (pruned) model on the same windows: one full forward."""
         outs = []
         if getattr(model_lm, "streamer", None) is not None:  # blocks on disk: in turn
-            from prunelab.calib.streamed import streamed_final_hidden
             outs = streamed_final_hidden(model_lm, torch.cat(self.runner.batches),
                                          len(self.runner.batches[0]))
         for ids in self.runner.batches if not outs else ():

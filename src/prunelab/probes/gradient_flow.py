@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
+from prunelab.probes.cascadeflow import fan_in_profile, gradient_flow
 
 
 @PROBES.register("gradient-flow", forward=False)
@@ -41,8 +42,6 @@ class GradientFlow:
             raise ConfigError(f"measure must be params or residual, got {self.measure!r}")
 
     def run(self, ctx) -> ProbeResult:
-        from prunelab.probes.cascadeflow import fan_in_profile, gradient_flow
-
         if ctx.encoder:
             raise UnsupportedOperationError(f"{ctx.lm.spec} is an encoder: gradient-flow trains "
                                             "the LM loss")

@@ -16,8 +16,11 @@ import warnings
 from itertools import combinations
 
 import torch
+from scipy import stats
 
+from prunelab.calib.ablation import Unit, ablation_kl
 from prunelab.probes.base import ProbeResult
+from prunelab.probes.heads import head_columns
 
 TOP_HEADS = 5
 
@@ -36,8 +39,6 @@ def head_values(result: ProbeResult, key: str = "value") -> dict[tuple[int, int]
 
 def spearman(x: list[float], y: list[float]) -> float:
     """Spearman's rank correlation (NaN when a side is constant)."""
-    from scipy import stats
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # constant input: scipy warns and returns NaN
         return float(stats.spearmanr(x, y).statistic)
@@ -99,9 +100,6 @@ def ablation_kl_result(lm, input_ids: torch.Tensor, batch_size: int = 4) -> Prob
     """The width score ``ablation-kl`` per query head (each head masked alone on
     ``input_ids``; :func:`prunelab.calib.ablation.ablation_kl`) as a head result
     named ``ablation-kl``, for :func:`head_correlations`."""
-    from prunelab.calib.ablation import Unit, ablation_kl
-    from prunelab.probes.heads import head_columns
-
     ad = lm.adapter
     units, where = [], []
     for i in range(ad.num_blocks):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from prunelab.calib.ablation import Ablator, Unit
 from prunelab.calib.stats import MeanVar
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.eval.divergence import kl_from_logits_float64
@@ -201,8 +202,6 @@ def ablation_effect(lm, ids: torch.Tensor, groups: dict[str, list[tuple[int, int
     """For each named list of ``(block, head)``: the mean ``KL(p_dense || p_ablated)`` at
     ``positions`` with those heads zeroed together, and the next-token accuracy there
     (dense and ablated). One dense block-by-block pass, then one per group."""
-    from prunelab.calib.ablation import Ablator, Unit  # lazy: pruning imports probes
-
     ad = lm.adapter
     targets = ids[:, positions + 1]
 

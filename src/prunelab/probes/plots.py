@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -313,8 +314,6 @@ def head_array(result: ProbeResult, key: str = "value") -> np.ndarray:
 def plot_heads(result: ProbeResult, path: str | Path | None = None) -> Figure:
     """Heatmap of a head result (rows: blocks, columns: query heads, both 0-based); a
     result that also lists sublayer entries (``dla``) gets their bars beside it."""
-    from dataclasses import replace
-
     title = f"{result.probe} per head ({direction(result)})"
     mat = head_array(result)
     parts = [s for s in result.scores if "sublayer" in s]

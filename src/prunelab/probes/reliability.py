@@ -34,8 +34,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.stats import rankdata
 
+from prunelab.errors import PrunelabError
 from prunelab.probes.base import ProbeResult
+from prunelab.probes.interval import best_interval_pairs
 
 LEVEL = 0.95
 TARGET = 0.9
@@ -155,8 +158,6 @@ def bootstrap_intervals(per_window, n: int = 200, seed: int = 0, level: float = 
 def spearman(x, y) -> float:
     """Spearman's rank correlation of two equal-length sequences (average ranks for ties;
     NaN when either is constant or shorter than 3)."""
-    from scipy.stats import rankdata
-
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if len(x) < 3:
         return float("nan")
@@ -247,8 +248,6 @@ def replicate_result(result: ProbeResult, index: list[int], values) -> ProbeResu
                                                                      strict=True)]
     meta = {}
     if result.kind == "interval":
-        from prunelab.probes.interval import best_interval_pairs
-
         max_len = result.config.get("max_length") or max(
             (s["layers"][1] - s["layers"][0] for s in scores), default=0)
         costs = {tuple(s["layers"]): s["value"] for s in scores}
@@ -313,8 +312,6 @@ def selection_stability(result: ProbeResult, pick: Callable[[ProbeResult], list[
     ``chosen``, ``inclusion[b]`` the share including block ``b``. A replicate where
     ``pick`` raises a :class:`~prunelab.errors.PrunelabError` counts as different. ``None``
     when some score has no per-window values, with fewer than 2 windows, or ``n < 1``."""
-    from prunelab.errors import PrunelabError
-
     table = window_table(result)
     if table is None or len(table.index) != len(result.scores) or n < 1 \
             or table.windows < 2:

@@ -13,21 +13,22 @@ import math
 import numpy as np
 
 from prunelab.probes.base import ProbeResult
+from prunelab.probes.comparison import (
+    PAIR_CLASSES,
+    _pair_values,
+    _table,
+    decision_rule,
+    fmt,
+    rank_correlations,
+    removal_cell,
+    rule_for,
+)
 from prunelab.probes.reliability import (
     TARGET,
     bootstrap_values,
     replicate_result,
     spearman,
     window_table,
-)
-from prunelab.probes.summary import (
-    PAIR_CLASSES,
-    _pair_values,
-    _table,
-    decision_rule,
-    fmt,
-    removal_cell,
-    rule_for,
 )
 from prunelab.probes.swap import pair_class
 
@@ -144,7 +145,7 @@ def _side(low: float, high: float, threshold: float) -> bool | None:
 
 def decision_rule_intervals(replacement: ProbeResult, interchange: ProbeResult,
                             threshold: float = 0.10) -> list[dict]:
-    """:func:`~prunelab.probes.summary.decision_rule` plus, for pairs with intervals on
+    """:func:`~prunelab.probes.comparison.decision_rule` plus, for pairs with intervals on
     both sides, ``replacement_ci``, ``interchange_ci`` and ``rule_by_intervals`` (the rule
     when both sides are decided by their whole interval, else ``undecided``)."""
     rep_ci, int_ci = _intervals(replacement), _intervals(interchange)
@@ -267,8 +268,6 @@ def _removal_flags(support: dict[str, dict], results: dict[str, ProbeResult]) ->
 
 
 def _agreement_flags(results: dict[str, ProbeResult]) -> list[str]:
-    from prunelab.probes.summary import rank_correlations
-
     out = []
     for c in rank_correlations(results):
         ci = agreement_interval(results[c["a"]], results[c["b"]])

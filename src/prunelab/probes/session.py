@@ -39,6 +39,7 @@ from prunelab.probes.base import (
 )
 from prunelab.probes.context import ProbeContext
 from prunelab.probes.reliability import add_reliability
+from prunelab.probes.summary import write_summary
 from prunelab.registry import check_range
 
 
@@ -220,7 +221,7 @@ def _protocol(name: str, ctx) -> str:
 
 
 def _write_result(result: ProbeResult, out: Path) -> None:
-    from prunelab.probes.plots import plot_result
+    from prunelab.probes.plots import plot_result  # noqa: PLC0415 - matplotlib
 
     write_json(out / f"{result.probe}.json", result.to_dict(), overwrite=True)
     tmp = out / f".{result.probe}.csv.tmp"
@@ -231,9 +232,8 @@ def _write_result(result: ProbeResult, out: Path) -> None:
 
 def _write_reports(results, out: Path, lm, data_info: dict, max_remove: int,
                    fingerprint: dict | None = None) -> None:
-    from prunelab.probes.plots import plot_swap_pair
-    from prunelab.probes.summary import write_summary
-    from prunelab.probes.swap_plots import plot_swap_diagonals
+    from prunelab.probes.plots import plot_swap_pair  # noqa: PLC0415 - matplotlib
+    from prunelab.probes.swap_plots import plot_swap_diagonals  # noqa: PLC0415 - matplotlib
 
     if "replacement" in results and "interchange" in results:
         plot_swap_pair(results["replacement"], results["interchange"],

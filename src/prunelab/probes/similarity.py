@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prunelab.errors import ConfigError
 from prunelab.probes.base import PROBES, ProbeResult, check_range, config_dict
 
 
@@ -94,8 +95,6 @@ class SpanAngular:
     def run(self, ctx) -> ProbeResult:
         n = self.span
         if n >= ctx.num_blocks:
-            from prunelab.errors import ConfigError
-
             raise ConfigError(f"span must be < the number of blocks ({ctx.num_blocks}), got {n}")
         last = [torch.cat([h[:, -1] for h in ctx.boundary(i)]) for i in range(ctx.num_blocks + 1)]
         scores = []

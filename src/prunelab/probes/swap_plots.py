@@ -1,7 +1,7 @@
 """The swap probes' diagonals as lines: each measured diagonal ``(i, i + d)`` of the
 replacement and interchange results against the block index ``i``, both protocols on one
 axis, with their bootstrap intervals (:mod:`prunelab.probes.reliability`) as bands and the
-decision rule's threshold (0.10, :func:`prunelab.probes.summary.rule_for`) dotted. Block
+decision rule's threshold (0.10, :func:`prunelab.probes.comparison.rule_for`) dotted. Block
 indices are 0-based."""
 
 from __future__ import annotations

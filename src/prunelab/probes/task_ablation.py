@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+from prunelab.eval.task_metric import make_task_metric
 from prunelab.log import progress
 from prunelab.models.adapters import _get, _set
 
@@ -41,8 +42,6 @@ def without_blocks(adapter, drop: list[int]):
 def leave_one_out_by_metric(cfg, ctx, resume=None, on_progress=None) -> list[dict]:
     """Scores ``{"layers": [i], "value": loss change, "metric": value without i,
     "dense": dense value}`` for every block of ``ctx``'s stack."""
-    from prunelab.eval.task_metric import make_task_metric
-
     opts = {"data": cfg.metric_data} if cfg.metric_data else {}
     metric = make_task_metric(cfg.metric, ctx.lm, **opts)
     n = ctx.adapter.num_blocks

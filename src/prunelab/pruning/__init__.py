@@ -37,6 +37,7 @@ from prunelab.pruning.depth.recoveries import (
     NoRecovery,
     Recovery,
 )
+from prunelab.pruning.depth.report import DepthReport
 from prunelab.pruning.depth.strategies import (
     STRATEGIES,
     Beam,
@@ -50,7 +51,7 @@ from prunelab.pruning.depth.strategies import (
     Span,
     Strategy,
 )
-from prunelab.pruning.depth.surgery import DepthPruner, DepthReport
+from prunelab.pruning.depth.surgery import DepthPruner
 from prunelab.pruning.factor import FactorConfig, factor_methods
 from prunelab.pruning.gates.config import Gates, GatesPruner
 from prunelab.pruning.moe import PrunePath

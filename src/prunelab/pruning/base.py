@@ -33,6 +33,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from prunelab.errors import UnsupportedOperationError
+from prunelab.models.custom import custom_modules
 from prunelab.registry import Registry, to_dict
 
 #: Every pruning config class by its user-facing name ("depth", "width", "wanda", ...).
@@ -109,9 +111,6 @@ def check_composable(lm, pruner: Pruner, method: str, config: Any = None) -> Non
     holding prunelab custom modules that ``pruner`` cannot prune through (its
     :attr:`Pruner.refuses_kinds`, and a ``refuses_kinds`` of ``config``), naming them and
     the operations that made them."""
-    from prunelab.errors import UnsupportedOperationError
-    from prunelab.models.custom import custom_modules
-
     refused = pruner.refuses_kinds | getattr(config, "refuses_kinds", frozenset())
     kinds = sorted({m.prunelab_kind for _, m in custom_modules(lm.model)})
     bad = [k for k in kinds if "*" in refused or k in refused]

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab.errors import ConfigError
+from prunelab.io.files import check_output_path
 from prunelab.report.html import write_report
 
 SWEEP_COLUMNS = ["probe", "strategy", "recovery", "removed_count", "removed_blocks",
@@ -199,8 +200,6 @@ def build_report(folder: str | Path, out: str | Path | None = None,
     existing file is replaced only with ``overwrite``; the report may never be written
     over a file it reads (nor over ``folder``), with or without ``overwrite``. Everything
     is checked before the page is built."""
-    from prunelab.io.files import check_output_path
-
     target = Path(out) if out is not None else Path(folder) / "report.html"
     if Path(folder).is_dir():
         check_output_path(target, kind="file", overwrite=overwrite,

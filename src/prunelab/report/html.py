@@ -26,6 +26,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
+import yaml
+
+from prunelab._version import __version__
 from prunelab.io.files import write_text
 
 if TYPE_CHECKING:
@@ -178,7 +181,7 @@ def _ranking_rows(result: ProbeResult) -> list[dict]:
 
 
 def _probe_section(results: Mapping[str, ProbeResult], probe_summary: str | None) -> str:
-    from prunelab.probes import summary as ps
+    from prunelab.probes import comparison as ps
     from prunelab.probes.plots import plot_result, plot_swap_pair
     from prunelab.probes.swap_plots import plot_swap_diagonals
 
@@ -230,8 +233,6 @@ def _reproduce_section(commands, recipe) -> str:
         if isinstance(recipe, Path):
             recipe = recipe.read_text()
         if not isinstance(recipe, str):
-            import yaml
-
             recipe = yaml.safe_dump(recipe, sort_keys=False)
         parts.append(f"<h3>Recipe</h3><pre><code>{esc(recipe.strip())}</code></pre>")
     return "".join(parts)
@@ -248,8 +249,6 @@ def render_report(*, title: str = "prunelab report", summary: Mapping[str, Any] 
                   commands: str | Sequence[str] | None = None,
                   recipe: str | Path | Mapping | None = None) -> str:
     """The page as a string (see :func:`write_report` for the arguments)."""
-    from prunelab._version import __version__
-
     body: list[tuple[str, str, str]] = []  # (anchor, heading, html)
     if summary:
         body.append(("summary", "Model summary", _summary_section(summary)))

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prunelab.errors import UnsupportedOperationError
+
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 
 
@@ -73,7 +75,7 @@ def orthogonalise(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = 5,
                   eps: float = 1e-7) -> torch.Tensor:
     """``NS(g) ~ U V^T`` of a 2-D tensor (PyTorch's Muon iteration when available)."""
     try:
-        from torch.optim._muon import _zeropower_via_newtonschulz
+        from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: PLC0415 - not in every torch
     except ImportError:  # pragma: no cover - older torch
         return _newton_schulz(g, coefficients, steps, eps)
     return _zeropower_via_newtonschulz(g, coefficients, steps, eps)
@@ -200,8 +202,6 @@ class BMuon(torch.optim.Optimizer):
 def mlp_channel_groups(lm) -> list[ChannelGroup]:
     """The MLP channel groups of a loaded model through its adapter (separate
     ``nn.Linear`` gate / up / down projections; fused gate_up is refused)."""
-    from prunelab.errors import UnsupportedOperationError
-
     groups = []
     for i in range(lm.adapter.num_blocks):
         proj = lm.adapter.mlp_projections(i)

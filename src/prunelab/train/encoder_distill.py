@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prunelab.data.speech import RATE, load_speech
+from prunelab.data.speech import RATE, feature_extractor, load_speech
 from prunelab.log import info
 from prunelab.registry import check_range
 
@@ -68,8 +68,6 @@ def distill_encoder(student_lm, teacher_lm, cfg: EncoderDistill = EncoderDistill
     """Fit ``student_lm``'s encoder to ``teacher_lm``'s final encoder states (MSE) on
     unlabelled packed speech; returns ``{"mse_before", "mse_after", "steps", "clips",
     "audio_seconds", "seconds"}`` (MSE over all clips, float32)."""
-    from prunelab.data.speech import feature_extractor
-
     speech = load_speech(cfg.data, cfg.sentences)
     clips = pack_clips([u.audio for u in speech.utterances])
     fe = feature_extractor(student_lm)

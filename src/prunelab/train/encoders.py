@@ -28,6 +28,7 @@ No resumable state (the runs are minutes long).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -112,8 +113,6 @@ def final_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str) -> torch
 
 
 def _boundaries(lm, wanted, active: bool):
-    import contextlib
-
     return L.capture_boundaries(lm.adapter, wanted) if active else \
         contextlib.nullcontext({})
 

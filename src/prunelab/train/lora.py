@@ -13,6 +13,8 @@ Linears ``peft`` cannot wrap (prunelab's custom factorized modules) stay frozen 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,7 +107,6 @@ class Trainables:
         state = torch.get_rng_state()
         torch.manual_seed(seed)
         try:
-            import warnings
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._lora = LoraModel(self.model, cfg, ADAPTER)

@@ -20,7 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from prunelab.errors import ConfigError, PrunelabError
+from prunelab.errors import ConfigError, DataError, PrunelabError
+from prunelab.models.embedded import EMBEDDED
 from prunelab.workflow.stages import MODEL_STAGES
 
 _TEXT_KINDS = ("text", "jsonl", "wiki-vital", "wikitext2", "c4")
@@ -164,8 +165,6 @@ def _check_from_probe(recipe, st, index: int, out: Path | None) -> None:
 def _model_config(spec: str) -> dict | None:
     """The model's ``config.json`` (a local folder), None when not at hand; refuses a
     spec that is no model."""
-    from prunelab.models.embedded import EMBEDDED
-
     if spec in EMBEDDED:
         return None
     path = Path(spec).expanduser()
@@ -335,8 +334,6 @@ class _WindowCounter:
         if self.tokenizer is None or kind not in ("text", "jsonl", "wiki-vital"):
             return
         from prunelab.data import make_batches
-        from prunelab.errors import DataError
-
         try:
             make_batches(self.tokenizer, spec, seqlen=seqlen, samples=samples, seed=seed)
         except (DataError, ConfigError) as exc:

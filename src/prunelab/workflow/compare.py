@@ -15,12 +15,19 @@ then ``leaderboard.md`` / ``.csv`` / ``.json``, ``quality_vs_params.png``,
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from prunelab.errors import ConfigError
+from prunelab._version import __version__
+from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.io.files import write_json
+from prunelab.registry import to_dict
+from prunelab.workflow import evaluate as evaluation
 from prunelab.workflow.budget import (
     Budget,
     achieved,
@@ -29,7 +36,12 @@ from prunelab.workflow.budget import (
     parse_budgets,
     sizes,
 )
+from prunelab.workflow.evaluate import tasks_supported
 from prunelab.workflow.executor import Point, run_points
+from prunelab.workflow.leaderboard import write_study
+from prunelab.workflow.recipe import load_recipe, parse_recipe
+from prunelab.workflow.run import heal_eval_data
+from prunelab.workflow.stages import EvaluateStage, parse_stage
 
 _REFS: dict[tuple, Any] = {}  # per process: (model, dtype, device) -> (dense lm, cache)
 
@@ -38,9 +50,6 @@ def method_stages(item: str, budget: Budget, dense: dict) -> tuple[str, list[dic
     """``(label, stages)`` of one ``--methods`` item: the stages as recipe stage dicts
     with the budget applied to the first prune stage."""
     from prunelab.pruning import METHODS
-    from prunelab.registry import to_dict
-    from prunelab.workflow.recipe import load_recipe
-
     if item.endswith((".yaml", ".yml")) or Path(item).is_file():
         recipe = load_recipe(item)
         label = Path(item).stem
@@ -48,8 +57,6 @@ def method_stages(item: str, budget: Budget, dense: dict) -> tuple[str, list[dic
         if not any(s.kind == "prune" for s in stages):
             raise ConfigError(f"--methods {item}: the recipe has no prune stage")
     else:
-        from prunelab.workflow.stages import parse_stage
-
         METHODS.get(item)
         label = item
         stages = [parse_stage(0, {"prune": {"method": item, **_defaults(item)}})]
@@ -121,14 +128,9 @@ def compare(model: str, methods: list[str], budget: str | Budget | list, out: st
     with a ``budget`` entry), and ``budget_curves.png`` draws test perplexity against
     the budget, one line per method."""
     from prunelab import api
-    from prunelab.workflow.evaluate import tasks_supported
-    from prunelab.workflow.leaderboard import write_study
-
     budgets = _budgets(budget)
     many = len(budgets) > 1
     if ray is not None:
-        import importlib.util
-
         if importlib.util.find_spec("prunelab.workflow.ray_backend") is None:
             raise ConfigError("--ray needs prunelab.workflow.ray_backend, not in this "
                               "install; run without --ray")
@@ -175,12 +177,6 @@ def open_comparison(out: Path, lm, base: dict, overwrite: bool) -> None:
     Another model or other settings: one-line :class:`~prunelab.errors.ResumeMismatchError`,
     or with ``overwrite`` the comparison's points are discarded. ``points/`` without
     ``compare.json`` (not a comparison of this prunelab) is refused unless ``overwrite``."""
-    import json
-    import shutil
-
-    from prunelab._version import __version__
-    from prunelab.errors import OutputExistsError
-    from prunelab.io.files import write_json
     from prunelab.io.fingerprint import FORMAT, check_match, model_part
 
     marker = out / MARKER
@@ -209,8 +205,6 @@ MARKER = "compare.json"
 def _base(model: str, dense: dict, *, dtype, device, test, seed, calib, samples, seqlen,
           batch_size, test_samples, test_seqlen, speed, tasks, limit) -> dict:
     """What every point of a comparison shares (its payload without label and stages)."""
-    from prunelab.workflow.stages import EvaluateStage
-
     ev = EvaluateStage(samples=test_samples, seqlen=test_seqlen, batch_size=min(batch_size, 8),
                        speed=speed, tasks=tuple(tasks), limit=limit)
     return {"model": model, "dtype": dtype, "device": device, "test": test, "seed": seed,
@@ -237,10 +231,6 @@ def compare_point(point: Point, folder: Path) -> dict:
     budget (timed, peak memory sampled), evaluate against the dense model."""
     from prunelab import api
     from prunelab.eval.speed import PeakRSS
-    from prunelab.workflow.evaluate import evaluate_model
-    from prunelab.workflow.recipe import parse_recipe
-    from prunelab.workflow.stages import EvaluateStage
-
     p = point.payload
     lm = api.load(p["model"], dtype=p["dtype"], device=p["device"])
     c = p["calib"]
@@ -257,8 +247,8 @@ def compare_point(point: Point, folder: Path) -> dict:
         seconds, peak = time.perf_counter() - start, rss.peak
     ref_lm, cache = _reference(p)
     ev = EvaluateStage(**{**p["eval"], "tasks": tuple(p["eval"]["tasks"])})
-    metrics = evaluate_model(lm, ev, data=p["test"], reference=None if not p["stages"]
-                             else ref_lm, reference_cache=cache, seed=p["seed"])
+    metrics = evaluation.evaluate_model(lm, ev, data=p["test"], reference=None if not p["stages"]
+                                        else ref_lm, reference_cache=cache, seed=p["seed"])
     budget = parse_budget(p["budget"])
     after = sizes(lm)
     row = {"method": p["label"], **metrics, **achieved(after, p["dense_sizes"], budget),
@@ -272,8 +262,6 @@ def compare_point(point: Point, folder: Path) -> dict:
 def _apply(lm, recipe, folder: Path):
     """The prune / heal stages of ``recipe`` on ``lm`` in place."""
     from prunelab import api
-    from prunelab.workflow.run import heal_eval_data
-
     for st in recipe.stages:
         if st.kind == "prune":
             o = st.options.calib

@@ -10,6 +10,7 @@ import inspect
 from typing import Any
 
 from prunelab.errors import ConfigError
+from prunelab.registry import to_dict
 
 
 def tasks_supported() -> bool:
@@ -50,8 +51,6 @@ def evaluate_model(lm, opts, data: str, reference=None, reference_cache: dict | 
     with _pressed(lm, opts) as session:
         res = api.evaluate(lm, **kwargs)
     if session is not None:
-        from prunelab.registry import to_dict
-
         cont = opts.continuation()
         res["press"] = {**to_dict(opts.press), "context": (opts.seqlen - cont) / opts.seqlen,
                         "prompt": opts.seqlen - cont, "continuation": cont}

@@ -13,34 +13,14 @@ may write files (a checkpoint, plots) into ``folder``.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from prunelab import log
 from prunelab.errors import ConfigError
 from prunelab.io.files import write_json
-
-_KEY = re.compile(r"^[A-Za-z0-9._=+-]{1,120}$")
-
-
-@dataclass(frozen=True)
-class Point:
-    """One unit of work: ``key`` names its folder, ``payload`` is what it depends on."""
-
-    key: str
-    payload: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not _KEY.match(self.key) or set(self.key) == {"."}:
-            raise ConfigError(f"point key {self.key!r} must be 1-120 characters of "
-                              "letters, digits and . _ = + -, not only dots")
-
-
-def point_dir(out: Path, key: str) -> Path:
-    return Path(out) / "points" / key
+from prunelab.workflow.points import Point, point_dir
+from prunelab.workflow.ray_backend import run_on_ray
 
 
 def finished(out: Path, point: Point) -> dict | None:
@@ -83,8 +63,6 @@ def run_points(points: list[Point], run_point: Callable[[Point, Path], dict], ou
     if len(todo) < len(points):
         log.info(f"{len(points) - len(todo)} of {len(points)} points already done; skipped")
     if ray is not None and todo:
-        from prunelab.workflow.ray_backend import run_on_ray
-
         for p, res in run_on_ray(todo, run_point, out, address=ray,
                                  cpus_per_point=cpus_per_point,
                                  gpus_per_point=gpus_per_point, retries=retries):

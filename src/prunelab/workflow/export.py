@@ -6,8 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from prunelab.api import load, save
+from prunelab.checkpoint.gguf_export import OUT_TYPES, QUANT_TYPES, write_gguf
+from prunelab.checkpoint.imatrix import read_imatrix
+from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.io.files import check_output_path
 from prunelab.io.manifest import read_manifest
+from prunelab.models.gguf_llama import require_llama_cpp
+from prunelab.models.loading import check_model_path
 from prunelab.pruning.width.elastic.method import cut
 
 
@@ -33,12 +38,6 @@ def export_gguf(model: str, out: str | Path, out_type: str = "f16",
     file's ``prunelab.operations`` key holds the checkpoint's operations. ``imatrix``: an
     importance matrix file for llama.cpp's quantizer (quantized types only; read and
     checked before the model is loaded)."""
-    from prunelab.checkpoint.gguf_export import OUT_TYPES, QUANT_TYPES, write_gguf
-    from prunelab.checkpoint.imatrix import read_imatrix
-    from prunelab.errors import ConfigError, UnsupportedOperationError
-    from prunelab.models.gguf_llama import require_llama_cpp
-    from prunelab.models.loading import check_model_path
-
     if out_type not in OUT_TYPES and out_type not in QUANT_TYPES:
         raise ConfigError(f"--outtype must be one of {' | '.join([*OUT_TYPES, *QUANT_TYPES])}"
                           f", got {out_type!r}")

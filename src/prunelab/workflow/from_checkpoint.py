@@ -23,6 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from prunelab.errors import ConfigError
+from prunelab.io.manifest import read_manifest as read_checked
+from prunelab.workflow.recipe import Recipe, parse_recipe
 
 CLI_BATCH_SIZE = 8
 HEAL_EVENTS = ("rep-lie", "cascadeflow")  # prune events a heal config re-creates
@@ -32,8 +34,6 @@ def read_manifest(folder: str | Path) -> dict:
     path = Path(folder) / "manifest.json"
     if not path.is_file():
         raise ConfigError(f"{folder} has no manifest.json: not a prunelab checkpoint")
-    from prunelab.io.manifest import read_manifest as read_checked
-
     return read_checked(folder)
 
 
@@ -74,8 +74,6 @@ def _parent(src: str, depth: int) -> tuple[dict, dict] | None:
         return None
     if depth > 32:
         raise ConfigError(f"{src}: the chain of source checkpoints is deeper than 32")
-    from prunelab.workflow.recipe import parse_recipe
-
     pman = read_manifest(path)
     raw = pman["recipe"] if isinstance(pman.get("recipe"), dict) else \
         rebuild(pman, path, depth + 1)
@@ -170,3 +168,16 @@ def _fit(body: dict, kind: str, top: dict) -> dict:
     if out.get("eval_data") == top.get("test", "wiki-vital:test"):
         out.pop("eval_data")
     return out
+
+
+def recipe_from_checkpoint(folder: str | Path) -> Recipe:
+    """The recipe that produced the checkpoint ``folder`` (from its ``manifest.json``).
+
+    A checkpoint written by a recipe keeps that recipe (``manifest["recipe"]``); one
+    written by ``prunelab prune ...`` / ``prunelab heal`` / the API is rebuilt from the
+    manifest's operations (:func:`rebuild`: registered prune configs, heal configs with
+    their data, chains through source checkpoints)."""
+    man = read_manifest(folder)
+    if isinstance(man.get("recipe"), dict):
+        return parse_recipe(man["recipe"])
+    return parse_recipe(rebuild(man, folder))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from prunelab import log
+from prunelab.io.files import write_json
 from prunelab.workflow.evaluate import task_scores, zero_shot_average
 
 #: (column, metric key, format)
@@ -223,8 +224,6 @@ def write_study(out: Path, rows: list[dict], *, dense: dict | None = None,
     """Write ``leaderboard.md``, ``leaderboard.csv``, the plots (``curves``: the budget
     kind of a comparison at several budgets, adds ``budget_curves.png``) and (when
     available) ``report.html`` into ``out``; returns the paths written."""
-    from prunelab.io.files import write_json
-
     out = Path(out)
     extra = "".join(f"\n## {head}\n\n{text}" for head, text in (sections or {}).items())
     (out / "leaderboard.md").write_text(f"# {title}\n\n" + markdown(rows, dense) + extra)

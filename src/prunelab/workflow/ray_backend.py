@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from prunelab.errors import ConfigError, PrunelabError
-from prunelab.workflow.executor import Point, point_dir
+from prunelab.registry import check_range
+from prunelab.workflow.points import Point, point_dir
 
 SYSTEM_ERRORS = (ConnectionError, TimeoutError, MemoryError)
 SMALL_FILE_BYTES = 4 * 1024 * 1024
@@ -137,8 +138,6 @@ def _unwrap(ray, exc: Exception, key: str) -> Exception:
 
 def check_resources(cpus_per_point: float, gpus_per_point: float) -> None:
     """Refuse resource requests Ray cannot honour (nan, inf, negative) before it starts."""
-    from prunelab.registry import check_range
-
     check_range("cpus_per_point (--cpus-per-point)", cpus_per_point, 0.0, 1e6)
     check_range("gpus_per_point (--gpus-per-point)", gpus_per_point, 0.0, 1e6)
 

@@ -16,7 +16,8 @@ list of stages (:mod:`prunelab.workflow.stages`) -- parsed and checked before an
       - save: {path: model}
 
 :func:`load_recipe` reads a file, a YAML string or a dict; an error is one line naming the
-stage and the field (:class:`~prunelab.errors.ConfigError`). :func:`recipe_from_checkpoint`
+stage and the field (:class:`~prunelab.errors.ConfigError`).
+:func:`~prunelab.workflow.from_checkpoint.recipe_from_checkpoint`
 turns a saved checkpoint's manifest back into the recipe that produced it. Running is in
 :mod:`prunelab.workflow.run`.
 """
@@ -28,6 +29,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from prunelab.errors import ConfigError
 from prunelab.plugins import import_plugin, is_file_spec, source_digest
@@ -84,8 +87,6 @@ class Recipe:
         return {**self.top(), "stages": [s.to_dict() for s in self.stages]}
 
     def to_yaml(self) -> str:
-        import yaml
-
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None,
                               width=100)
 
@@ -324,18 +325,3 @@ def chain_recipe(recipe: Recipe, stage_id: str, save_path: str = "model",
             node = inputs[st.id]
     stages = [s.to_dict(with_source=False) for s in reversed(chain)]
     return {**recipe.top(), "stages": [*stages, {"save": {"path": save_path}}]}
-
-
-def recipe_from_checkpoint(folder: str | Path) -> Recipe:
-    """The recipe that produced the checkpoint ``folder`` (from its ``manifest.json``).
-
-    A checkpoint written by a recipe keeps that recipe (``manifest["recipe"]``); one
-    written by ``prunelab prune ...`` / ``prunelab heal`` / the API is rebuilt from the
-    manifest's operations (:mod:`prunelab.workflow.from_checkpoint`: registered prune
-    configs, heal configs with their data, chains through source checkpoints)."""
-    from prunelab.workflow.from_checkpoint import read_manifest, rebuild
-
-    man = read_manifest(folder)
-    if isinstance(man.get("recipe"), dict):
-        return parse_recipe(man["recipe"])
-    return parse_recipe(rebuild(man, folder))

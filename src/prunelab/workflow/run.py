@@ -13,6 +13,10 @@ recipe, every stage's hash, whether it ran or was reused, its seconds).
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import gc
+import hashlib
 import inspect
 import json
 import os
@@ -23,8 +27,12 @@ from typing import Any
 
 from prunelab import log
 from prunelab.errors import ConfigError, OutputExistsError, PrunelabError
-from prunelab.io.files import write_json
+from prunelab.io.files import write_json, write_text
+from prunelab.io.manifest import read_manifest
+from prunelab.workflow import evaluate as evaluation
+from prunelab.workflow.check import check_recipe, stage_label, unflag
 from prunelab.workflow.executor import Point, finished, point_dir, record
+from prunelab.workflow.leaderboard import write_study
 from prunelab.workflow.recipe import (
     Recipe,
     chain_recipe,
@@ -32,7 +40,8 @@ from prunelab.workflow.recipe import (
     stage_hashes,
     unhashed_inputs,
 )
-from prunelab.workflow.stages import MODEL_STAGES, Stage
+from prunelab.workflow.run_ray import run_stages_on_ray
+from prunelab.workflow.stages import MODEL_STAGES, RUN_OWN, Stage
 
 RUN_FILE = "run.json"
 
@@ -41,8 +50,6 @@ def check_runnable(recipe: Recipe, out: Path | None = None) -> None:
     """Errors that only the installed library can tell, and every check that needs no
     weights (:mod:`prunelab.workflow.check`), before anything runs."""
     from prunelab import api
-    from prunelab.workflow.check import check_recipe
-
     for i, st in enumerate(recipe.stages):
         if st.kind == "evaluate" and st.options.tasks and \
                 "tasks" not in inspect.signature(api.evaluate).parameters:
@@ -72,8 +79,6 @@ def discard_run(out: Path) -> list[str]:
     """Remove what a run or comparison wrote in ``out`` (:data:`RUN_OWN`, ``compare.json``
     and the checkpoints its save stages wrote, as their manifests say) and nothing else: a
     user's file beside them stays. Returns the names removed."""
-    from prunelab.workflow.stages import RUN_OWN
-
     own = set(RUN_OWN) | {"compare.json"}
     removed = []
     found = [Path(root) / n for root, dirs, files in os.walk(out) for n in dirs + files]
@@ -113,8 +118,6 @@ def run_recipe(recipe: Recipe | str | Path | dict, out: str | Path, *,
     runner = _Runner(recipe, out)
     if ray is None:
         return runner.run()
-    from prunelab.workflow.run_ray import run_stages_on_ray
-
     return run_stages_on_ray(runner, ray, cpus_per_point, gpus_per_point)
 
 
@@ -156,8 +159,6 @@ class _Runner:
     def run_stage(self, index: int, st: Stage, folder: Path) -> dict:
         """Run one stage; an error is one line naming the stage, in the recipe's words
         (``seqlen``, not ``--seqlen``)."""
-        from prunelab.workflow.check import stage_label, unflag
-
         try:
             res = getattr(self, f"_{st.kind}")(st, folder)
         except PrunelabError as exc:
@@ -314,8 +315,6 @@ class _Runner:
         """The stage's method with a relative ``from_probe`` read from the run folder
         (``points/<probe stage>/probes/NAME.json``); the checkpoint's recipe keeps the
         absolute path."""
-        import dataclasses
-
         method = st.options.method
         path = getattr(method, "from_probe", None)
         if path and not Path(path).is_absolute():
@@ -343,14 +342,12 @@ class _Runner:
         return {"healing": rec, "files": files_record(folder / "model")}
 
     def _evaluate(self, st: Stage, folder: Path) -> dict:
-        from prunelab.workflow.evaluate import evaluate_model
-
         src = self.inputs[st.id]
         lm = self.model(src)
         o = st.options
         ref = self.reference() if o.reference and (src != "dense" or o.press) else None
-        metrics = evaluate_model(lm, o, data=o.data or self.recipe.test, reference=ref,
-                                 reference_cache=self.ref_cache, seed=self.recipe.seed)
+        metrics = evaluation.evaluate_model(lm, o, data=o.data or self.recipe.test, reference=ref,
+                                            reference_cache=self.ref_cache, seed=self.recipe.seed)
         return {"model": src, "metrics": metrics}
 
     def _save(self, st: Stage, folder: Path) -> dict:
@@ -423,8 +420,6 @@ class _Runner:
         return got
 
     def _report(self, st: Stage, folder: Path) -> dict:
-        from prunelab.workflow.leaderboard import write_study
-
         rows, dense = [], None
         for sid, res in self.results.items():
             if res.get("kind") != "evaluate":
@@ -439,8 +434,6 @@ class _Runner:
                                if res.get("kind") == "export"], self.out)
         sections = {}
         if served:
-            from prunelab.io.files import write_text
-
             write_text(self.out / "served.md", f"# Served in llama.cpp\n\n{served}",
                        overwrite=True)
             sections[SERVED] = served
@@ -536,8 +529,6 @@ def verify_files(folder: Path, recorded: Any) -> str | None:
 
 
 def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while block := fh.read(chunk):
@@ -555,9 +546,6 @@ def heal_eval_data(o, test: str) -> str | None:
 
 def _release() -> None:
     """Free what the last stage dropped, and give it back to the system (glibc)."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -572,8 +560,6 @@ def load_stage_model(folder: Path, load_kwargs: dict):
 
     kw = dict(load_kwargs, trust_remote_code=True)  # prunelab's own modeling file
     lm = api.load(str(folder), **kw)
-    from prunelab.io.manifest import read_manifest
-
     man = read_manifest(folder) or {}
     lm.history = [dict(op) for op in man.get("operations") or []]
     if man.get("size_before"):

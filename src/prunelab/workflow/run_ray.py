@@ -14,12 +14,15 @@ machine, or a shared filesystem).
 
 from __future__ import annotations
 
+import os
 import time
+from functools import partial
 from pathlib import Path
 
 from prunelab import log
 from prunelab.errors import ConfigError
 from prunelab.workflow.executor import Point, finished, record
+from prunelab.workflow.ray_backend import run_on_ray
 from prunelab.workflow.recipe import Recipe, load_recipe
 
 
@@ -45,10 +48,6 @@ def stage_deps(recipe: Recipe) -> dict[str, list[str]]:
 def run_stages_on_ray(runner, address: str, cpus: float, gpus: float) -> dict:
     """Run the unfinished stages of ``runner`` (a :class:`prunelab.workflow.run._Runner`)
     on Ray; returns the run's manifest, stages in recipe order."""
-    from functools import partial
-
-    from prunelab.workflow.ray_backend import run_on_ray
-
     stages = list(runner.recipe.stages)
     rows: dict[str, dict] = {}
     todo = []
@@ -114,8 +113,6 @@ def one_stage(runner, stage_id: str) -> dict:
 def warm_up() -> int:
     """Import what a stage task needs (torch, transformers, prunelab's API), so a Ray
     worker that runs this first does not pay it in its first stage; returns its pid."""
-    import os
-
     import prunelab.api  # noqa: F401
     import prunelab.workflow.run  # noqa: F401
 

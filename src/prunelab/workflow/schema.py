@@ -13,7 +13,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from prunelab.registry import field_metadata
+from prunelab.registry import field_metadata, to_dict
+from prunelab.workflow.recipe import Recipe
+from prunelab.workflow.stages import STAGE_KINDS, Calib, HealStage
 
 BEGIN, END = "<!-- schema:begin -->", "<!-- schema:end -->"
 
@@ -26,8 +28,6 @@ def _default(f: dataclasses.Field) -> str:
     else:
         return "required"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        from prunelab.registry import to_dict
-
         value = to_dict(value)
     if isinstance(value, tuple):
         value = list(value)
@@ -84,9 +84,6 @@ def render_schema() -> str:
         WIDTH_SCORES,
     )
     from prunelab.train.config import HealConfig
-    from prunelab.workflow.recipe import Recipe
-    from prunelab.workflow.stages import STAGE_KINDS, Calib, HealStage
-
     parts = ["## Recipe schema (generated)\n",
              "Top level of a recipe (`stages` is the list below):\n", fields_table(Recipe),
              "Every stage is a one-key mapping `{KIND: options}`; besides its options it "

@@ -17,6 +17,7 @@ or the id of an earlier stage; default the model the previous stage left).
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,8 +165,6 @@ class SaveStage:
 def save_path(path: Any) -> str | None:
     """``path`` normalised (``a/./b/`` -> ``a/b``), or None when it is not a folder
     strictly inside the run folder or is one of the run's own names (:data:`RUN_OWN`)."""
-    import posixpath
-
     if not isinstance(path, str) or not path or "\\" in path or path.startswith(("/", "~")) \
             or ".." in path.split("/"):
         return None

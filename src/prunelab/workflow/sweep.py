@@ -31,7 +31,7 @@ import json
 from pathlib import Path
 
 from prunelab.budget import parse_budget_list
-from prunelab.errors import ConfigError, OutputExistsError
+from prunelab.errors import ConfigError, OutputExistsError, PrunelabError
 from prunelab.eval.perplexity import score_windows
 from prunelab.io.files import write_json
 from prunelab.io.fingerprint import check_match, data_part, make_fingerprint
@@ -41,6 +41,7 @@ from prunelab.probes import ProbeContext, ProbeResult
 from prunelab.probes.base import PROBES
 from prunelab.pruning.depth.config import Depth, run_probe, select
 from prunelab.pruning.depth.surgery import prune_depth
+from prunelab.workflow.sweep_ray import run_sweep_points
 
 BASELINES = ("last-n", "random")
 N_DEPENDENT = ("span-angular", "interval")  # re-probed for every n
@@ -175,8 +176,6 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
                     done.add(key)
                     write_json(points_path, points, overwrite=True)
         if pending:
-            from prunelab.workflow.sweep_ray import run_sweep_points
-
             points += run_sweep_points(lm, pending, calib_ids, test_ids, out, fingerprint,
                                        load=load, ray=ray, cpus_per_point=cpus_per_point,
                                        gpus_per_point=gpus_per_point, batch_size=batch_size)
@@ -224,8 +223,6 @@ def prune_and_score(lm, ctx, cfg: Depth, removed: list[int], how: dict, test_ids
                              reference_cache=ref_cache, desc=f"test n={n}")
         error = None
     except Exception as exc:  # a recovery that does not apply (e.g. cut at block 0)
-        from prunelab.errors import PrunelabError
-
         if not isinstance(exc, PrunelabError):
             raise
         report, test, error = {}, {}, str(exc)
@@ -240,7 +237,7 @@ def prune_and_score(lm, ctx, cfg: Depth, removed: list[int], how: dict, test_ids
 
 def write_sweep_reports(points: list[dict], dense: dict, out: Path) -> None:
     """``curve.csv``, ``curve.md`` and ``curve.png`` from the finished points."""
-    from prunelab.probes.plots import plot_sweep
+    from prunelab.probes.plots import plot_sweep  # noqa: PLC0415 - matplotlib
 
     cols = ["probe", "strategy", "recovery", "removed_count", "removed_blocks",
             "test_perplexity", "test_kl", "test_top1", "calib_kl_before_recovery",

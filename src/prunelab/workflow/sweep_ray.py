@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from prunelab import api
+from prunelab.probes import ProbeContext
 from prunelab.workflow.executor import Point, run_points
 
 _CACHE: dict = {}  # per worker process: the dense model of the sweep being run
@@ -58,9 +60,6 @@ def run_sweep_points(lm, pending: list[dict], calib_ids, test_ids, out: Path,
 
 def _dense(payload: dict):
     """(lm, ctx, test_ids, reference cache) of the payload's sweep, built once per worker."""
-    from prunelab import api
-    from prunelab.probes import ProbeContext
-
     key = json.dumps([payload["load"], payload["inputs"], payload["fingerprint"],
                       payload["batch_size"]], sort_keys=True)
     if _CACHE.get("key") != key:

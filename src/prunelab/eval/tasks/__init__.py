@@ -17,6 +17,7 @@ from typing import Any
 from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.eval.tasks.embedded import EMBEDDED_TASKS, EmbeddedTask
 from prunelab.eval.tasks.jsonl import jsonl_files, read_jsonl
+from prunelab.eval.tasks.lmeval import run_lm_eval
 from prunelab.eval.tasks.scorer import (
     Item,
     _max_positions,
@@ -115,8 +116,6 @@ def evaluate_tasks(lm, tasks: str | list[str], limit: int | None = None,
     for name, task in resolved:
         start = time.perf_counter()
         if isinstance(task, str):
-            from prunelab.eval.tasks.lmeval import run_lm_eval
-
             results[name] = run_lm_eval(lm, task.split(":", 1)[1], limit)
             continue
         if isinstance(task, EmbeddedTask):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prunelab.errors import ConfigError
 from prunelab.models.vocab import check_token_ids
 
 
@@ -156,8 +157,6 @@ def check_item(lm, item: Item) -> list[tuple[list[int], list[int]]]:
     """The token pairs of ``item``'s requests; a continuation with no tokens, or longer than
     the model's positions by itself (no left cut can make it fit), is a one-line
     ``ConfigError``."""
-    from prunelab.errors import ConfigError
-
     limit = _max_positions(lm)
     pairs = [encode_pair(lm.tokenizer, c, k) for c, k in item.requests]
     conts = [k for _, k in pairs]

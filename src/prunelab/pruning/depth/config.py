@@ -25,9 +25,11 @@ import math
 from dataclasses import InitVar, dataclass, field
 
 from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.log import warn
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext, ProbeResult
 from prunelab.probes.base import PROBES, STREAMABLE_PROBES, make_config, options_for
+from prunelab.probes.reliability import selection_stability
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.depth.recoveries import RECOVERIES, Recovery
 from prunelab.pruning.depth.search_budget import check_search_options
@@ -313,9 +315,6 @@ def check_selection(strategy: Strategy, job: SelectJob, removed: list[int], how:
     ``cfg.max_instability`` (default 0.5: the chosen set is then not even the likelier
     outcome of another calibration sample of the same size; at 200 resamples the share's
     standard error is at most 0.035, well inside that margin)."""
-    from prunelab.log import warn
-    from prunelab.probes.reliability import selection_stability
-
     cfg = job.cfg
     if STRATEGIES.name_of(strategy) not in RESAMPLED_STRATEGIES or cfg.bootstrap < 1:
         return

@@ -41,6 +41,7 @@ import copy
 import torch
 
 from prunelab.errors import UnsupportedOperationError
+from prunelab.models.bridges import attach_bridge
 from prunelab.pruning.depth.holdout import HoldoutScorer, only_batches, pick
 from prunelab.pruning.depth.recoveries.foldable import Foldable
 from prunelab.pruning.depth.recoveries.linear_bridge import BridgeRecovery
@@ -185,8 +186,6 @@ class FastScorer(HoldoutScorer):
                 blocks[k] = original
             return BlockFix(twin), None
         if isinstance(rec, BridgeRecovery):
-            from prunelab.models.bridges import attach_bridge
-
             dtype = next(self.ctx.lm.model.parameters()).dtype
             bridge = rec.make_bridge(pick(out, fit_b), ys, ad.hidden_size(), dtype)
             twin = copy.deepcopy(ad.block(k))

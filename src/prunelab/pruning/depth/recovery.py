@@ -25,6 +25,7 @@ from prunelab.errors import UnsupportedOperationError
 from prunelab.lstsq import NormalEquations
 from prunelab.models.linear import set_weight_out_in, weight_out_in
 from prunelab.models.streaming import mark_modified
+from prunelab.models.vision import fold_layer_scales
 from prunelab.pruning.depth.selection import contiguous_spans
 
 if TYPE_CHECKING:  # annotations only
@@ -35,8 +36,6 @@ if TYPE_CHECKING:  # annotations only
 def check_additive(adapter, index: int, recovery: str) -> None:
     """Refuse folding into blocks whose branches pass through a norm before the residual."""
     if adapter.is_vision:  # pre-LN ViT / DINOv2: fold LayerScale so branches are additive
-        from prunelab.models.vision import fold_layer_scales
-
         fold_layer_scales(adapter)
         return
     if adapter.is_encoder or adapter.mlp_post_normed(index):

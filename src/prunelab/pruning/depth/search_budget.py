@@ -1,5 +1,6 @@
 """Budgets and option checks of the depth searches (``granularity`` and
-``recovery_in_loop`` of :class:`~prunelab.pruning.depth.config.Depth`).
+``recovery_in_loop`` of :class:`~prunelab.pruning.depth.config.Depth`), and the start and
+end every search shares (:func:`search_setup`, :func:`search_result`).
 
 At block granularity the budget is a number of blocks ``n`` (from ``remove``,
 ``target_params`` or ``blocks``, as before). At sub-block granularity (BlockPruner, Zhong
@@ -16,11 +17,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prunelab.errors import ConfigError
 from prunelab.models.size import model_size
 from prunelab.models.sublayer import PARTS, sublayer_params
-from prunelab.pruning.depth.removal_plan import block_units, unit_of
+from prunelab.pruning.depth.fast_loop import FastScorer
+from prunelab.pruning.depth.holdout import HoldoutScorer
+from prunelab.pruning.depth.recoveries import RECOVERIES
+from prunelab.pruning.depth.removal_plan import PlanScorer, block_spans, block_units, unit_of
+
+if TYPE_CHECKING:
+    from prunelab.pruning.depth.strategies.base import SelectJob
 
 GRANULARITIES = ("block", "sublayer")
 #: strategies that score candidates (recovery in the loop applies to them)
@@ -32,7 +40,6 @@ SUBLAYER_RECOVERIES = ("none", "foldable", "ghost", "lra")
 def check_search_options(cfg) -> None:
     """Refuse combinations of ``granularity`` / ``recovery_in_loop`` with the strategy and
     recovery that do not apply (one-line :class:`ConfigError`)."""
-    from prunelab.pruning.depth.recoveries import RECOVERIES
     if cfg.granularity not in GRANULARITIES:
         raise ConfigError(f"granularity must be block or sublayer, got {cfg.granularity!r}")
     name = None if cfg.select is None else type(cfg.select).registry_name
@@ -154,3 +161,36 @@ def sublayer_pool(job, result, seeds: int) -> list[frozenset]:
     ranked = sublayer_ranking(result)
     need = len(take_until(ranked, budget))
     return [frozenset((u,)) for u in ranked[: max(seeds, need)]]
+
+
+def search_setup(job: SelectJob, score: str, fast: bool = False):
+    """``(scorer, budget, evals0)`` of a search on ``job`` (the context cached first, so
+    the count excludes the dense pass). ``fast`` (greedy searches, default
+    :data:`FAST_IN_LOOP`): a :class:`~prunelab.pruning.depth.fast_loop.FastScorer` for
+    recovery in the loop at block granularity."""
+    cfg = job.cfg
+    job.ctx.ensure_cached()
+    if fast and cfg.recovery_in_loop and cfg.granularity == "block":
+        scorer = FastScorer(job.ctx, score, cfg.recovery, cfg.holdout)
+    elif cfg.recovery_in_loop and cfg.holdout > 0:
+        scorer = HoldoutScorer(job.ctx, score, cfg.recovery, cfg.holdout)
+    else:
+        scorer = PlanScorer(job.ctx, score, cfg.recovery if cfg.recovery_in_loop else None)
+    return scorer, budget_for(job.lm, cfg, job.n), job.ctx.block_evaluations
+
+
+def search_result(job: SelectJob, plan, how: dict, evals0: float) -> tuple[list, dict]:
+    """The chosen blocks (block granularity) or ``[block, part]`` pairs, and ``how`` with
+    the costs and, with recovery in the loop, the cuts whose repair helped."""
+    how["granularity"] = job.cfg.granularity
+    how["block_evaluations"] = job.ctx.block_evaluations - evals0
+    how["cache_block_evaluations"] = job.ctx.cache_block_evaluations
+    if job.cfg.recovery_in_loop:
+        how["recovery_in_loop"] = True
+        how["recovery_holdout"] = job.cfg.holdout
+        how["repaired_cuts"] = [list(c) for c in plan.repaired()]
+        if job.cfg.granularity == "block":
+            how["repair_spans"] = [list(s) for s in block_spans(plan.repaired())]
+    if job.cfg.granularity == "sublayer":
+        return [list(p) for p in plan.parts()], how
+    return sorted({u // 2 for u in plan.removed}), how

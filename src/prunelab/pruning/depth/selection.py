@@ -19,7 +19,7 @@ from __future__ import annotations
 import random as _random
 
 from prunelab.errors import ConfigError
-from prunelab.probes.summary import greedy_no_adjacent, lowest_n
+from prunelab.probes.comparison import greedy_no_adjacent, lowest_n
 
 
 def _check(n: int, total: int) -> None:

@@ -21,9 +21,10 @@ from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.log import info
 from prunelab.models.custom import flops_per_token
 from prunelab.models.sublayer import branch_paths, remove_sublayers, sublayer_params
+from prunelab.pruning.depth.config import select
 from prunelab.pruning.depth.recoveries import RECOVERIES
 from prunelab.pruning.depth.removal_plan import PlanScorer, cut_block, cuts_of, unit_name, unit_of
-from prunelab.pruning.depth.surgery import DepthReport
+from prunelab.pruning.depth.report import DepthReport
 
 
 @dataclass
@@ -107,8 +108,6 @@ def run_sublayer_depth(lm, cfg, ctx, batch_size: int, evals0: float,
                        n: int) -> SublayerDepthReport:
     """Select sub-blocks with ``cfg``'s strategy, remove them and repair the cuts
     (``lm`` in place; ``ctx``: the dense model's probe context)."""
-    from prunelab.pruning.depth.config import select
-
     n_orig = lm.adapter.num_blocks
     if cfg.sublayers:
         bad = [list(p) for p in cfg.sublayers if p[0] >= n_orig]

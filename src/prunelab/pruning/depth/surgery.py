@@ -8,39 +8,16 @@ that share a probe context (sweeps, benchmarks) and returns a plain dict.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from prunelab.log import info
 from prunelab.models.size import model_size
 from prunelab.probes import ProbeContext
-from prunelab.pruning.base import PRUNERS, MethodReport, Pruner
+from prunelab.pruning.base import PRUNERS, Pruner
+from prunelab.pruning.depth import sublayer_depth as sd
 from prunelab.pruning.depth.config import Depth, blocks_to_remove, select
 from prunelab.pruning.depth.recoveries import RECOVERIES
 from prunelab.pruning.depth.recovery import recover
-
-
-@dataclass
-class DepthReport(MethodReport):
-    """What depth pruning did (block numbers 0-based, original numbering)."""
-
-    removed_blocks: list
-    kept_blocks: list
-    num_blocks_before: int
-    num_blocks_after: int
-    selection: dict
-    probe_layer_values: list | None
-    recovery: str
-    cuts: list
-    calib_divergence: str
-    calib_kl_before_recovery: float
-    calib_kl_after_recovery: float
-    calib_kl_last_before_recovery: float
-    calib_kl_last_after_recovery: float
-    needs_remote_code: bool
-    block_evaluations: float
-
-    def history(self) -> dict:
-        return {"removed_blocks": self.removed_blocks, "recovery": self.recovery}
+from prunelab.pruning.depth.report import DepthReport
 
 
 def run_depth(lm, cfg: Depth, input_ids, batch_size: int = 8, ctx: ProbeContext | None = None,
@@ -56,7 +33,6 @@ def run_depth(lm, cfg: Depth, input_ids, batch_size: int = 8, ctx: ProbeContext 
     evals0 = ctx.block_evaluations
     try:
         if cfg.granularity == "sublayer":
-            from prunelab.pruning.depth import sublayer_depth as sd
             if removed is not None:
                 sd.refuse_given_blocks()
             return sd.run_sublayer_depth(lm, cfg, ctx, batch_size, evals0,

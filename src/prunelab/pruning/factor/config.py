@@ -15,8 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from prunelab.checkpoint.remote import needs_remote_code
+from prunelab.models.custom import custom_modules
 from prunelab.models.size import size_summary
-from prunelab.pruning.base import EXPERTS, FACTORED, PRUNERS, TOKENS, DictReport, Pruner
+from prunelab.pruning.base import EXPERTS, FACTORED, METHODS, PRUNERS, TOKENS, DictReport, Pruner
 from prunelab.registry import check_range
 
 
@@ -57,8 +59,6 @@ class FactorConfig:
 
 def factor_methods() -> dict[str, type[FactorConfig]]:
     """Every registered factorization method, ``{name: config class}``."""
-    from prunelab.pruning.base import METHODS
-
     return {name: METHODS.get(name) for name in METHODS.names()
             if issubclass(METHODS.get(name), FactorConfig)}
 
@@ -66,8 +66,6 @@ def factor_methods() -> dict[str, type[FactorConfig]]:
 def factorized_modules(model) -> list[dict]:
     """``{"module", "kind", **spec}`` of every custom module in ``model`` (what
     ``prunelab info`` shows)."""
-    from prunelab.models.custom import custom_modules
-
     return [{"module": path, "kind": m.prunelab_kind, **m.prunelab_spec()}
             for path, m in custom_modules(model)]
 
@@ -83,8 +81,6 @@ class FactorPruner(Pruner):
         config.precheck(lm)
 
     def run(self, lm, config: FactorConfig, input_ids, *, batch_size: int) -> DictReport:
-        from prunelab.checkpoint.remote import needs_remote_code
-
         before = size_summary(lm.model)
         values = dict(config.apply(lm, input_ids, batch_size=batch_size))
         after = size_summary(lm.model)

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from prunelab.checkpoint.remote import has_bridges, has_custom_modules
 from prunelab.errors import UnsupportedOperationError
+from prunelab.models.families import original_model_type
 
 RMS_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
 OFFSET_NORM_TYPES = ("gemma", "gemma2", "gemma3_text")  # norm weight used as 1 + w
@@ -28,16 +30,12 @@ LAYERNORM_TYPES = ("gpt2", "gpt_neox", "opt")
 
 def base_type(model: nn.Module) -> str:
     """``config.model_type`` without prunelab's remote-code prefix."""
-    from prunelab.models.families import original_model_type
-
     return original_model_type(str(getattr(model.config, "model_type", "")))
 
 
 def check_sliceable(lm, method: str = "slicegpt") -> None:
     """Raise :class:`UnsupportedOperationError` (one line) unless ``lm``'s residual stream
     can be sliced."""
-    from prunelab.checkpoint.remote import has_bridges, has_custom_modules
-
     mt = base_type(lm.model)
     if mt == "bert":
         raise UnsupportedOperationError(

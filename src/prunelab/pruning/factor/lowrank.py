@@ -39,9 +39,11 @@ import torch
 
 from prunelab import linalg
 from prunelab.calib.runner import BlockRunner
+from prunelab.calib.stats import Gram
 from prunelab.errors import ConfigError
-from prunelab.models.custom import LowRankLinear, install
+from prunelab.models.custom import LowRankLinear, PrunelabModule, install
 from prunelab.models.linear import set_weight_out_in, weight_out_in
+from prunelab.models.size import model_size
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.factor.config import FactorConfig
 from prunelab.pruning.factor.grams import (
@@ -52,6 +54,7 @@ from prunelab.pruning.factor.grams import (
     whitened_spectra,
     whitening,
 )
+from prunelab.pruning.linears import branch_containers, selected_linears
 from prunelab.registry import check_range
 
 ALLOCATIONS = ("uniform", "spectrum")
@@ -183,9 +186,6 @@ def _factorize_block(lm, runner: BlockRunner, index: int, hidden: list, chosen: 
                      ) -> tuple[list[dict], list]:
     """Factorize ``chosen`` (paths in block ``index``) group by group on the compressed
     stream; returns the report rows and the block's new outputs."""
-    from prunelab.calib.stats import Gram
-    from prunelab.pruning.linears import branch_containers
-
     prefix = f"{blocks_prefix(lm)}.{index}."
     groups = lm.adapter.linear_groups(index, chosen)
     rows: list[dict] = []
@@ -309,9 +309,6 @@ class SvdLlm(FactorConfig):
     def targeted(self, lm) -> dict[str, tuple[int, str, torch.nn.Module]]:
         """``{full path: (block, path in block, module)}`` of the linears to factorize
         (those already factorized are left as they are)."""
-        from prunelab.models.custom import PrunelabModule
-        from prunelab.pruning.linears import selected_linears
-
         prefix = blocks_prefix(lm)
         return {f"{prefix}.{i}.{p}": (i, p, m) for i in range(lm.adapter.num_blocks)
                 for p, m in selected_linears(lm, i, self).items()
@@ -319,8 +316,6 @@ class SvdLlm(FactorConfig):
 
     def budget(self, lm, shapes: dict[str, tuple[int, int]]) -> int:
         """Parameters the targeted linears' weights may keep (raises when unreachable)."""
-        from prunelab.models.size import model_size
-
         total_lin = sum(m * n for m, n in shapes.values())
         floor_ = sum(m + n if saves(m, n, 1) else m * n for m, n in shapes.values())
         if self.target_params is None:

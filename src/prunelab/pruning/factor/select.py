@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
+from prunelab.eval.divergence import kl_from_logits
 from prunelab.log import info
 
 
@@ -38,8 +40,6 @@ def parse_grid(text: str) -> list[float]:
 def mean_kl(reference, model, input_ids: torch.Tensor, *, batch_size: int) -> float:
     """Mean per-token ``KL(p_reference || p_model)`` (nats) over ``input_ids``
     (``[N, T]``, every position), computed ``batch_size`` windows at a time."""
-    from prunelab.eval.divergence import kl_from_logits
-
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for s in range(0, input_ids.shape[0], batch_size):
@@ -52,13 +52,13 @@ def mean_kl(reference, model, input_ids: torch.Tensor, *, batch_size: int) -> fl
     return total / max(count, 1)
 
 
-def select_basis(lm, cfg, input_ids: torch.Tensor, *, batch_size: int) -> dict:
+def select_basis(lm, cfg, input_ids: torch.Tensor, *, batch_size: int, slicer: Callable,
+                 fishers: list) -> dict:
     """Slice ``lm`` in place with the candidate basis (PCA or the Fisher-weighted one at a
     damping of ``cfg.select_grid``) whose sliced copy has the lowest calibration KL; the
-    slicing report plus ``selection`` (every candidate's KL) and ``fisher_damping_used``."""
-    from prunelab.pruning.factor.slicing import _fishers, slice_stream
-
-    fishers = _fishers(cfg, lm, input_ids, batch_size)
+    slicing report plus ``selection`` (every candidate's KL) and ``fisher_damping_used``.
+    ``slicer``: the slicing run (:func:`~prunelab.pruning.factor.slicing.slice_stream`);
+    ``fishers``: the boundaries' output Fisher matrices, measured once on the dense model."""
     windows = input_ids[:cfg.select_windows] if cfg.select_windows else input_ids
     kl_batch = max(1, min(batch_size, 2))
     candidates = [("pca", None)] + [("sensitivity", mu) for mu in parse_grid(cfg.select_grid)]
@@ -67,7 +67,7 @@ def select_basis(lm, cfg, input_ids: torch.Tensor, *, batch_size: int) -> dict:
     for basis, mu in candidates:
         trial = _variant(cfg, basis, mu)
         sliced = copy.deepcopy(lm)
-        rep = slice_stream(sliced, trial, input_ids, batch_size=batch_size,
+        rep = slicer(sliced, trial, input_ids, batch_size=batch_size,
                            fishers=fishers if basis == "sensitivity" else None, preset=preset)
         preset = preset or rep
         kl = mean_kl(lm.model, sliced.model, windows, batch_size=kl_batch)
@@ -76,7 +76,7 @@ def select_basis(lm, cfg, input_ids: torch.Tensor, *, batch_size: int) -> dict:
         info(f"slicegpt select: {basis} (damping {mu}) calibration KL {kl:.4f}")
     best = min(range(len(scores)), key=lambda i: (scores[i]["calib_kl"], i))
     basis, mu = candidates[best]
-    report = slice_stream(lm, _variant(cfg, basis, mu), input_ids, batch_size=batch_size,
+    report = slicer(lm, _variant(cfg, basis, mu), input_ids, batch_size=batch_size,
                           fishers=fishers if basis == "sensitivity" else None, preset=preset)
     report.update(basis=cfg.basis, basis_used=basis, fisher_damping_used=mu,
                   selection=scores, select_windows=int(windows.shape[0]))

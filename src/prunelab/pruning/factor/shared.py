@@ -65,7 +65,14 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from prunelab.calib.runner import BlockRunner
+from prunelab.calib.stats import Gram
 from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.log import progress
+from prunelab.models.custom import install
+from prunelab.models.families import INPUT_GROUPS
+from prunelab.models.linear import in_out_features, is_conv1d, weight_out_in
+from prunelab.models.size import model_size
 from prunelab.pruning.base import METHODS, SKIPPED
 from prunelab.pruning.factor.config import FactorConfig
 from prunelab.pruning.factor.shared_math import (
@@ -82,6 +89,11 @@ from prunelab.pruning.factor.shared_math import (
     pair_proxies,
     pairing_cost,
     shrunk,
+)
+from prunelab.pruning.factor.shared_modules import (
+    DICTIONARY_ROOT,
+    SharedBasisLinear,
+    SharedDictionary,
 )
 from prunelab.registry import check_range
 
@@ -108,8 +120,6 @@ def _type_list(types) -> list[str]:
 def target_roles(lm, types: str, group: int) -> dict[str, str]:
     """``role -> path inside a block`` of the requested types this family has; raises
     :class:`UnsupportedOperationError` (one line) when nothing can be shared."""
-    from prunelab.models.linear import in_out_features, is_conv1d
-
     ad = lm.adapter
     have = {**ad.spec.attn_proj, **ad.spec.mlp_proj}
     roles = {r: have[r] for r in _type_list(types) if r in have}
@@ -135,9 +145,6 @@ def collect_input_grams(lm, input_ids: torch.Tensor, roles: dict[str, str], *,
                         batch_size: int) -> dict[tuple[int, str], torch.Tensor]:
     """``X^T X`` (float64) of every targeted linear's input, ``{(block, role): gram}``, on
     the model as it is now (linears that read the same tensor share one Gram)."""
-    from prunelab.calib.runner import BlockRunner
-    from prunelab.calib.stats import Gram
-
     runner = BlockRunner(lm, input_ids, batch_size=batch_size)
     ad = lm.adapter
     grams: dict[tuple[int, str], torch.Tensor] = {}
@@ -154,8 +161,6 @@ def collect_input_grams(lm, input_ids: torch.Tensor, roles: dict[str, str], *,
 
 
 def _layers(lm, path: str) -> list[_Layer]:
-    from prunelab.models.linear import in_out_features
-
     ad = lm.adapter
     names = {id(m): n for n, m in lm.model.named_modules()}
     found = []
@@ -179,13 +184,6 @@ def _install_group(lm, role: str, members: list[_Layer], d: torch.Tensor, cs,
                    atoms=None) -> None:
     """One dictionary at ``prunelab_dictionaries.<role>_<blocks>`` and each member's
     coefficients (``atoms``: per layer, the dictionary rows it uses)."""
-    from prunelab.models.custom import install
-    from prunelab.pruning.factor.shared_modules import (
-        DICTIONARY_ROOT,
-        SharedBasisLinear,
-        SharedDictionary,
-    )
-
     ref = members[0].module.weight
     path = f"{DICTIONARY_ROOT}.{role}_" + "_".join(str(m.block) for m in members)
     shared = SharedDictionary(d.shape[1], d.shape[0])
@@ -276,7 +274,6 @@ class _SharedConfig(FactorConfig):
         """``ratio``, or the one that meets ``target_params`` after flooring the ranks."""
         if self.target_params is None:
             return self.ratio
-        from prunelab.models.size import model_size
 
         total = model_size(lm.model)["params"]
         targeted = sum(math.prod(x.shape) for ls in layers.values() for x in ls)
@@ -288,9 +285,6 @@ class _SharedConfig(FactorConfig):
         return 1 - kept / targeted
 
     def apply(self, lm, input_ids, *, batch_size: int) -> dict:
-        from prunelab.log import progress
-        from prunelab.models.families import INPUT_GROUPS
-
         roles = target_roles(lm, self.types, self._group())
         layers = {role: _layers(lm, path) for role, path in roles.items()}
         ratio = self._ratio(lm, layers)
@@ -313,8 +307,6 @@ class _SharedConfig(FactorConfig):
     def _factorize_role(self, lm, role: str, ls: list[_Layer], hs, ratio: float,
                         report: dict) -> None:
         """Group, factorize and install one projection type; fill its report entries."""
-        from prunelab.models.linear import weight_out_in
-
         for x in ls:
             x.weight = weight_out_in(x.module).detach().to(torch.float64)
         k = self._rank(role, ratio, ls)

@@ -37,14 +37,21 @@ Fisher of the model output at the same boundary (computed on the dense model) th
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from prunelab.calib.runner import BlockRunner
+from prunelab.calib.stats import Gram
 from prunelab.errors import ConfigError
 from prunelab.log import info, warn
+from prunelab.models.custom import install
+from prunelab.models.size import model_size
 from prunelab.pruning.base import METHODS
+from prunelab.pruning.factor import fisher as fisher_mod
+from prunelab.pruning.factor import widths as W
 from prunelab.pruning.factor.config import FactorConfig
 from prunelab.pruning.factor.folding import (
     POST_NORM_TYPES,
@@ -60,8 +67,16 @@ from prunelab.pruning.factor.folding import (
     stream_boundaries,
     stream_branches,
 )
+from prunelab.pruning.factor.select import select_basis
 from prunelab.pruning.factor.shortcuts import ResidualShortcut
-from prunelab.pruning.factor.subspace import pca_basis
+from prunelab.pruning.factor.subspace import pca_basis, sensitivity_basis
+from prunelab.pruning.factor.width_kl import allocate_by_kl
+from prunelab.pruning.factor.widths import (
+    block_of,
+    boundary_width,
+    params_for_widths,
+    record_shapes,
+)
 from prunelab.registry import check_range
 
 ROTATIONS = ("per-layer", "global")
@@ -192,8 +207,6 @@ class SliceGPT(FactorConfig):
             raise ConfigError(f"multiple {self.multiple} exceeds the hidden size {d}")
         width = choose_width(self, lm)  # an unreachable target_params fails before any data
         if self.target_params is None and self.widths == "uniform":
-            from prunelab.models.size import model_size
-
             dense, sliced = model_size(lm.model)["params"], params_at(lm, width, self.rotation)
             what = (f"ratio {self.ratio} keeps d'={width} of {d}: the sliced model would "
                     f"store {sliced:,} parameters, not fewer than the dense {dense:,} "
@@ -205,9 +218,8 @@ class SliceGPT(FactorConfig):
 
     def apply(self, lm, input_ids, *, batch_size: int) -> dict:
         if self.basis == "sensitivity" and self.select == "kl":
-            from prunelab.pruning.factor.select import select_basis
-
-            return select_basis(lm, self, input_ids, batch_size=batch_size)
+            return select_basis(lm, self, input_ids, batch_size=batch_size, slicer=slice_stream,
+                                fishers=_fishers(self, lm, input_ids, batch_size))
         return slice_stream(lm, self, input_ids, batch_size=batch_size)
 
 
@@ -224,16 +236,12 @@ def width_for_ratio(d: int, ratio: float, multiple: int) -> int:
 def params_at(lm, width: int, rotation: str) -> int:
     """Parameters the sliced model will store at hidden size ``width`` (head untied,
     shortcut maps and Gemma 2/3's post-norm maps counted), from the current shapes."""
-    from prunelab.pruning.factor.widths import params_for_widths
-
     return params_for_widths(lm, [width] * (lm.adapter.num_blocks + 1), rotation)
 
 
 def choose_width(cfg: SliceGPT, lm) -> int:
     """The kept hidden size: from ``ratio``, or the largest multiple of ``multiple`` that
     keeps at most ``target_params`` of the parameters (they grow with the width)."""
-    from prunelab.models.size import model_size
-
     d = lm.adapter.hidden_size()
     widths = range(d - d % cfg.multiple, 0, -cfg.multiple)
     valid = [w for w in widths if not config_refuses(lm, w)]
@@ -270,8 +278,6 @@ def config_refuses(lm, width: int) -> str:
     """Why the model's transformers config refuses hidden size ``width`` (e.g. Llama's
     ``hidden_size % num_attention_heads == 0``); empty when it accepts it. Checked before
     any calibration: the sliced checkpoint's config must hold the width."""
-    import copy
-
     cfg = copy.deepcopy(lm.model.config)
     validate = getattr(cfg, "validate", None)
     if not callable(validate):
@@ -296,8 +302,6 @@ def _basis(cfg: SliceGPT, cov, fisher, width: int) -> torch.Tensor:
     """The rotation at a boundary (``cov``, ``fisher``: matrices, or lists of them for one
     global rotation over several boundaries); ``width`` columns are kept."""
     if cfg.basis == "sensitivity":
-        from prunelab.pruning.factor.subspace import sensitivity_basis
-
         covs = [_damp(cfg, c) for c in cov] if isinstance(cov, list) else _damp(cfg, cov)
         fishers = [f.double() for f in fisher] if isinstance(fisher, list) else fisher.double()
         q, _ = sensitivity_basis(covs, fishers, cfg.fisher_damping, k=width,
@@ -324,10 +328,8 @@ def _gram(states) -> torch.Tensor:
 def _fishers(cfg: SliceGPT, lm, input_ids, batch_size: int) -> list | None:
     if cfg.basis != "sensitivity":
         return None
-    from prunelab.pruning.factor.fisher import output_fisher
-
-    return output_fisher(lm, input_ids, stream_boundaries(lm), batch_size=batch_size,
-                         samples=cfg.fisher_samples, seed=cfg.seed)
+    return fisher_mod.output_fisher(lm, input_ids, stream_boundaries(lm), batch_size=batch_size,
+                                    samples=cfg.fisher_samples, seed=cfg.seed)
 
 
 # ---------------------------------------------------------------------- slicing
@@ -378,15 +380,11 @@ def _block_widths(cfg, lm, input_ids, batch_size: int, width: int, budget: int, 
                   extra: dict | None = None) -> list[int]:
     """Per-block widths (``L + 1``: the blocks, then the final norm / head); ``extra``
     receives ``width_kl_curves`` with ``widths="kl"``."""
-    from prunelab.pruning.factor import widths as W
-
     n = lm.adapter.num_blocks + 1
     if cfg.widths == "uniform":
         return [width] * n
     grams = boundary_grams(lm, input_ids, batch_size)
     if cfg.widths == "kl":
-        from prunelab.pruning.factor.width_kl import allocate_by_kl
-
         try:
             widths, curves = allocate_by_kl(
                 lm, grams, input_ids, uniform=width, budget=budget, multiple=cfg.multiple,
@@ -414,11 +412,6 @@ def _per_layer(cfg, lm, input_ids, batch_size: int, widths: list[int], fishers
                ) -> list[float]:
     """SliceGPT block by block (full width, dropped directions zeroed; block ``i`` keeps
     ``widths[i]``, the final boundary ``widths[-1]``); the kept energy at every boundary."""
-    from prunelab.calib.runner import BlockRunner
-    from prunelab.calib.stats import Gram
-    from prunelab.models.custom import install
-    from prunelab.pruning.factor.widths import block_of, boundary_width
-
     branches = stream_branches(lm)
     d = lm.adapter.hidden_size()
     names = {id(m): n for n, m in lm.model.named_modules()}
@@ -478,9 +471,6 @@ def _write_into(br, mod: ResidualShortcut, r: torch.Tensor) -> None:
 
 def boundary_grams(lm, input_ids, batch_size: int) -> list[torch.Tensor]:
     """``sum X^T X`` (float64) of the stream at every boundary of the current model."""
-    from prunelab.calib.runner import BlockRunner
-    from prunelab.calib.stats import Gram
-
     branches = stream_branches(lm)
     runner = BlockRunner(lm, input_ids, batch_size=batch_size)
     grams: list[torch.Tensor] = []
@@ -498,8 +488,6 @@ def boundary_grams(lm, input_ids, batch_size: int) -> list[torch.Tensor]:
 
 def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[float]:
     """One rotation for every boundary, cut to ``width`` at once."""
-    from prunelab.models.custom import install
-
     grams = boundary_grams(lm, input_ids, batch_size)
     weighted = list(grams) if cfg.global_weights == "raw" else [
         g / g.trace().clamp_min(1e-300) for g in grams]
@@ -528,9 +516,6 @@ def _finish(lm, d: int, widths: list[int]) -> None:
     """Cut what is still full width to its block's width (per-layer: every stream tensor;
     both: the norms), set the norms' constant scale and the config; non-uniform widths
     also record the shapes a reloaded checkpoint must take (:class:`.widths.StreamShapes`)."""
-    from prunelab.models.custom import install
-    from prunelab.pruning.factor.widths import block_of, boundary_width, record_shapes
-
     branches = stream_branches(lm)
     emb, head = lm.adapter.embeddings(), lm.adapter.head()
     if emb.weight.shape[1] == d and min(widths) < d:  # per-layer: still full width

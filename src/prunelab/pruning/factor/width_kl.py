@@ -37,6 +37,9 @@ from contextlib import contextmanager
 import torch
 
 from prunelab.log import info, progress
+from prunelab.pruning.factor.folding import stream_branches
+from prunelab.pruning.factor.subspace import pca_basis
+from prunelab.pruning.factor.widths import width_counter
 
 
 def width_grid(d: int, uniform: int, levels: int, multiple: int) -> list[int]:
@@ -55,8 +58,6 @@ def width_grid(d: int, uniform: int, levels: int, multiple: int) -> list[int]:
 def _basis(gram: torch.Tensor, damping: float) -> torch.Tensor:
     """PCA basis (columns by decreasing eigenvalue) of the damped ``gram``, as slicing
     computes it."""
-    from prunelab.pruning.factor.subspace import pca_basis
-
     g = gram.double()
     g = g + damping * g.diagonal().mean() * torch.eye(g.shape[0], dtype=g.dtype,
                                                       device=g.device)
@@ -71,8 +72,6 @@ def _projector(q: torch.Tensor, width: int) -> torch.Tensor:
 def sliced_group(lm, group: int, projections: Sequence[torch.Tensor]):
     """Run ``lm`` with only ``group`` sliced (see the module docstring): ``projections``
     are ``(P_a, P_b)`` for a block, ``(P_final,)`` for the final group ``L``."""
-    from prunelab.pruning.factor.folding import stream_branches
-
     ad = lm.adapter
     handles = []
     ps = [p.float() for p in projections]
@@ -214,8 +213,6 @@ def allocate_by_kl(lm, grams: list[torch.Tensor], input_ids: torch.Tensor, *, un
                    rotation: str, batch_size: int) -> tuple[list[int], list[dict]]:
     """Measure the curves on the first ``windows`` windows and allocate; the widths and the
     curves as ``[{width: KL}]`` (for the report)."""
-    from prunelab.pruning.factor.widths import width_counter
-
     d = lm.adapter.hidden_size()
     grid = width_grid(d, uniform, levels, multiple)
     ids = input_ids[:windows] if windows else input_ids

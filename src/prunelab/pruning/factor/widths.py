@@ -24,8 +24,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prunelab import linalg
 from prunelab.errors import ConfigError
 from prunelab.models.custom import PrunelabModule, register_module
+from prunelab.models.size import model_size
+from prunelab.pruning.factor.folding import stream_boundaries, stream_branches
+from prunelab.pruning.factor.subspace import widths_for_energy
 
 
 def block_of(k: int, num_branches: int) -> tuple[int, int]:
@@ -50,9 +54,6 @@ def params_for_widths(lm, widths: list[int], rotation: str = "per-layer") -> int
 def width_counter(lm, rotation: str = "per-layer"):
     """A function ``widths -> parameters`` (as :func:`params_for_widths`) that reads the
     model's shapes once, for allocations that count many candidate widths."""
-    from prunelab.models.size import model_size
-    from prunelab.pruning.factor.folding import stream_branches
-
     ad = lm.adapter
     d = ad.hidden_size()
     emb, head = ad.embeddings(), ad.head()
@@ -92,8 +93,6 @@ def width_counter(lm, rotation: str = "per-layer"):
 def block_spectra(grams: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per block (and the final boundary) the descending eigenvalues of its boundary
     covariances, each divided by its trace, averaged over the block's two boundaries."""
-    from prunelab import linalg
-
     def share(g: torch.Tensor) -> torch.Tensor:
         g = g.double()
         ev = linalg.eigvalsh(g).flip(0).clamp_min(0)
@@ -109,8 +108,6 @@ def allocate_for_energy(spectra: list[torch.Tensor], energy: float, multiple: in
                         ) -> list[int]:
     """Per group the fewest directions holding ``energy`` of its spectrum, rounded up to
     ``multiple`` (at least ``multiple``, at most the full size)."""
-    from prunelab.pruning.factor.subspace import widths_for_energy
-
     raw = widths_for_energy(spectra, energy)
     return [min(len(s), max(multiple, -(-w // multiple) * multiple))
             for w, s in zip(raw, spectra, strict=True)]
@@ -185,8 +182,6 @@ class StreamShapes(PrunelabModule):
 def record_shapes(lm) -> StreamShapes:
     """A :class:`StreamShapes` listing every stream reader / writer / norm and the head of
     ``lm`` with their current shapes."""
-    from prunelab.pruning.factor.folding import stream_boundaries, stream_branches
-
     names = {id(m): n for n, m in lm.model.named_modules()}
     linears: dict[str, list] = {}
 

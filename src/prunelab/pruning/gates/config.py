@@ -51,10 +51,16 @@ from fractions import Fraction
 
 import torch
 
+from prunelab.checkpoint.remote import needs_remote_code
 from prunelab.errors import ConfigError
 from prunelab.eval.divergence import kl_from_logits, kl_from_logits_float64
+from prunelab.eval.speed import measure_speed
+from prunelab.log import progress
 from prunelab.models.custom import flops_per_token
+from prunelab.models.size import size_summary
 from prunelab.models.sublayer import PARTS, branch_paths, remove_sublayers
+from prunelab.probes.base import make_config
+from prunelab.probes.context import ProbeContext
 from prunelab.pruning.base import METHODS, PRUNERS, DictReport, Pruner
 from prunelab.pruning.gates.fit import bootstrap_rounds, cover_budget, ema_smooth, fit_gates
 from prunelab.registry import check_range
@@ -179,9 +185,6 @@ def measure_sublayers(lm, input_ids, *, batch_size: int = 8, positions: str = "a
                       attention_scores: bool = False, ctx=None) -> Measurement:
     """Zero each present branch in turn (from its block's cached input) and keep the KL to
     dense of every calibration window; ``ctx``: a :class:`ProbeContext` to reuse."""
-    from prunelab.log import progress
-    from prunelab.probes.context import ProbeContext
-
     check_family(lm)
     own = ctx is None
     ctx = ctx or ProbeContext(lm, input_ids, batch_size=batch_size)
@@ -269,8 +272,6 @@ def plan_probe_greedy(meas: Measurement, budget: float) -> Plan:
 
 def block_scores(ctx, probe: str = "block-influence") -> list[float]:
     """Per-block score of a layer-kind depth probe on ``ctx`` (ascending = removable)."""
-    from prunelab.probes.base import make_config
-
     res = make_config(probe).run(ctx)
     if res.kind != "layer":
         raise ConfigError(f"block baseline needs a per-block probe, {probe} is {res.kind}")
@@ -314,9 +315,6 @@ class GatesPruner(Pruner):
         check_family(lm)
 
     def run(self, lm, config: Gates, input_ids, *, batch_size: int) -> DictReport:
-        from prunelab.checkpoint.remote import needs_remote_code
-        from prunelab.models.size import size_summary
-
         before = size_summary(lm.model)
         meas = measure_sublayers(lm, input_ids, batch_size=batch_size,
                                  positions=config.positions,
@@ -346,8 +344,6 @@ def latency_vs_dense(dense_lm, lm, *, prompt_len: int = 256, rounds: int = 2,
     """Measured prefill of ``lm`` and ``dense_lm`` back to back (alternating, best of
     ``rounds``; :func:`prunelab.eval.speed.measure_speed`, median of ``repeats``):
     tokens/s, seconds per prompt and the speed-up."""
-    from prunelab.eval.speed import measure_speed
-
     d, g = [], []
     for _ in range(rounds):
         for runs, model in ((d, dense_lm), (g, lm)):

@@ -16,7 +16,8 @@ import torch
 
 from prunelab.calib.runner import BlockRunner
 from prunelab.errors import ConfigError, UnsupportedOperationError
-from prunelab.models.custom import install
+from prunelab.models.custom import flops_per_token, install
+from prunelab.models.size import model_size
 from prunelab.pruning.base import FACTORED, METHODS, PRUNERS, STREAM, TOKENS, DictReport, Pruner
 from prunelab.pruning.moe.convert import convert_block, unsupported_reason
 from prunelab.pruning.moe.module import MASS_ATTR
@@ -137,9 +138,6 @@ class PrunePathPruner(Pruner):
         config.precheck(lm)
 
     def run(self, lm, config: PrunePath, input_ids, *, batch_size: int) -> DictReport:
-        from prunelab.models.custom import flops_per_token
-        from prunelab.models.size import model_size
-
         before = model_size(lm.model)["params"]
         flops_before = flops_per_token(lm.model)
         values = config.apply(lm, input_ids, batch_size=batch_size)

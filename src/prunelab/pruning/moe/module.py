@@ -37,7 +37,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prunelab.errors import ConfigError, UnsupportedOperationError
 from prunelab.models.custom import PrunelabModule, register_module
+from prunelab.registry import check_range
 
 #: the model config attribute that holds the routing mass of a PrunePath checkpoint
 MASS_ATTR = "prunelab_moe_mass"
@@ -363,9 +365,6 @@ def prunepath_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def set_mass(model, mass: float) -> None:
     """Set the routing mass ``p`` in ``(0, 1]`` of every PrunePath MLP in ``model`` and in
     its config (so a saved checkpoint keeps it)."""
-    from prunelab.errors import ConfigError, UnsupportedOperationError
-    from prunelab.registry import check_range
-
     check_range("mass", mass, 0.0, 1.0)
     if mass <= 0:
         raise ConfigError(f"mass must be in (0, 1], got {mass!r}")

@@ -29,9 +29,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from prunelab.calib.stats import AbsQuantile, SumSquares
 from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.pruning.allocation import outlier_ratio, owl, pals, ramp, uniform
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.sparsity import masks
+from prunelab.pruning.sparsity.scores import wanda_scores
 from prunelab.registry import Registry, check_range, field_metadata, to_dict
 
 #: Layerwise (per-block) sparsity allocations by name.
@@ -70,8 +73,6 @@ class Uniform(Allocation):
     """Every block gets the target sparsity."""
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.allocation import uniform
-
         return uniform(len(weights), target)
 
 
@@ -89,20 +90,13 @@ class Owl(Allocation):
         check_range("owl lambda", self.lam, 0.0, 0.5)
 
     def accumulators(self, index):
-        from prunelab.calib.stats import SumSquares
-
         return lambda name: [SumSquares()]
 
     def block_value(self, weights, accs):
-        from prunelab.pruning.allocation import outlier_ratio
-        from prunelab.pruning.sparsity.scores import wanda_scores
-
         return outlier_ratio([wanda_scores(w, accs[p][0].sum_sq) for p, w in weights.items()],
                              m=self.m)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.allocation import owl
-
         return owl(values, target, lam=self.lam, weights=weights)
 
 
@@ -118,16 +112,12 @@ class Pals(Allocation):
         check_range("pals delta", self.delta, 0.0, 0.5)
 
     def accumulators(self, index):
-        from prunelab.calib.stats import AbsQuantile
-
         return lambda name: [AbsQuantile(200_000, seed=index)]
 
     def block_value(self, weights, accs):
         return max(accs[p][0].quantile(0.99) for p in weights)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.allocation import pals
-
         return pals(values, target, delta=self.delta, weights=weights)
 
 
@@ -145,8 +135,6 @@ class Ramp(Allocation):
         check_range("ramp span", self.span, 0.0, 0.5)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.allocation import ramp
-
         return ramp(len(weights), target, span=self.span, increasing=self.increasing,
                     weights=weights)
 
@@ -164,8 +152,6 @@ class Taper(Allocation):
         check_range("taper slope", self.slope, -1.0, 1.0)
 
     def sparsities(self, target, weights, values):
-        from prunelab.pruning.allocation import ramp
-
         return ramp(len(weights), target, span=abs(self.slope) / 2,
                     increasing=self.slope >= 0, weights=weights)
 

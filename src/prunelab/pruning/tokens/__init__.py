@@ -8,7 +8,7 @@ from prunelab.registry import import_submodules
 # registration order = the order of CLI lists and error messages
 import_submodules(__name__)
 
-from prunelab.pruning.tokens.checkpoint import TokenPruner, install_token_pruning
+from prunelab.pruning.tokens.checkpoint import TokenPruner
 from prunelab.pruning.tokens.evaluate import evaluate_token_pruning
 from prunelab.pruning.tokens.head import (
     GatedDepthHead,
@@ -16,7 +16,7 @@ from prunelab.pruning.tokens.head import (
     lfw_gated_accuracy,
     train_gated_head,
 )
-from prunelab.pruning.tokens.pruner import TokenPruningPruner
+from prunelab.pruning.tokens.pruner import TokenPruningPruner, install_token_pruning
 from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning, cls_attention
 
 __all__ = ["GatedDepthHead", "TokenPrunedEncoder", "TokenPruner", "TokenPruning",

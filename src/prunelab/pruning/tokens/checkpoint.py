@@ -18,7 +18,7 @@ import math
 import torch
 from torch import nn
 
-from prunelab.models.custom import PrunelabModule, install, register_module
+from prunelab.models.custom import PrunelabModule, register_module
 
 
 @register_module
@@ -96,31 +96,3 @@ class TokenPruner(PrunelabModule):
 
     def extra_repr(self) -> str:
         return f"keep={self.keep}, fuse={self.fuse}"
-
-
-def install_token_pruning(lm, config) -> list[str]:
-    """Put a :class:`TokenPruner` into every block of ``config.layers`` of ``lm.model``
-    (a vision encoder's LoadedModel), so the model itself prunes tokens and a saved
-    checkpoint does too. Returns the module paths."""
-    from prunelab.errors import ConfigError
-    from prunelab.pruning.tokens.runtime import TokenPrunedEncoder
-
-    TokenPrunedEncoder(lm, config)  # the same checks (vision family, layers in range)
-    ad = lm.adapter
-    names = {id(m): n for n, m in lm.model.named_modules()}
-    paths = []
-    for i in config.layers:
-        block = ad.block(i)
-        rel = {id(m): n for n, m in block.named_modules()}
-        if any(isinstance(m, TokenPruner) or getattr(m, "prunelab_kind", "") == "token_pruner"
-               for m in block.modules()):
-            raise ConfigError(f"block {i} already prunes tokens")
-        norm = ad.norms(i).get(ad.spec.norms[0])
-        proj = ad.attn_projections(i)
-        geo = ad.head_geometry(i)
-        pruner = TokenPruner(config.keep, config.fuse, geo.num_heads, geo.head_dim,
-                             rel[id(norm)], rel[id(proj["q"])], rel[id(proj["k"])])
-        path = f"{names[id(block)]}.token_pruner"
-        install(lm.model, path, pruner)
-        paths.append(path)
-    return paths

@@ -3,6 +3,9 @@ encoder against its own dense forward; the face of ``prunelab prune tokens``."""
 
 from __future__ import annotations
 
+from prunelab.data.images import images_for
+from prunelab.eval.vision import LFW_SIZE, LfwData, embed, fidelity, images_per_second, lfw_accuracy
+from prunelab.pruning.tokens.head import lfw_gated_accuracy
 from prunelab.pruning.tokens.runtime import TokenPrunedEncoder, TokenPruning
 
 
@@ -13,17 +16,6 @@ def evaluate_token_pruning(lm, config: TokenPruning, depths: tuple = (), samples
     tokens pruned by ``config`` (reference: ``lm``'s dense forward), the tokens each block
     runs on, the dense images/s and the speed-up, and with ``depths`` (0-based blocks) the
     gated multi-depth head's LFW accuracy and mean gate weights."""
-    from prunelab.data.images import images_for
-    from prunelab.eval.vision import (
-        LFW_SIZE,
-        LfwData,
-        embed,
-        fidelity,
-        images_per_second,
-        lfw_accuracy,
-    )
-    from prunelab.pruning.tokens.head import lfw_gated_accuracy
-
     enc = TokenPrunedEncoder(lm, config)
     photos = images_for("images:test", samples=samples, size=size)
     res = fidelity(embed(lm, photos.input_ids, batch_size),

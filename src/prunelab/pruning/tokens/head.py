@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prunelab.eval.vision import LFW_SIZE, LfwData
+
 
 @torch.no_grad()
 def depth_features(encoder, pixels: torch.Tensor, depths: tuple, batch_size: int = 8
@@ -75,8 +77,6 @@ def lfw_gated_accuracy(encoder, depths: tuple, size: int | None = None, batch_si
     """TAP-Path's head on the LFW subset: the gated head trained on the probe (``calib``)
     split's multi-depth features, accuracy on the ``test`` split, and the mean gate weight
     of each depth on the test images."""
-    from prunelab.eval.vision import LFW_SIZE, LfwData
-
     lfw = LfwData.make(size or LFW_SIZE)
     train = depth_features(encoder, lfw.train, depths, batch_size)
     test = depth_features(encoder, lfw.test, depths, batch_size)

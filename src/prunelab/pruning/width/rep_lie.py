@@ -46,6 +46,8 @@ import torch
 from prunelab.linalg import spearman
 from prunelab.models.linear import weight_out_in
 from prunelab.pruning.width import scores as S
+from prunelab.train.config import HealConfig
+from prunelab.train.loop import heal
 from prunelab.train.lora import lora_factors
 
 
@@ -228,9 +230,6 @@ def rep_lie_importances(lm, input_ids: torch.Tensor, kind: str = "ffn",
     """A short LoRA fine-tune (cross-entropy on ``input_ids``) that only reads REP-LIE
     importances: the LoRA is dropped at the end, so ``lm``'s weights are unchanged.
     Returns the running mean importance per block (low = removable) and run facts."""
-    from prunelab.train.config import HealConfig
-    from prunelab.train.loop import heal
-
     cfg = HealConfig(loss="ce", steps=steps, lr=lr, lora_rank=rank, lora_alpha=2.0 * rank,
                      seed=seed, batch_size=min(batch_size, int(input_ids.shape[0])),
                      eval_every=0, patience=0, warmup=0.0, quiet=True)

@@ -14,6 +14,13 @@ from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
 from prunelab.log import progress
+from prunelab.pruning.depth.removal_plan import Plan, block_units
+from prunelab.pruning.depth.search_budget import (
+    search_result,
+    search_setup,
+    sublayer_pool,
+    sublayer_result,
+)
 from prunelab.pruning.depth.strategies.base import STRATEGIES, ScoredStrategy, SelectJob
 from prunelab.registry import check_range
 
@@ -40,15 +47,12 @@ class Beam(ScoredStrategy):
     def choose(self, job: SelectJob) -> tuple[list, dict]:
         if job.cfg.granularity != "sublayer":
             return super().choose(job)
-        from prunelab.pruning.depth.search_budget import sublayer_pool, sublayer_result
 
         result = sublayer_result(job)
         how = {"strategy": "beam", "probe": result.probe, "from_probe": job.cfg.from_probe}
         return beam_search(job, sublayer_pool(job, result, self.seeds), self, how)
 
     def pick(self, job, result, values, how):
-        from prunelab.pruning.depth.removal_plan import block_units
-
         ranked = [i for i in sorted(range(len(values)),
                                     key=lambda i: (values[i] is None, values[i]))
                   if values[i] is not None][: max(self.seeds, job.n)]
@@ -60,8 +64,6 @@ def beam_search(job: SelectJob, pool: list, beam: Beam, how: dict) -> tuple[list
     """Keep the ``beam.width`` cheapest sets of each size, each grown by one unit set of
     ``pool`` (whole blocks or single sub-blocks), until the budget is reached; the best
     complete set. ``how["beam"]`` gets the search statistics."""
-    from prunelab.pruning.depth.strategies.sleb import search_result, search_setup
-
     scorer, budget, evals0 = search_setup(job, "nll" if beam.score == "perplexity" else "kl")
     frontier, done, n_scored = [None], [], 0
     for _ in progress(range(budget.blocks or len(pool)), desc="beam search"):
@@ -90,6 +92,4 @@ def beam_search(job: SelectJob, pool: list, beam: Beam, how: dict) -> tuple[list
 
 
 def _empty():
-    from prunelab.pruning.depth.removal_plan import Plan
-
     return Plan()

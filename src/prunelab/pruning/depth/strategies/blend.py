@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prunelab.errors import ConfigError
+from prunelab.probes.base import PROBES
 from prunelab.pruning.depth import selection as sel
 from prunelab.pruning.depth.strategies.base import STRATEGIES, ScoredStrategy
 
@@ -19,8 +20,6 @@ class Blend(ScoredStrategy):
         "cli": "blend_probe", "help": "blend: the second probe"})
 
     def __post_init__(self):
-        from prunelab.probes.base import PROBES
-
         if self.probe not in PROBES:
             raise ConfigError(f"unknown probe {self.probe!r}; available: "
                               f"{', '.join(PROBES.names())}")

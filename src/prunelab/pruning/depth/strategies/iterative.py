@@ -13,6 +13,8 @@ import copy
 from dataclasses import dataclass
 
 from prunelab.errors import UnsupportedOperationError
+from prunelab.models.loading import wrap
+from prunelab.probes import ProbeContext
 from prunelab.pruning.depth.recovery import recover
 from prunelab.pruning.depth.strategies.base import STRATEGIES, SelectJob, Strategy
 
@@ -30,8 +32,6 @@ class Iterative(Strategy):
 def _work_copy(job: SelectJob, removed: list[int], how: dict):
     """A copy of the dense model without ``removed`` (original numbering), repaired when
     the config asks for recovery in the loop."""
-    from prunelab.models.loading import wrap
-
     lm = job.lm
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
     work.offload_to = getattr(lm, "offload_to", None)  # the copy calibrates alike
@@ -52,8 +52,6 @@ def iterative(job: SelectJob, how: dict | None = None) -> list[int]:
     """Blocks removed one by one, each the lowest of a fresh probe of the model without the
     earlier ones (0-based, original numbering, sorted). ``how`` gains the block
     evaluations of the probes (the recovery fits of ``recovery_in_loop`` excluded)."""
-    from prunelab.probes import ProbeContext
-
     how = {} if how is None else how
     lm, ctx = job.lm, job.ctx
     in_loop = job.cfg.recovery_in_loop

@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prunelab.pruning.depth import selection as sel
+from prunelab.pruning.depth.removal_plan import unit_name
+from prunelab.pruning.depth.search_budget import (
+    budget_for,
+    sublayer_ranking,
+    sublayer_result,
+    take_until,
+)
 from prunelab.pruning.depth.strategies.base import STRATEGIES, ScoredStrategy
 
 
@@ -20,13 +27,6 @@ class OneShot(ScoredStrategy):
     def choose(self, job):
         if job.cfg.granularity != "sublayer":
             return super().choose(job)
-        from prunelab.pruning.depth.removal_plan import unit_name
-        from prunelab.pruning.depth.search_budget import (
-            budget_for,
-            sublayer_ranking,
-            sublayer_result,
-            take_until,
-        )
 
         result = sublayer_result(job)
         budget = budget_for(job.lm, job.cfg, job.n)

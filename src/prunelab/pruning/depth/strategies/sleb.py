@@ -28,6 +28,22 @@ from types import SimpleNamespace
 
 from prunelab.errors import ConfigError
 from prunelab.log import info, progress
+from prunelab.pruning.depth.parallel import score_step
+from prunelab.pruning.depth.removal_plan import (
+    Plan,
+    PlanStates,
+    block_units,
+    cut_block,
+    cuts_of,
+    unit_name,
+    unit_of,
+)
+from prunelab.pruning.depth.search_budget import (
+    candidates,
+    search_result,
+    search_setup,
+)
+from prunelab.pruning.depth.selection import parse_sublayers
 from prunelab.pruning.depth.strategies.base import STRATEGIES, SelectJob, Strategy
 
 SLEB_SCORES = ("nll", "kl")
@@ -85,7 +101,6 @@ def parse_resume(text: str) -> tuple:
         return blocks
     if any(":" not in p for p in items):
         raise ConfigError(f"--sleb-resume mixes blocks and sub-blocks: {text!r}")
-    from prunelab.pruning.depth.selection import parse_sublayers
 
     try:
         return parse_sublayers(items)
@@ -96,8 +111,6 @@ def parse_resume(text: str) -> tuple:
 def resume_plan(job: SelectJob, text: str):
     """The :class:`Plan` a resumed search starts from (``Plan()`` when ``text`` is
     empty), checked against the model and the search's granularity."""
-    from prunelab.pruning.depth.removal_plan import Plan, block_units, unit_of
-
     entries = parse_resume(text)
     if not entries:
         return Plan()
@@ -126,48 +139,6 @@ def resume_plan(job: SelectJob, text: str):
 FAST_IN_LOOP = True
 
 
-def search_setup(job: SelectJob, score: str, fast: bool = False):
-    """``(scorer, budget, evals0)`` of a search on ``job`` (the context cached first, so
-    the count excludes the dense pass). ``fast`` (greedy searches, default
-    :data:`FAST_IN_LOOP`): a :class:`~prunelab.pruning.depth.fast_loop.FastScorer` for
-    recovery in the loop at block granularity."""
-    from prunelab.pruning.depth.removal_plan import PlanScorer
-    from prunelab.pruning.depth.search_budget import budget_for
-
-    cfg = job.cfg
-    job.ctx.ensure_cached()
-    if fast and cfg.recovery_in_loop and cfg.granularity == "block":
-        from prunelab.pruning.depth.fast_loop import FastScorer
-
-        scorer = FastScorer(job.ctx, score, cfg.recovery, cfg.holdout)
-    elif cfg.recovery_in_loop and cfg.holdout > 0:
-        from prunelab.pruning.depth.holdout import HoldoutScorer
-
-        scorer = HoldoutScorer(job.ctx, score, cfg.recovery, cfg.holdout)
-    else:
-        scorer = PlanScorer(job.ctx, score, cfg.recovery if cfg.recovery_in_loop else None)
-    return scorer, budget_for(job.lm, cfg, job.n), job.ctx.block_evaluations
-
-
-def search_result(job: SelectJob, plan, how: dict, evals0: float) -> tuple[list, dict]:
-    """The chosen blocks (block granularity) or ``[block, part]`` pairs, and ``how`` with
-    the costs and, with recovery in the loop, the cuts whose repair helped."""
-    from prunelab.pruning.depth.removal_plan import block_spans
-
-    how["granularity"] = job.cfg.granularity
-    how["block_evaluations"] = job.ctx.block_evaluations - evals0
-    how["cache_block_evaluations"] = job.ctx.cache_block_evaluations
-    if job.cfg.recovery_in_loop:
-        how["recovery_in_loop"] = True
-        how["recovery_holdout"] = job.cfg.holdout
-        how["repaired_cuts"] = [list(c) for c in plan.repaired()]
-        if job.cfg.granularity == "block":
-            how["repair_spans"] = [list(s) for s in block_spans(plan.repaired())]
-    if job.cfg.granularity == "sublayer":
-        return [list(p) for p in plan.parts()], how
-    return sorted({u // 2 for u in plan.removed}), how
-
-
 def greedy_search(job: SelectJob, score: str, protect_ends: bool,
                   resume: str = "", fast: bool | None = None,
                   workers: int = 1) -> tuple[list, dict]:
@@ -180,9 +151,6 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
     :func:`search_setup`; ``workers``: processes scoring each step's candidates
     (:mod:`prunelab.pruning.depth.parallel`). Each step ends with a status line
     (``prunelab.log.info``)."""
-    from prunelab.pruning.depth.removal_plan import Plan, PlanStates, cut_block, cuts_of, unit_name
-    from prunelab.pruning.depth.search_budget import candidates
-
     if score == "nll" and job.ctx.encoder:
         raise ConfigError("sleb score nll needs a causal LM; use --sleb-score kl "
                           "(1 - cos for encoders)")
@@ -208,8 +176,6 @@ def greedy_search(job: SelectJob, score: str, protect_ends: bool,
         if not cands:
             raise ConfigError("sleb: no block left to remove within the budget")
         if workers > 1:
-            from prunelab.pruning.depth.parallel import score_step
-
             s, _ = score_step(scorer, plan, cands, states, workers)
             units = s.plan.removed - plan.removed
         else:

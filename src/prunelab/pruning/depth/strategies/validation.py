@@ -34,9 +34,14 @@ import contextlib
 import copy
 from dataclasses import dataclass, field
 
-from prunelab.errors import ConfigError
+from prunelab.errors import ConfigError, UnsupportedOperationError
+from prunelab.eval.perplexity import score_windows
+from prunelab.eval.task_metric import TASK_METRICS, TaskMetric, make_task_metric
 from prunelab.log import progress
+from prunelab.models.adapters import _set
+from prunelab.models.loading import wrap
 from prunelab.pruning.depth.recovery import recover
+from prunelab.pruning.depth.selection import contiguous_spans
 from prunelab.pruning.depth.strategies.base import STRATEGIES, SelectJob, Strategy
 from prunelab.registry import check_range
 
@@ -86,8 +91,6 @@ class Validation(Strategy):
         removed, how = validation_search(job.lm, metric, job.n, self.width, prior, name,
                                          repair=repair)
         if repair is not None:
-            from prunelab.pruning.depth.selection import contiguous_spans
-
             how["recovery_in_loop"] = True
             how["repair_spans"] = [list(sp) for sp in contiguous_spans(removed)] \
                 if how["repaired"] else []
@@ -98,9 +101,6 @@ def repaired_copy(lm, cfg, ctx, removed) -> object | None:
     """A copy of ``lm`` without blocks ``removed`` (0-based), repaired by ``cfg.recovery``
     on ``ctx``'s calibration windows as :func:`prunelab.pruning.depth.surgery.run_depth`
     repairs the applied model; ``None`` when the recovery cannot repair these cuts."""
-    from prunelab.errors import UnsupportedOperationError
-    from prunelab.models.loading import wrap
-
     work = wrap(copy.deepcopy(lm.model), lm.tokenizer, spec=lm.spec)
     work.offload_to = getattr(lm, "offload_to", None)
     work.calib_dtype = getattr(lm, "calib_dtype", None)
@@ -120,14 +120,11 @@ def _repairer(job: SelectJob):
 def _bind_metric(name: str, job: SelectJob, kwargs: dict):
     """The registered task metric ``name``; ``perplexity`` on a causal LM falls back, when
     no module registered it, to the perplexity of the calibration windows."""
-    from prunelab.eval.task_metric import TASK_METRICS, TaskMetric, make_task_metric
-
     try:
         return make_task_metric(name, job.lm, **kwargs)
     except ConfigError:
         if name != "perplexity" or name in TASK_METRICS or job.ctx.encoder:
             raise
-    from prunelab.eval.perplexity import score_windows
 
     ids, batch = job.ctx.input_ids, int(kwargs.get("batch_size", 8))
     return TaskMetric("perplexity", lambda m: score_windows(m, ids, batch_size=batch,
@@ -148,8 +145,6 @@ def blocks_removed(lm, drop):
     try:
         yield lm
     finally:
-        from prunelab.models.adapters import _set
-
         _set(ad.base, ad.spec.blocks, original)
         ad.reorder_blocks(list(range(n)))
         if types is not None:

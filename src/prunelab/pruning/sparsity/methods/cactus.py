@@ -32,13 +32,16 @@ from typing import ClassVar
 
 import torch
 
+from prunelab.calib import gradients
 from prunelab.errors import UnsupportedOperationError
+from prunelab.models.linear import weight_out_in
 from prunelab.pruning.base import METHODS, PRUNERS
 from prunelab.pruning.linears import selected_linears
 from prunelab.pruning.sparsity.config import find
 from prunelab.pruning.sparsity.execute import SparsityReport
 from prunelab.pruning.sparsity.methods.admm import Admm, factor
 from prunelab.pruning.sparsity.pruner import SparsityPruner
+from prunelab.pruning.sparsity.sparse_lowrank import replace_linear, stored_params
 from prunelab.registry import check_range
 
 
@@ -70,9 +73,7 @@ def output_gradient_covariances(lm, input_ids: torch.Tensor, modules: dict,
                                 batch_size: int) -> dict[str, OutputGradCov]:
     """``{name: OutputGradCov}`` of every linear in ``modules`` from one backward pass per
     batch of the LM loss (summed next-token NLL) on the dense model."""
-    from prunelab.calib.gradients import taylor_terms
-
-    covs = taylor_terms(lm, input_ids, modules, batch_size=batch_size,
+    covs = gradients.taylor_terms(lm, input_ids, modules, batch_size=batch_size,
                         accumulate=_accumulate_ggt)
     for cov in covs.values():  # summed in float64; kept in float32 until used (memory)
         cov.ggt = cov.ggt.float()
@@ -143,8 +144,6 @@ class CactusReport(SparsityReport):
 def install_lowrank(lm, cfg: Cactus) -> dict:
     """Replace every pruned linear holding factors by a ``SparseLowRankLinear``; returns
     the per-block achieved sparsity of ``S`` and the parameter counts."""
-    from prunelab.pruning.sparsity.sparse_lowrank import replace_linear, stored_params
-
     covs = cfg.__dict__.pop("_covs", {})
     names = {id(m): n for n, m in lm.model.named_modules()}
     zeros = total = low = stored = 0
@@ -169,8 +168,6 @@ def install_lowrank(lm, cfg: Cactus) -> dict:
 
 
 def _out_in(module):
-    from prunelab.models.linear import weight_out_in
-
     return weight_out_in(module)
 
 

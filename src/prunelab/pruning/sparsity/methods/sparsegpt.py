@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from prunelab.calib import gradients
 from prunelab.calib.stats import Gram
 from prunelab.pruning.base import METHODS
 from prunelab.pruning.sparsity.config import SparsityConfig, find
@@ -55,9 +56,8 @@ class SparseGPT(SparsityConfig):
         half-size batch of the dense model), only when ``hessian_alpha > 0``."""
         if self.hessian_alpha <= 0:
             return None
-        from prunelab.calib.gradients import taylor_terms
 
-        return taylor_terms(lm, input_ids, linears, batch_size=max(1, batch_size // 2))
+        return gradients.taylor_terms(lm, input_ids, linears, batch_size=max(1, batch_size // 2))
 
     def hessian(self, accs: list) -> torch.Tensor:
         """``X^T X`` (float32), blended with the Taylor term when ``hessian_alpha > 0``."""

@@ -14,7 +14,6 @@ from prunelab.pruning.width.elastic.method import (
     ElasticRanking,
     cut,
     elastic,
-    find_ranking,
 )
 from prunelab.pruning.width.elastic.ranking import (
     hard_keep,
@@ -23,6 +22,7 @@ from prunelab.pruning.width.elastic.ranking import (
     soft_keep,
     threshold,
 )
+from prunelab.pruning.width.elastic.store import find_ranking
 
 __all__ = ["ElasticModel", "ElasticRanking", "cut", "elastic", "find_ranking",
            "fit_ranking", "hard_keep", "masked", "model_units", "soft_keep",

@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from prunelab.models.linear import weight_out_in
+from prunelab.models.streaming import holding
 from prunelab.pruning.width import scores as S
 from prunelab.pruning.width.plan import WidthJob, plan_scored
 from prunelab.registry import Registry, check_range
@@ -84,8 +85,6 @@ class ColumnScore(WidthScore):
         return columns
 
     def block_scores(self, job, kind):
-        from prunelab.models.streaming import holding
-
         out = []
         for i in range(job.adapter.num_blocks):
             with holding(job.runner, job.adapter.block(i)):  # streamed: read from disk

@@ -3,7 +3,12 @@ differentiable relaxation of the functional unit-ranking problem) as a width
 score. It reads the ranking of the model (fitted in this process, ``ranking=PATH``, or the
 ``elastic.json`` of the elastic checkpoint it was loaded from) or fits one on the
 calibration windows. Units ``heads`` (KV groups), ``ffn`` and ``joint`` (every unit under
-one threshold: the scores share one scale)."""
+one threshold: the scores share one scale).
+
+The elastic pieces are imported where they are used: importing
+:mod:`prunelab.pruning.width.elastic` runs its ``__init__``, which registers its method
+module, which needs :mod:`prunelab.pruning.width.config` -- the module that imports this
+one while it initialises."""
 
 from __future__ import annotations
 
@@ -37,8 +42,8 @@ class ElasticScore(WidthScore):
             raise ConfigError("the elastic ranking scores KV groups: use --heads groups")
 
     def _ranking(self, job, kind):
-        from prunelab.pruning.width.elastic.fit import fit_ranking
-        from prunelab.pruning.width.elastic.method import find_ranking
+        from prunelab.pruning.width.elastic.fit import fit_ranking  # noqa: PLC0415 - see top
+        from prunelab.pruning.width.elastic.store import find_ranking  # noqa: PLC0415
 
         found = find_ranking(job.lm, kind, self.ranking or None)
         if found is None:
@@ -49,7 +54,7 @@ class ElasticScore(WidthScore):
         return found
 
     def block_scores(self, job, kind):
-        from prunelab.pruning.width.elastic.method import block_tensors
+        from prunelab.pruning.width.elastic.store import block_tensors  # noqa: PLC0415
 
         return [(s, None) for s in block_tensors(self._ranking(job, kind), kind)]
 
@@ -64,7 +69,7 @@ def plan_joint(job, ranking: dict) -> dict:
     budget (a block keeps one KV group and ``round_to`` channels); FFN widths then rounded
     to multiples of ``round_to`` (giving back the best-scored removed channels, or taking
     the worst-scored kept ones)."""
-    from prunelab.pruning.width.elastic.method import block_tensors
+    from prunelab.pruning.width.elastic.store import block_tensors  # noqa: PLC0415
 
     ad, cfg = job.adapter, job.cfg
     heads, ffn = block_tensors(ranking, "heads"), block_tensors(ranking, "ffn")

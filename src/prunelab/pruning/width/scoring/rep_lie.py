@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prunelab.pruning.width.rep_lie import rep_lie_importances
 from prunelab.pruning.width.scoring.base import WIDTH_SCORES, WidthScore
 from prunelab.registry import check_range
 
@@ -35,8 +36,6 @@ class RepLie(WidthScore):
         return True
 
     def block_scores(self, job, kind):
-        from prunelab.pruning.width.rep_lie import rep_lie_importances
-
         means, _facts = rep_lie_importances(
             job.lm, job.input_ids, kind=kind, mode=job.cfg.heads, steps=self.steps,
             lr=self.lr, rank=self.rank, seed=self.seed, batch_size=job.batch_size)
