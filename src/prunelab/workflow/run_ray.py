@@ -62,7 +62,8 @@ def run_stages_on_ray(runner, address: str, cpus: float, gpus: float) -> dict:
     log.info(f"{len(rows)} of {len(stages)} stages unchanged, reused; {len(todo)} to run "
              "on Ray")
     by_id = {s.id: s for s in stages}
-    fn = partial(run_stage, recipe=runner.recipe.to_dict(), out=str(runner.out.resolve()))
+    fn = partial(run_stage, recipe=runner.recipe.to_dict(), out=str(runner.out.resolve()),
+                 runner_cls=type(runner))
     replies = run_on_ray(todo, fn, runner.out, address=address, cpus_per_point=cpus,
                          gpus_per_point=gpus, deps=stage_deps(runner.recipe)) if todo else ()
     for point, reply in replies:
@@ -77,13 +78,13 @@ def run_stages_on_ray(runner, address: str, cpus: float, gpus: float) -> dict:
     return runner._manifest()
 
 
-def run_stage(point: Point, folder: Path, *, recipe: dict, out: str) -> dict:
+def run_stage(point: Point, folder: Path, *, recipe: dict, out: str, runner_cls: type) -> dict:
     """One stage of a recipe in its own process (a Ray task): ``{"result", "seconds"}``.
-    The result is recorded here, before the task ends, so the stages that read it (which
-    Ray starts as soon as this task is done) find it on disk."""
-    from prunelab.workflow.run import _Runner
-
-    runner = _Runner(load_recipe(recipe), Path(out))
+    ``runner_cls``: the serial run's runner class, passed in by the caller (Ray pickles it
+    by reference), so this module does not import the one that imports it. The result is
+    recorded here, before the task ends, so the stages that read it (which Ray starts as
+    soon as this task is done) find it on disk."""
+    runner = runner_cls(load_recipe(recipe), Path(out))
     reply = one_stage(runner, point.key)
     record(Path(out), point, reply["result"])
     return reply
@@ -111,9 +112,9 @@ def one_stage(runner, stage_id: str) -> dict:
 
 
 def warm_up() -> int:
-    """Import what a stage task needs (torch, transformers, prunelab's API), so a Ray
-    worker that runs this first does not pay it in its first stage; returns its pid."""
+    """Import the heavy part of what a stage task needs (torch, transformers, prunelab's
+    API), so a Ray worker that runs this first does not pay it in its first stage; returns
+    its pid. (The runner's own module comes with the task, which names its class.)"""
     import prunelab.api  # noqa: F401
-    import prunelab.workflow.run  # noqa: F401
 
     return os.getpid()

@@ -178,7 +178,8 @@ def sweep_depth(lm, probes: list[str], removes: list[int], recoveries: list[str]
         if pending:
             points += run_sweep_points(lm, pending, calib_ids, test_ids, out, fingerprint,
                                        load=load, ray=ray, cpus_per_point=cpus_per_point,
-                                       gpus_per_point=gpus_per_point, batch_size=batch_size)
+                                       gpus_per_point=gpus_per_point, batch_size=batch_size,
+                                       configure=point_config, score=prune_and_score)
             write_json(points_path, points, overwrite=True)
         write_sweep_reports(points, dense, out)
     finally:

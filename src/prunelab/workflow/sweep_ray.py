@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,10 +43,13 @@ def point_key(p: dict) -> str:
 def run_sweep_points(lm, pending: list[dict], calib_ids, test_ids, out: Path,
                      fingerprint: dict, *, load: dict | None, ray: str,
                      cpus_per_point: float = 1.0, gpus_per_point: float = 0.0,
-                     batch_size: int = 8) -> list[dict]:
+                     batch_size: int = 8, configure: Callable, score: Callable
+                     ) -> list[dict]:
     """The sweep points of ``pending`` (name, recovery, n, strategy, window, seed and the
     chosen ``removed`` blocks), each pruned and scored as a Ray task; in ``pending``'s
-    order."""
+    order. ``configure`` / ``score``: the sweep's ``point_config`` and ``prune_and_score``,
+    passed in by the sweep (module-level functions: Ray pickles them by reference), so this
+    module does not import the one that imports it."""
     inputs = (Path(out) / "inputs").resolve()
     _save_ids(inputs / "calib.pt", torch.as_tensor(calib_ids))
     _save_ids(inputs / "test.pt", torch.as_tensor(test_ids))
@@ -54,7 +59,8 @@ def run_sweep_points(lm, pending: list[dict], calib_ids, test_ids, out: Path,
     points = [Point(point_key(p), json.loads(json.dumps(
         {**p, "fingerprint": digest, "load": load, "inputs": str(inputs),
          "batch_size": batch_size}, default=str))) for p in pending]
-    return run_points(points, run_point, Path(out), ray=ray, cpus_per_point=cpus_per_point,
+    task = partial(run_point, configure=configure, score=score)
+    return run_points(points, task, Path(out), ray=ray, cpus_per_point=cpus_per_point,
                       gpus_per_point=gpus_per_point)
 
 
@@ -76,13 +82,11 @@ def _dense(payload: dict):
     return _CACHE["lm"], _CACHE["ctx"], _CACHE["test"], _CACHE["ref"]
 
 
-def run_point(point: Point, folder: Path) -> dict:
+def run_point(point: Point, folder: Path, *, configure: Callable, score: Callable) -> dict:
     """One sweep point in a worker (module level: Ray pickles it by reference)."""
-    from prunelab.workflow.sweep import point_config, prune_and_score
-
     p = point.payload
     lm, ctx, test_ids, ref_cache = _dense(p)
-    cfg = point_config(p["name"], p["recovery"], p["n"], p["strategy"], p["window"],
+    cfg = configure(p["name"], p["recovery"], p["n"], p["strategy"], p["window"],
                        p["seed"])
-    return prune_and_score(lm, ctx, cfg, list(p["removed"]), p["how"], test_ids, ref_cache,
+    return score(lm, ctx, cfg, list(p["removed"]), p["how"], test_ids, ref_cache,
                            p["batch_size"], name=p["name"], rec=p["recovery"])
