@@ -27,7 +27,11 @@ one registers it (a checkpoint hook, a prune-while-tuning controller, a method's
 `check_streamable`).
 
 The root package `prunelab` exposes the public names lazily (PEP 562): `import prunelab`
-and `import prunelab.cli` load neither torch nor transformers.
+and `import prunelab.cli` load neither torch nor transformers. Imports go at the top of the
+file: ruff's `PLC0415` refuses an import inside a function except in the files
+`pyproject.toml` lists (the CLI, the torch-free workflow drivers and reports, modules around
+an optional dependency) and where a single import carries `# noqa: PLC0415` with its
+reason. No two modules import each other.
 
 This page is written by `python scripts/layout.py` from the tree and the module docstrings;
 `tests/test_layout.py` fails when a module is missing from it or listed but gone.
