@@ -51,7 +51,7 @@ def _vs(front: dict, row: dict, base: dict) -> str:
 def answers(front: dict, rows: list[dict]) -> list[str]:
     """The issue's questions, answered yes or no with the figures."""
     dense = {r["type"]: r for r in rows if r["model"] == "dense"}
-    pruned = [r for r in rows if r["model"] != "dense"]
+    pruned = [r for r in rows if not r["model"].startswith("dense")]
     out = []
     q3, q2 = dense.get("q3_k_m"), dense.get("q2_k")
     if q3 is not None:
@@ -97,7 +97,7 @@ def answers(front: dict, rows: list[dict]) -> list[str]:
             ("front_speed", "gen", "generating faster than", "tokens/s", max)):
         dense_front = [r for r in rows if r[flag] and r["model"] == "dense"
                        and r.get(key) is not None]
-        pruned_front = [r for r in rows if r[flag] and r["model"] != "dense"]
+        pruned_front = [r for r in rows if r[flag] and not r["model"].startswith("dense")]
         if dense_front and pruned_front:
             edge = pick(dense_front, key=lambda r: r[key])
             beyond = [r for r in pruned_front if pick(r[key], edge[key]) == r[key]
@@ -218,7 +218,7 @@ def main() -> None:
             shutil.copyfile(src, dst)
             links.append(f"![{opts.section}: perplexity vs {kind}](served-front/{dst.name})")
     s = front["settings"]
-    pruned_files = sum(1 for r in rows if r["model"] != "dense")
+    pruned_files = sum(1 for r in rows if not r["model"].startswith("dense"))
     body = [f"## {opts.model}: {len(rows)} files ({pruned_files} pruned), "
             f"{'with' if s['imatrix'] else 'without'} importance matrices", "",
             f"Measured {datetime.date.today()} at commit {commit} on {os.cpu_count()} cores "

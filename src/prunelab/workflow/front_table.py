@@ -47,6 +47,9 @@ def made(front: dict, rec: dict) -> str:
                 "that fits the calibration text)")
     else:
         what = parse_point(front["models"][model]["spec"]).describe()
+        loss = (front.get("settings", {}).get("heal") or {}).get("loss", "kd")
+        if loss != "kd":  # the heal fitted the calibration text, not the dense model
+            what = what.replace("healed by distillation", f"healed by fine-tuning ({loss})")
     if rec["type"] in ("f16", "f32", "bf16"):
         return f"{what}, {rec['type']}"
     im = "with" if rec.get("imatrix") else "without"
