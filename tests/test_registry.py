@@ -199,3 +199,28 @@ def test_no_module_uses_another_registration_form():
         for m in _OTHER_FORMS.finditer(path.read_text()):
             found.append(f"{path.relative_to(SRC)}: {m.group(0).strip()}")
     assert found == []
+
+
+def test_from_dict_takes_only_true_or_false_for_a_bool_field():
+    """YAML's ``"false"`` is a non-empty string: a recipe's method config must not turn
+    it into a truthy value (every built-in bool field, e.g. width's ``compensate``)."""
+    from prunelab.pruning import METHODS
+
+    reg = Registry("widget")
+
+    @reg.register("w")
+    @dataclass(frozen=True)
+    class W:
+        on: bool = False
+        n: int = 1
+
+    assert reg.from_dict({"name": "w", "on": True}) == W(on=True)
+    for bad in ("false", "true", 0, 1, None):
+        with pytest.raises(ConfigError, match=rf"widget 'w': on must be true or false, "
+                                              rf"got {re.escape(repr(bad))}"):
+            reg.from_dict({"name": "w", "on": bad})
+    with pytest.raises(ConfigError, match="compensate must be true or false, got 'false'"):
+        METHODS.from_dict({"name": "width", "unit": "ffn", "ratio": 0.2,
+                           "compensate": "false"})
+    assert METHODS.from_dict({"name": "width", "unit": "ffn", "ratio": 0.2,
+                              "compensate": False}).compensate is False

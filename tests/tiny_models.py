@@ -74,6 +74,28 @@ def tiny_model(arch: str, seed: int = 0):
     return model.eval()
 
 
+def tiny_tied_model(arch: str = "llama", heads: int = 4, hidden: int = 32, final_scale=None,
+                    seed: int = 0):
+    """A tiny causal LM whose head shares the embeddings' tensor, ``heads`` query heads of
+    the tiny head size over a ``hidden``-wide stream (one KV group when the tiny KV count
+    does not divide ``heads``), its final norm's scale far from constant (or the constant
+    ``final_scale``)."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cfg.tie_word_embeddings = True
+    cfg.num_attention_heads, cfg.hidden_size = heads, hidden
+    if heads % cfg.num_key_value_heads:
+        cfg.num_key_value_heads = 1
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+        norm = model.model.norm.weight
+        norm.copy_(torch.full_like(norm, final_scale) if final_scale is not None else
+                   1.0 + torch.randn_like(norm) * 0.5)
+    return model.eval()
+
+
 def tiny_tokens(batch: int = 2, seqlen: int = 12, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (batch, seqlen), generator=g)

@@ -207,7 +207,18 @@ class Registry:
         name = d.pop("name")
         cls = self.get(name)
         strict_kwargs(cls, d, f"{self.kind} {name!r}")
+        _check_bools(cls, d, f"{self.kind} {name!r}")
         return cls(**{k: _decode(v, cls, k) for k, v in d.items()})
+
+
+def _check_bools(cls, given: dict, what: str) -> None:
+    """A field declared ``bool`` takes ``true`` / ``false`` only: YAML's ``"false"`` is a
+    non-empty string, so taking it as truthy would silently do the opposite."""
+    kinds = {f.name: f.type for f in dataclasses.fields(cls)} \
+        if dataclasses.is_dataclass(cls) else {}
+    for key, value in given.items():
+        if kinds.get(key) in (bool, "bool") and not isinstance(value, bool):
+            raise ConfigError(f"{what}: {key} must be true or false, got {value!r}")
 
 
 def _piece_type(obj: Any) -> Any:

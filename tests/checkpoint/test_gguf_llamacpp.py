@@ -14,6 +14,7 @@ from prunelab.data import TokenBatches
 from prunelab.eval.llamacpp import compare_with_llamacpp
 from prunelab.models.loading import wrap
 from prunelab.models.sublayer import remove_sublayers
+from prunelab.pruning.factor.slicing import SliceGPT
 
 from tiny_models import tiny_model, tiny_tokens
 
@@ -43,7 +44,20 @@ CASES = {
     "deci-widths": lambda: _global_width(_tiny()),
     "deci-sublayers": lambda: _sublayers(_tiny()),
     "deci-heads": lambda: _global_heads(_tiny()),
+    "sliced-tied-gguf-only": lambda: _sliced_tied(),
 }
+
+
+def _sliced_tied():
+    """Hidden 24 with 3 heads of 8 sliced to 16 (a size Llama's config refuses), the head
+    kept tied: llama.cpp reads the head size from the file and the embeddings as the head."""
+    from tiny_models import bpe_tokenizer, tiny_tied_model
+
+    lm = wrap(tiny_tied_model(heads=3, hidden=24), bpe_tokenizer(), spec="tiny-tied")
+    prunelab.prune(lm, SliceGPT(rotation="global", ratio=1 / 3, multiple=8, keep_tied=True,
+                                gguf_only=True), CALIB, batch_size=2)
+    assert lm.model.config.hidden_size == 16
+    return lm
 
 
 def _global_heads(lm):

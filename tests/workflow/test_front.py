@@ -189,6 +189,21 @@ def test_a_tiny_front_is_built_resumed_and_refused_with_other_settings(tiny, mon
         build_front(_settings(ckpt, text, windows=3), out)
 
 
+def test_a_slice_point_is_built_and_measured(tiny):
+    from prunelab.workflow.front import build_front
+
+    root, ckpt, text = tiny
+    front = build_front(_settings(ckpt, text, grid="slice:0.25", types="f16",
+                                  grid_types="f16", rounds=0), root / "slice")
+    model = front["models"]["slice0.25"]
+    assert model["prune"]["method"] == "slicegpt" and model["blocks"] == 4
+    assert model["params"] < front["models"]["dense"]["params"]
+    rows = {r["file"].split("/")[-1]: r for r in front["rows"]}
+    assert rows["slice0.25.f16.gguf"]["ppl"] > 1
+    assert "hidden size sliced (SliceGPT, global, tied head kept)" in \
+        rows["slice0.25.f16.gguf"]["made"]
+
+
 def test_a_heal_on_the_calibration_text_gets_the_dense_control(tiny):
     """loss=ce adapts to the calibration text's domain: the dense model fine-tuned the same
     way joins the ladder (every ladder type), so the pruned points are compared with it."""

@@ -18,7 +18,7 @@ import transformers
 
 from prunelab._version import __version__
 from prunelab.checkpoint.remote import has_bridges, has_custom_modules, load_hint, write_remote_code
-from prunelab.errors import PrunelabError
+from prunelab.errors import PrunelabError, UnsupportedOperationError
 from prunelab.io.files import (
     MANIFEST_FORMAT,
     _check_target,
@@ -158,6 +158,12 @@ def save(lm, out_dir: str | Path, manifest: dict | None = None, overwrite: bool 
     check_not_input(out, {"model (the checkpoint it was loaded from)":
                           getattr(lm, "source", None)})
     _check_target(out, overwrite, "checkpoint")
+    gguf_only = getattr(lm.model, "prunelab_gguf_only", None)
+    if gguf_only:
+        raise UnsupportedOperationError(
+            f"this model cannot be saved as a checkpoint: {gguf_only}; write it to GGUF from "
+            "memory (prunelab.checkpoint.gguf_export.write_gguf, as prunelab front does) or "
+            "slice without gguf_only")
     # per-block widths from prunelab's width pruning: the modeling file resizes the
     # projections at load; other shapes a plain config cannot hold are refused
     widths = bool(lm.adapter.vanilla_problems()) and (any(

@@ -14,7 +14,9 @@ dense model after pruning, :func:`prunelab.api.heal`):
 ``sublayers:N`` remove N blocks' worth of attention / MLP sub-blocks (sub-block depth
                search, ``foldable``; per-block shapes: llama.cpp's ``deci``)
 ``slice:F``    remove the fraction F of the hidden size (SliceGPT, one global rotation,
-               the kept size a multiple of the types' block)
+               the kept size a multiple of the types' block, a tied head kept tied; the
+               size may be one the transformers config refuses, since the model only
+               goes to GGUF: SmolLM2's 512 with 9 heads)
 =============  ==================================================================
 
 :func:`parse_grid` refuses anything else in one line (an unknown kind, a value out of
@@ -73,7 +75,8 @@ class GridPoint:
                 "heads": f"{self.value:.0%} of the KV groups removed (wanda-sp, compensated)",
                 "sublayers": f"{int(self.value)} blocks' worth of sub-blocks removed "
                              "(foldable recovery)",
-                "slice": f"{self.value:.0%} of the hidden size sliced (SliceGPT, global)"}
+                "slice": f"{self.value:.0%} of the hidden size sliced (SliceGPT, global, "
+                         "tied head kept)"}
         return what[self.kind] + (", healed by distillation" if self.heal else "")
 
     def config(self, round_to: int):
@@ -88,7 +91,8 @@ class GridPoint:
                                  "score": "wanda-sp", "allocation": "uniform",
                                  "compensate": True, "round_to": max(round_to, 1)})
         return METHODS.from_dict({"name": "slicegpt", "rotation": "global", "ratio": self.value,
-                             "multiple": max(round_to, 8)})
+                                  "multiple": max(round_to, 8), "keep_tied": True,
+                                  "gguf_only": True})
 
 
 #: grid kinds whose result only some GGUF architectures can hold

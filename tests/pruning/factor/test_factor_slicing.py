@@ -26,7 +26,7 @@ from prunelab.pruning.factor.slicing import (
 )
 from prunelab.pruning.factor.subspace import pca_basis
 
-from tiny_models import char_tokenizer, tiny_model, tiny_tokens
+from tiny_models import bpe_tokenizer, char_tokenizer, tiny_model, tiny_tied_model, tiny_tokens
 
 SLICEABLE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
 IDS = tiny_tokens(4, 16, seed=1)
@@ -278,3 +278,103 @@ def test_pca_basis_is_the_shared_one():
     from prunelab.pruning.factor import slicing, subspace
 
     assert slicing.pca_basis is subspace.pca_basis
+
+
+# ------------------------------------------------- a tied head kept tied; GGUF-only widths
+def _tied_lm(arch: str = "llama", heads: int = 4, hidden: int = 32, final_scale=None,
+             tokenizer=None):
+    return wrap(tiny_tied_model(arch, heads, hidden, final_scale),
+                tokenizer or char_tokenizer(), spec="tiny")
+
+
+def _tied(lm) -> bool:
+    return lm.adapter.head().weight.data_ptr() == lm.adapter.embeddings().weight.data_ptr()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_keep_tied_rotation_without_slicing_is_exact_and_stays_tied(arch):
+    lm = _tied_lm(arch)
+    assert _tied(lm)
+    ref = _logits(lm.model)
+    dense = sum(p.numel() for p in lm.model.parameters())
+    rep = slice_stream(lm, SliceGPT(rotation="global", ratio=0.0, keep_tied=True), IDS,
+                       batch_size=2)
+    assert rep["tied_head"] is True and _tied(lm)
+    assert lm.model.config.tie_word_embeddings is True
+    assert sum(p.numel() for p in lm.model.parameters()) == dense
+    torch.testing.assert_close(_logits(lm.model), ref, rtol=0, atol=1e-5)
+    # the final norm kept its per-channel scale (permuted into the turned basis)
+    final = lm.adapter.final_norm().weight.detach()
+    assert final.std() > 0.1
+
+
+def test_keep_tied_slices_like_the_untied_head_when_the_final_scale_is_constant(tmp_path):
+    """With a constant final scale ``c`` the untied head ``E diag(c) r`` is ``c (E r)``: the
+    tied slice computes exactly the untied one's logits and stores one head fewer."""
+    cfg = SliceGPT(rotation="global", ratio=0.25, multiple=4)
+    untied, tied = _tied_lm(final_scale=1.7), _tied_lm(final_scale=1.7)
+    slice_stream(untied, cfg, IDS, batch_size=2)
+    want = params_at(_tied_lm(), 24, "global", keep_tied=True)
+    rep = slice_stream(tied, SliceGPT(rotation="global", ratio=0.25, multiple=4,
+                                      keep_tied=True), IDS, batch_size=2)
+    assert not _tied(untied) and _tied(tied) and rep["tied_head"] is True
+    n_untied = sum(p.numel() for p in untied.model.parameters())
+    n_tied = sum(p.numel() for p in tied.model.parameters())
+    assert n_tied == want == n_untied - tied.adapter.embeddings().weight.numel()
+    torch.testing.assert_close(_logits(tied.model), _logits(untied.model), rtol=0, atol=1e-5)
+    # a tied sliced model is an ordinary tied checkpoint: it reloads with identical logits
+    out = prunelab.save(tied, tmp_path / "ckpt")
+    again = tf.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert again.config.tie_word_embeddings is True and again.config.hidden_size == 24
+    torch.testing.assert_close(_logits(again), _logits(tied.model), rtol=0, atol=1e-5)
+
+
+def test_keep_tied_with_a_varying_final_scale_loses_little_to_the_untied_head():
+    ref = _logits(_tied_lm().model, IDS)
+    kls = {}
+    for keep in (False, True):
+        lm = _tied_lm()
+        slice_stream(lm, SliceGPT(rotation="global", ratio=0.25, multiple=4, keep_tied=keep),
+                     IDS, batch_size=2)
+        kls[keep] = _kl(_logits(lm.model, IDS), ref)
+    assert 0 < kls[False] and kls[True] < 2 * kls[False] + 1e-4, kls
+
+
+def test_keep_tied_refusals():
+    with pytest.raises(ConfigError, match="keep_tied needs rotation global"):
+        SliceGPT(rotation="per-layer", keep_tied=True)
+    lm = _lm("gemma")
+    with pytest.raises(ConfigError, match="scales its embeddings"):
+        SliceGPT(rotation="global", ratio=0.25, multiple=4, keep_tied=True).precheck(lm)
+    with pytest.raises(ConfigError, match="keep_tied"):
+        METHODS.from_dict({"name": "slicegpt", "rotation": "global", "keep_tied": "false"})
+
+
+def test_gguf_only_allows_a_width_the_config_refuses_and_saving_says_why(tmp_path):
+    """Hidden 24 with 3 heads of 8, sliced to 16: Llama's config wants the hidden size a
+    multiple of the heads (refused without gguf_only); the model runs, writes a GGUF
+    that states the head size, and refuses to be saved as a checkpoint."""
+    from prunelab.checkpoint.gguf_export import write_gguf
+
+    cfg = dict(name="slicegpt", rotation="global", ratio=1 / 3, multiple=8, keep_tied=True)
+    # without gguf_only the nearest width the config takes is 24 itself: nothing to slice
+    with pytest.raises(ConfigError, match="keeps d'=24 of 24"):
+        METHODS.from_dict(cfg).precheck(_tied_lm(heads=3, hidden=24))
+    lm = _tied_lm(heads=3, hidden=24, tokenizer=bpe_tokenizer())
+    rep = prunelab.prune(lm, METHODS.from_dict({**cfg, "gguf_only": True}), CALIB,
+                         batch_size=2)
+    assert (rep["d_kept"], rep["path"]) == (16, "gguf")
+    assert lm.model.config.hidden_size == 16 and lm.model.config.head_dim == 8
+    assert torch.isfinite(_logits(lm.model)).all()
+    with pytest.raises(UnsupportedOperationError, match="hidden size 16 is refused by"):
+        prunelab.save(lm, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    gguf = pytest.importorskip("gguf")
+    write_gguf(lm, tmp_path / "m.gguf", "f16")
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+
+    def value(key: str) -> int:
+        return int(reader.fields[key].parts[reader.fields[key].data[0]][0])
+
+    assert value("llama.embedding_length") == 16 and value("llama.attention.key_length") == 8
+    assert "output.weight" not in {t.name for t in reader.tensors}  # the head is tied

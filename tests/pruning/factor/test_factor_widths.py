@@ -47,9 +47,9 @@ def _forced(monkeypatch, widths, seen: dict | None = None):
     if seen is not None:
         real = slicing._finish
 
-        def finish(lm, d, ws):
+        def finish(lm, d, ws, *rest):
             seen["before_cut"] = _logits(lm.model)
-            real(lm, d, ws)
+            real(lm, d, ws, *rest)
         monkeypatch.setattr(slicing, "_finish", finish)
 
 

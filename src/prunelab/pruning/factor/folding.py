@@ -168,11 +168,23 @@ def set_norm_scale(lm, norm: nn.Module, value: float, width: int) -> None:
 
 
 @torch.no_grad()
+def set_norm_vector(lm, norm: nn.Module, scale: torch.Tensor) -> None:
+    """Make ``norm`` apply the per-channel scale ``scale`` (its width ``len(scale)``)."""
+    w = norm.weight
+    norm.weight = _param(w, scale.double() - 1.0 if is_offset_norm(lm) else scale.double())
+
+
+def head_is_tied(lm) -> bool:
+    """Whether the output head shares its tensor with the embeddings."""
+    return lm.adapter.head().weight.data_ptr() == lm.adapter.embeddings().weight.data_ptr()
+
+
+@torch.no_grad()
 def untie_head(lm) -> bool:
     """Give the output head its own tensor when it shares the embeddings'; ``True`` when
     it was tied."""
-    head, emb = lm.adapter.head(), lm.adapter.embeddings()
-    tied = head.weight.data_ptr() == emb.weight.data_ptr()
+    head = lm.adapter.head()
+    tied = head_is_tied(lm)
     if tied:
         head.weight = nn.Parameter(head.weight.detach().clone(),
                                    requires_grad=head.weight.requires_grad)
@@ -184,16 +196,20 @@ def untie_head(lm) -> bool:
 
 
 @torch.no_grad()
-def fold_norms(lm) -> None:
+def fold_norms(lm, keep_final: bool = False) -> None:
     """Fold every stream-reading norm's scale into its readers (the final norm's into the
-    untied head) and leave the norms weight-free. The logits do not change."""
-    untie_head(lm)
+    untied head) and leave the norms weight-free. The logits do not change.
+    ``keep_final``: the final norm keeps its scale and a tied head stays tied."""
+    if not keep_final:
+        untie_head(lm)
     d = lm.adapter.hidden_size()
     for br in stream_branches(lm):
         scale = norm_scale(lm, br.norm)
         for reader in br.readers:
             scale_inputs(reader, scale)
         set_norm_scale(lm, br.norm, 1.0, d)
+    if keep_final:
+        return
     final = lm.adapter.final_norm()
     scale_inputs(lm.adapter.head(), norm_scale(lm, final))
     set_norm_scale(lm, final, 1.0, d)

@@ -60,10 +60,13 @@ from prunelab.pruning.factor.folding import (
     cut_inputs,
     cut_outputs,
     fold_norms,
+    head_is_tied,
+    norm_scale,
     rescale_embedding,
     rotate_inputs,
     rotate_outputs,
     set_norm_scale,
+    set_norm_vector,
     stream_boundaries,
     stream_branches,
 )
@@ -148,6 +151,15 @@ class SliceGPT(FactorConfig):
         "rotation global: trace (each boundary's covariance divided by its trace, so every "
         "boundary's relative energy counts alike: the norms see relative errors) or raw "
         "(summed as they are: large-norm boundaries dominate)"))
+    keep_tied: bool = field(default=False, metadata=_help(
+        "rotation global: an output head tied to the embeddings stays tied (one tensor "
+        "stored, not two); the final norm keeps a per-channel scale, in a kept basis turned "
+        "so that the scale is exact up to the sliced directions"))
+    gguf_only: bool = field(default=False, metadata=_help(
+        "allow a hidden size the model's transformers config refuses (SmolLM2's 512 with 9 "
+        "heads of 64: Llama's config wants the hidden size a multiple of the head count, "
+        "llama.cpp does not); such a model is written to GGUF from memory (prunelab front) "
+        "and cannot be saved as a checkpoint"))
 
     history_keys: ClassVar[tuple] = ("d", "d_kept", "rotation", "basis", "path",
                                      "block_widths")
@@ -196,18 +208,25 @@ class SliceGPT(FactorConfig):
         if self.global_weights not in ("trace", "raw"):
             raise ConfigError(f"global_weights must be trace or raw, got "
                               f"{self.global_weights!r}")
+        if self.keep_tied and self.rotation != "global":
+            raise ConfigError("keep_tied needs rotation global (per-layer rotations give the "
+                              "embeddings and the head different bases)")
         if self.widths == "energy" and self.target_params is not None:
             raise ConfigError("widths=energy sets the widths from --energy; drop "
                               "target_params (or use widths=spectrum)")
 
     def precheck(self, lm) -> None:
         check_sliceable(lm)
+        if self.keep_tied and getattr(lm.adapter.embeddings(), "embed_scale", None) is not None:
+            raise ConfigError("keep_tied: this model scales its embeddings (Gemma), which a "
+                              "tied head would scale too; slice without keep_tied")
         d = lm.adapter.hidden_size()
         if self.multiple > d:
             raise ConfigError(f"multiple {self.multiple} exceeds the hidden size {d}")
         width = choose_width(self, lm)  # an unreachable target_params fails before any data
         if self.target_params is None and self.widths == "uniform":
-            dense, sliced = model_size(lm.model)["params"], params_at(lm, width, self.rotation)
+            dense = model_size(lm.model)["params"]
+            sliced = params_at(lm, width, self.rotation, self.keep_tied)
             what = (f"ratio {self.ratio} keeps d'={width} of {d}: the sliced model would "
                     f"store {sliced:,} parameters, not fewer than the dense {dense:,} "
                     f"(rotation {self.rotation})")
@@ -233,10 +252,12 @@ def width_for_ratio(d: int, ratio: float, multiple: int) -> int:
     return min(max(w, multiple), d)
 
 
-def params_at(lm, width: int, rotation: str) -> int:
-    """Parameters the sliced model will store at hidden size ``width`` (head untied,
-    shortcut maps and Gemma 2/3's post-norm maps counted), from the current shapes."""
-    return params_for_widths(lm, [width] * (lm.adapter.num_blocks + 1), rotation)
+def params_at(lm, width: int, rotation: str, keep_tied: bool = False) -> int:
+    """Parameters the sliced model will store at hidden size ``width`` (the head untied
+    unless ``keep_tied``, shortcut maps and Gemma 2/3's post-norm maps counted), from the
+    current shapes."""
+    return params_for_widths(lm, [width] * (lm.adapter.num_blocks + 1), rotation,
+                             keep_tied=keep_tied)
 
 
 def choose_width(cfg: SliceGPT, lm) -> int:
@@ -244,7 +265,7 @@ def choose_width(cfg: SliceGPT, lm) -> int:
     keeps at most ``target_params`` of the parameters (they grow with the width)."""
     d = lm.adapter.hidden_size()
     widths = range(d - d % cfg.multiple, 0, -cfg.multiple)
-    valid = [w for w in widths if not config_refuses(lm, w)]
+    valid = [w for w in widths if cfg.gguf_only or not config_refuses(lm, w)]
     if not valid:
         raise ConfigError(f"slicegpt: no hidden size that is a multiple of {cfg.multiple} "
                           f"below {d} is accepted by {type(lm.model.config).__name__} ("
@@ -264,9 +285,9 @@ def choose_width(cfg: SliceGPT, lm) -> int:
         return near
     limit = cfg.target_params * model_size(lm.model)["params"]
     for w in valid:
-        if params_at(lm, w, cfg.rotation) <= limit:
+        if params_at(lm, w, cfg.rotation, cfg.keep_tied) <= limit:
             return w
-    low = params_at(lm, valid[-1], cfg.rotation) / model_size(lm.model)["params"]
+    low = params_at(lm, valid[-1], cfg.rotation, cfg.keep_tied) / model_size(lm.model)["params"]
     raise ConfigError(f"target_params {cfg.target_params} is below what slicing reaches "
                       f"({low:.4f} at d'={valid[-1]})")
 
@@ -342,7 +363,10 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
     d = lm.adapter.hidden_size()
     width = choose_width(cfg, lm)
     budget = params_at(lm, width, cfg.rotation)
-    fold_norms(lm)
+    tied = cfg.keep_tied and cfg.rotation == "global" and head_is_tied(lm)
+    refused = config_refuses(lm, width) if cfg.gguf_only else ""
+    fold_norms(lm, keep_final=tied)
+    final_scale = None
     if fishers is None:
         fishers = _fishers(cfg, lm, input_ids, batch_size)
     extra: dict = {}
@@ -355,8 +379,9 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
         energies = _per_layer(cfg, lm, input_ids, batch_size, widths, fishers)
     else:
         widths = [width] * (lm.adapter.num_blocks + 1)
-        energies = _global(cfg, lm, input_ids, batch_size, width, fishers)
-    _finish(lm, d, widths)
+        energies, final_scale = _global(cfg, lm, input_ids, batch_size, width, fishers,
+                                        tied=tied)
+    _finish(lm, d, widths, final_scale)
     width = widths[0]
     mt = base_type(lm.model)
     if len(set(widths)) > 1:
@@ -370,8 +395,16 @@ def slice_stream(lm, cfg: SliceGPT, input_ids, *, batch_size: int,
                                      "(remote code)")
     else:
         path, note = "plain", f"an ordinary {mt} checkpoint with hidden_size {width}"
+    if tied:
+        note += "; the head stays tied to the embeddings"
+    if refused:
+        lm.model.prunelab_gguf_only = (
+            f"its hidden size {width} is refused by {type(lm.model.config).__name__} "
+            f"({refused})")
+        path, note = "gguf", f"GGUF only: {lm.model.prunelab_gguf_only}"
     info(f"slicegpt: hidden size {d} -> {width}; {note}")
     return {"d": d, "d_kept": width, "rotation": cfg.rotation, "basis": cfg.basis,
+            "tied_head": head_is_tied(lm),
             "widths": cfg.widths, "block_widths": widths, "path": path, "path_note": note,
             "kept_energy": energies, "min_kept_energy": min(energies), **extra}
 
@@ -486,15 +519,32 @@ def boundary_grams(lm, input_ids, batch_size: int) -> list[torch.Tensor]:
     return grams
 
 
-def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[float]:
-    """One rotation for every boundary, cut to ``width`` at once."""
+def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers, *,
+            tied: bool = False) -> tuple[list[float], torch.Tensor | None]:
+    """One rotation for every boundary, cut to ``width`` at once; the kept energies and,
+    with ``tied``, the final norm's new per-channel scale.
+
+    ``tied`` (the final norm's scale ``s`` not folded, the head sharing the embeddings'
+    tensor ``E``): the logits ``n(x) diag(s) E^T`` become ``n(x r) r^T diag(s) r (E r)^T``
+    up to the sliced directions, and any basis of the kept subspace slices alike, so the
+    kept basis is turned to the eigenvectors of ``r^T diag(s) r``: the final norm then
+    applies its eigenvalues per channel and ``E r`` serves the embeddings and the head."""
     grams = boundary_grams(lm, input_ids, batch_size)
     weighted = list(grams) if cfg.global_weights == "raw" else [
         g / g.trace().clamp_min(1e-300) for g in grams]
     q = _basis(cfg, weighted, list(fishers) if fishers else None, width)
     r = q[:, :width]
-    rotate_inputs(lm.adapter.embeddings(), r)
-    rotate_inputs(lm.adapter.head(), r)
+    final_scale = None
+    emb = lm.adapter.embeddings()
+    if tied:
+        s = norm_scale(lm, lm.adapter.final_norm()).to(r)
+        final_scale, turn = torch.linalg.eigh(r.t() @ (s[:, None] * r))
+        r = r @ turn
+        rotate_inputs(emb, r)
+        lm.adapter.head().weight = emb.weight
+    else:
+        rotate_inputs(emb, r)
+        rotate_inputs(lm.adapter.head(), r)
     names = {id(m): n for n, m in lm.model.named_modules()}
     d = lm.adapter.hidden_size()
     for br in stream_branches(lm):
@@ -509,13 +559,14 @@ def _global(cfg, lm, input_ids, batch_size: int, width: int, fishers) -> list[fl
         mod = install(lm.model, f"{names[id(br.owner)]}.{SHORTCUT_ATTR}",
                       mod.to(ref.device, ref.dtype))
         mod.set_maps(out_map=r)
-    return [_energy(g, r) for g in grams]
+    return [_energy(g, r) for g in grams], final_scale
 
 
-def _finish(lm, d: int, widths: list[int]) -> None:
+def _finish(lm, d: int, widths: list[int], final_scale: torch.Tensor | None = None) -> None:
     """Cut what is still full width to its block's width (per-layer: every stream tensor;
-    both: the norms), set the norms' constant scale and the config; non-uniform widths
-    also record the shapes a reloaded checkpoint must take (:class:`.widths.StreamShapes`)."""
+    both: the norms), set the norms' constant scale (the final norm's ``final_scale`` per
+    channel when given) and the config; non-uniform widths also record the shapes a
+    reloaded checkpoint must take (:class:`.widths.StreamShapes`)."""
     branches = stream_branches(lm)
     emb, head = lm.adapter.embeddings(), lm.adapter.head()
     if emb.weight.shape[1] == d and min(widths) < d:  # per-layer: still full width
@@ -533,6 +584,8 @@ def _finish(lm, d: int, widths: list[int]) -> None:
     for k, norm in enumerate(stream_boundaries(lm)):
         w = boundary_width(widths, k)
         set_norm_scale(lm, norm, (d / w) ** 0.5, w)
+    if final_scale is not None:
+        set_norm_vector(lm, lm.adapter.final_norm(), final_scale * (d / widths[-1]) ** 0.5)
     rescale_embedding(lm, widths[0])
     cfg = lm.model.config
     cfg.head_dim = int(lm.adapter.spec.head_dim(cfg))

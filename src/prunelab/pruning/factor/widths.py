@@ -44,20 +44,23 @@ def boundary_width(widths: list[int], k: int) -> int:
     return widths[k // 2] if k < 2 * (len(widths) - 1) else widths[-1]
 
 
-def params_for_widths(lm, widths: list[int], rotation: str = "per-layer") -> int:
+def params_for_widths(lm, widths: list[int], rotation: str = "per-layer",
+                      keep_tied: bool = False) -> int:
     """Parameters the sliced model stores with block widths ``widths`` (``L + 1`` entries:
-    the blocks, then the final norm / head), counted from the current shapes: untied head,
-    shortcut maps (per-layer) and Gemma 2/3's post-norm maps included."""
-    return width_counter(lm, rotation)(widths)
+    the blocks, then the final norm / head), counted from the current shapes: untied head
+    (unless ``keep_tied`` and it is tied now), shortcut maps (per-layer) and Gemma 2/3's
+    post-norm maps included."""
+    return width_counter(lm, rotation, keep_tied)(widths)
 
 
-def width_counter(lm, rotation: str = "per-layer"):
+def width_counter(lm, rotation: str = "per-layer", keep_tied: bool = False):
     """A function ``widths -> parameters`` (as :func:`params_for_widths`) that reads the
     model's shapes once, for allocations that count many candidate widths."""
     ad = lm.adapter
     d = ad.hidden_size()
     emb, head = ad.embeddings(), ad.head()
     tied = head.weight.data_ptr() == emb.weight.data_ptr()
+    shared = tied and keep_tied  # the head stays one tensor with the embeddings
     n_groups = ad.num_blocks + 1
     shapes = []
     for k, br in enumerate(stream_branches(lm)):
@@ -68,7 +71,7 @@ def width_counter(lm, rotation: str = "per-layer"):
     vocab_in, vocab_out = emb.weight.shape[0], head.weight.shape[0]
 
     def stream(ws: list[int], maps: bool) -> int:
-        total = vocab_in * ws[0] + vocab_out * ws[-1] + ws[-1]
+        total = vocab_in * ws[0] + (0 if shared else vocab_out * ws[-1]) + ws[-1]
         for gin, gout, readers, writer in shapes:
             win, wout = ws[gin], ws[gout]
             total += win + readers * win
@@ -81,7 +84,8 @@ def width_counter(lm, rotation: str = "per-layer"):
         return total
 
     now = model_size(lm.model)["params"]
-    fixed = now - stream([d] * n_groups, maps=False) + (head.weight.numel() if tied else 0)
+    fixed = now - stream([d] * n_groups, maps=False) + \
+        (head.weight.numel() if tied and not shared else 0)
 
     def count(widths: list[int]) -> int:
         if len(widths) != n_groups:
