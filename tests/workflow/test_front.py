@@ -168,6 +168,8 @@ def test_a_tiny_front_is_built_resumed_and_refused_with_other_settings(tiny, mon
     assert any(r["front_size"] for r in rows) and all(r["gen"] > 0 for r in rows)
     dense_q8 = next(r for r in rows if r["file"].endswith("dense.q8_0.gguf"))
     assert dense_q8["gen_x"] == 1.0
+    healed = next(r for r in rows if r["file"].endswith("depth1-heal.q8_0.gguf"))
+    assert "healed by distillation (LoRA, 2 steps), quantized q8_0" in healed["made"]
     for name in ("front.md", "front.csv", "front_size.png", "front_speed.png"):
         assert (out / name).is_file()
     best = answer(front, "size:10000")
@@ -223,6 +225,8 @@ def test_a_heal_on_the_calibration_text_gets_the_dense_control(tiny):
                                       "dense.q8_0", "depth1-heal.q8_0"]
     control = next(r for r in front["rows"] if r["model"] == "dense-heal")
     assert "fine-tuned" in control["made"]
+    pruned = next(r for r in front["rows"] if r["model"] == "depth1-heal")
+    assert "healed by fine-tuning (ce; LoRA, 2 steps)" in pruned["made"]
     # without a heal on the grid there is nothing to control
     front = build_front(_settings(ckpt, text, grid="depth:1", heal={"loss": "ce"},
                                   rounds=0), root / "ce2")

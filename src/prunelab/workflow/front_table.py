@@ -47,9 +47,17 @@ def made(front: dict, rec: dict) -> str:
                 "that fits the calibration text)")
     else:
         what = parse_point(front["models"][model]["spec"]).describe()
-        loss = (front.get("settings", {}).get("heal") or {}).get("loss", "kd")
+        heal = front.get("settings", {}).get("heal") or {}
+        loss = heal.get("loss", "kd")
+        how = "full fine-tune" if heal.get("full") else "LoRA"
+        length = f"{heal['steps']} steps" if heal.get("steps") else \
+            f"{heal['tokens']} tokens" if heal.get("tokens") else "100 steps"
         if loss != "kd":  # the heal fitted the calibration text, not the dense model
-            what = what.replace("healed by distillation", f"healed by fine-tuning ({loss})")
+            what = what.replace("healed by distillation",
+                                f"healed by fine-tuning ({loss}; {how}, {length})")
+        else:
+            what = what.replace("healed by distillation",
+                                f"healed by distillation ({how}, {length})")
     if rec["type"] in ("f16", "f32", "bf16"):
         return f"{what}, {rec['type']}"
     im = "with" if rec.get("imatrix") else "without"
