@@ -55,6 +55,22 @@ def test_global_slice_is_a_plain_checkpoint(tiny_dir):
     assert rep["flops_per_token_after"] < rep["flops_per_token_before"]
 
 
+def test_keep_tied_from_the_cli_and_gguf_only_refused_before_any_work(tiny_dir):
+    # the tiny checkpoint's head is untied: keep_tied leaves it so and says nothing false
+    out, man, _ = _run(tiny_dir, "kept", "--method", "slicegpt", "--rotation", "global",
+                       "--budget", "remove-hidden:0.25", "--multiple", "4", "--keep-tied")
+    assert METHODS.from_dict(man["operations"][-1]["config"]).keep_tied is True
+    assert man["report"]["tied_head"] is False
+    res = cli_inproc("prune", "factor", "--model", str(tiny_dir / "model"), "--data",
+                     f"text:{tiny_dir / 'text.txt'}", "--method", "slicegpt", "--rotation",
+                     "global", "--gguf-only", "--out", str(tiny_dir / "gguf-only"))
+    assert res.returncode == 2 and not (tiny_dir / "gguf-only").exists()
+    assert res.stderr.strip().splitlines() == [
+        "error: --gguf-only makes models that only go to GGUF from memory (prunelab front's "
+        "slice points, or the Python API); prunelab prune saves a checkpoint: drop "
+        "--gguf-only"]
+
+
 @pytest.mark.parametrize(("method", "options"), [
     ("svd-llm", ("--budget", "remove-weights:0.3", "--allocation", "spectrum")),
     ("basis-sharing", ("--budget", "remove-weights:0.3")),

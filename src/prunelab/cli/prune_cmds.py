@@ -69,6 +69,10 @@ def prune_and_save(load: LoadArgs, cfg, out_dir: Path, overwrite: bool, *,
 
     check_positive("--batch-size", calib.batch_size)
     check_positive("--samples", calib.samples)
+    if getattr(cfg, "gguf_only", False):
+        raise ConfigError("--gguf-only makes models that only go to GGUF from memory (prunelab "
+                          "front's slice points, or the Python API); prunelab prune saves a "
+                          "checkpoint: drop --gguf-only")
     with writing(out_dir, "checkpoint", overwrite,
                  inputs={"--model": load.model, "--data": data_paths(calib.data)}):
         lm = load.load()
