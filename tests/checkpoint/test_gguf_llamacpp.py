@@ -45,7 +45,20 @@ CASES = {
     "deci-sublayers": lambda: _sublayers(_tiny()),
     "deci-heads": lambda: _global_heads(_tiny()),
     "sliced-tied-gguf-only": lambda: _sliced_tied(),
+    "qwen2-sliced": lambda: _sliced_qwen2(),
 }
+
+
+def _sliced_qwen2():
+    """A Qwen2 whose hidden size no longer equals heads x head size: llama.cpp's qwen2
+    refuses its attention shapes, so it is written as llama (rotary rows and q / k biases
+    reordered)."""
+    lm = _tiny("qwen2")
+    prunelab.prune(lm, SliceGPT(rotation="global", ratio=0.25, multiple=4), CALIB,
+                   batch_size=2)
+    assert lm.model.config.hidden_size == 24
+    assert lm.model.model.layers[0].self_attn.q_proj.bias is not None
+    return lm
 
 
 def _sliced_tied():

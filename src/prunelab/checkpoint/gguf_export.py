@@ -5,7 +5,10 @@ reference writer) holds the hyperparameters as ``<arch>.*`` keys, the tokenizer 
 ``tokenizer.*`` keys and the tensors under llama.cpp's names (``blk.N.attn_q.weight``...).
 Models whose blocks all have the same widths keep their own architecture (``llama`` for
 Llama / Mistral / SmolLM2, ``qwen2`` for Qwen2 / Qwen2.5 with their attention biases,
-``gemma3`` for Gemma 3 text models with their per-block sliding-window pattern):
+``gemma3`` for Gemma 3 text models with their per-block sliding-window pattern; a Qwen2
+whose hidden size is no longer heads x head size, after slicing, is written as ``llama``:
+llama.cpp's ``qwen2`` sizes the attention by the hidden size, its ``llama`` reads the head
+size and takes the same biases):
 dense models and the uniform results of depth pruning (fewer blocks), uniform width
 pruning and sparsity (zeros stored densely). Llama-family models with per-block head, KV
 group or FFN widths, or with removed attention / MLP sublayers (sub-block depth search,
@@ -192,6 +195,10 @@ def plan_gguf(model: torch.nn.Module) -> GGUFPlan:
                           "are not written yet (Llama family: deci); prune with --allocation "
                           "uniform")
         arch = "deci"
+    if arch == "qwen2" and head_dim * heads[0] != cfg.hidden_size:
+        # llama.cpp's qwen2 sizes the attention by the hidden size; its llama graph reads
+        # the head size from the file and takes the same q / k / v biases (sliced Qwen2)
+        arch = "llama"
     params = dict(model.named_parameters())
     names = GEMMA3_BLOCK_NAMES if arch == "gemma3" else BLOCK_NAMES
     tensors: list[tuple[str, str | None, int, tuple | None]] = []
