@@ -91,3 +91,29 @@ def test_what_llamacpp_cannot_compute_is_refused_in_one_line(name, tiny, capsys)
     assert len(err) == 1 and err[0].startswith("error: GGUF export: "), err
     assert hint in err[0]
     assert not target.exists()
+
+
+def test_tied_slice_from_its_folder_exports_without_an_output_tensor(tiny, capsys):
+    """A tied model sliced with --keep-tied, saved, exported from the folder by the CLI:
+    the GGUF holds no output.weight (llama.cpp uses the embeddings) and runs as prunelab."""
+    import gguf
+
+    from tiny_models import bpe_tokenizer, tiny_tied_model
+
+    root, _, text = tiny
+    ckpt = root / "tied"
+    tiny_tied_model().save_pretrained(ckpt)
+    bpe_tokenizer().save_pretrained(ckpt)
+    out, target = root / "tied-sliced", root / "tied-sliced.gguf"
+    assert cli_main(["prune", "factor", "--method", "slicegpt", "--rotation", "global",
+                     "--budget", "remove-hidden:0.25", "--keep-tied", "--model", str(ckpt),
+                     "--data", f"text:{text}", "--samples", "4", "--seqlen", "16",
+                     "--out", str(out)]) == 0
+    assert cli_main(["export", "--model", str(out), "--format", "gguf", "--out",
+                     str(target)]) == 0
+    names = {t.name for t in gguf.GGUFReader(target).tensors}
+    assert "token_embd.weight" in names and "output.weight" not in names
+    lm = prunelab.load(str(out))
+    assert lm.model.config.tie_word_embeddings is True and lm.model.config.hidden_size == 24
+    got = compare_with_llamacpp(lm, target, tiny_tokens(2, 16, seed=3), threads=1)
+    assert got["max_abs_target_logprob_diff"] < 0.02, got
